@@ -1,0 +1,187 @@
+"""Shared pieces of every frozen target: output type, aux-id rules, weight-map rows, Target wrapper.
+
+A concrete architecture (see ``llama.py``) subclasses :class:`Target` and supplies
+``config_from_hf``, ``weight_specs`` and static ``forward_fn`` / ``embed_fn`` / ``lm_head_fn``.
+The wrapper holds ``config``/``hf_config``/``params`` and a jitted ``__call__`` (one trace per
+config, static ``aux_layer_ids`` and input shapes, shared by all instances).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class TargetOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] fp32
+    final_hidden: jax.Array  # [B, T, H] after the final norm, params dtype
+    aux_hidden: tuple  # tuple of [B, T, H] residual-stream states (output of layer k)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 low/mid/high taps ``[1, L//2-1, L-4]`` (output-of-layer convention).
+
+    For small L the raw triple collides or leaves the range, so it is clamped into a strictly
+    increasing triple inside [0, L-1]: low = min(1, L-3); mid = max(L//2-1, low+1);
+    high = max(L-4, mid+1). For L >= 8 this is exactly the raw triple (Llama-3.1-8B: (1, 15, 28));
+    L = 4..7 gives (1, 2, 3) and L = 3 gives (0, 1, 2). Needs L >= 3.
+    """
+    if num_layers < 3:
+        raise ValueError(f"need at least 3 decoder layers for 3 aux taps, got {num_layers}")
+    low = min(1, num_layers - 3)
+    mid = max(num_layers // 2 - 1, low + 1)
+    high = max(num_layers - 4, mid + 1)
+    return (low, mid, high)
+
+
+def validate_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
+    """Return aux ids as a tuple of ints; raise ValueError unless strictly increasing in [0, L-1]."""
+    if aux_layer_ids is None:
+        return ()
+    try:
+        ids = tuple(int(i) for i in aux_layer_ids)
+    except TypeError as e:
+        raise ValueError(f"aux_layer_ids must be a sequence of ints, got {aux_layer_ids!r}") from e
+    bad_range = [i for i in ids if not 0 <= i <= num_layers - 1]
+    if bad_range:
+        raise ValueError(
+            f"aux_layer_ids {ids} out of range: valid ids are 0..{num_layers - 1} "
+            f"(output of decoder layer k, {num_layers} layers)"
+        )
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"aux_layer_ids {ids} must be strictly increasing (valid range 0..{num_layers - 1})")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """One row of an architecture's HF weight map.
+
+    ``hf_name`` contains ``{i}`` for per-layer tensors, which are stacked along a leading layer axis
+    at ``path``. ``transpose`` converts HF's [out, in] Linear weight to the x@W kernel [in, out].
+    ``shape`` is the specjax leaf shape (with the layer axis when stacked); ``axes`` its logical names.
+    """
+
+    hf_name: str
+    path: tuple[str, ...]
+    transpose: bool
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf_name
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """Shape of one tensor on disk (one layer's slice when stacked)."""
+        shape = self.shape[1:] if self.stacked else self.shape
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+
+def tree_get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def tree_set(tree: dict, path: Sequence[str], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _target_call(params, input_ids, positions, segment_ids, *, target_cls, config, aux_layer_ids):
+    final, aux = target_cls.forward_fn(
+        params, config, input_ids, aux_layer_ids=aux_layer_ids, positions=positions, segment_ids=segment_ids
+    )
+    w_vd = target_cls.lm_head_fn(params, config)
+    logits = jnp.einsum("btd,vd->btv", final, w_vd, preferred_element_type=jnp.float32)
+    return TargetOutput(logits, final, aux)
+
+
+# Module-level so every Target with an equal (hashable) config shares one compilation per
+# static aux_layer_ids / input shapes, instead of re-tracing per instance.
+_jitted_target_call = jax.jit(_target_call, static_argnames=("target_cls", "config", "aux_layer_ids"))
+
+
+class Target:
+    """A frozen target model: config, raw HF config, params and a pure forward.
+
+    An architecture subclass provides ``config_from_hf``, ``weight_specs`` and the static functions
+    ``forward_fn(params, config, input_ids, *, aux_layer_ids, positions, segment_ids)``,
+    ``embed_fn(params, config)`` and ``lm_head_fn(params, config)``. Its config must be a hashable
+    (frozen) dataclass with ``num_hidden_layers`` and ``architecture``.
+    """
+
+    forward_fn: Callable[..., Any]
+    embed_fn: Callable[..., Any]
+    lm_head_fn: Callable[..., Any]
+
+    def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
+        self.config = config
+        self.hf_config = dict(hf_config)
+        self.params = params
+        self.arch = arch or config.architecture
+
+    # ---- architecture hooks -------------------------------------------------------------------
+    @classmethod
+    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    @classmethod
+    def weight_specs(cls, config: Any) -> list[WeightSpec]:  # pragma: no cover
+        raise NotImplementedError
+
+    @classmethod
+    def ignored_hf_names(cls, config: Any, name: str) -> bool:
+        """True for tensors that may be on disk but are not parameters (e.g. rotary buffers)."""
+        return False
+
+    # ---- generic API --------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        return default_aux_layer_ids(self.num_layers)
+
+    def param_logical_axes(self) -> dict:
+        tree: dict = {}
+        for spec in self.weight_specs(self.config):
+            tree_set(tree, spec.path, spec.axes)
+        return tree
+
+    def forward(self, params, input_ids, *, aux_layer_ids, positions=None, segment_ids=None):
+        """PURE: (final_hidden [B,T,H], aux tuple). Safe inside a jitted train step."""
+        return type(self).forward_fn(
+            params, self.config, input_ids,
+            aux_layer_ids=aux_layer_ids, positions=positions, segment_ids=segment_ids,
+        )
+
+    def embed_table(self, params) -> jax.Array:
+        """[V, H] token embedding table."""
+        return type(self).embed_fn(params, self.config)
+
+    def lm_head_weight(self, params) -> jax.Array:
+        """[V, H] output projection in HF layout (rows = vocab; tied -> the embedding table)."""
+        return type(self).lm_head_fn(params, self.config)
+
+    def logits(self, params, final_hidden_btd) -> jax.Array:
+        """fp32 logits: final_hidden @ lm_head^T with fp32 accumulation."""
+        w_vd = self.lm_head_weight(params)
+        return jnp.einsum("btd,vd->btv", final_hidden_btd, w_vd, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids, aux_layer_ids=None, positions=None, segment_ids=None) -> TargetOutput:
+        """Jitted forward + logits on ``self.params``; aux_layer_ids=None uses the default triple."""
+        ids = self.default_aux_layer_ids() if aux_layer_ids is None else aux_layer_ids
+        ids = validate_aux_layer_ids(ids, self.num_layers)
+        return _jitted_target_call(
+            self.params, input_ids, positions, segment_ids,
+            target_cls=type(self), config=self.config, aux_layer_ids=ids,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(arch={self.arch!r}, config={self.config!r})"

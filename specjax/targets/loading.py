@@ -1,0 +1,217 @@
+"""Torch-free HF checkpoint loading (and a streaming safetensors writer for export).
+
+``load_target(hf_dir)`` reads ``config.json``, picks the architecture from the registry, and fills
+the params leaf by leaf: for each weight-map row it reads that tensor (every layer, for stacked
+rows) from ``model.safetensors`` or the shards named in ``model.safetensors.index.json``,
+transposes to kernel layout, casts into one preallocated host buffer, then puts the buffer on
+device (optionally with a caller-supplied sharding) before the next leaf. Host memory therefore
+peaks at one stacked leaf, not the whole model.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors' numpy path can read it)
+import numpy as np
+from safetensors import safe_open
+
+from specjax.targets.base import Target, tree_get, tree_set
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype tags <-> numpy dtypes (bf16 via ml_dtypes).
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# config / file discovery
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {hf_dir}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_files(hf_dir: str | os.PathLike) -> dict[str, str]:
+    """Map tensor name -> safetensors file path (single file or sharded index)."""
+    index_path = os.path.join(hf_dir, INDEX_FILE)
+    single_path = os.path.join(hf_dir, SINGLE_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, fn))})
+        if missing:
+            raise FileNotFoundError(
+                f"{INDEX_FILE} in {hf_dir} names shard file(s) that do not exist: {', '.join(missing)}"
+            )
+        return {name: os.path.join(hf_dir, fn) for name, fn in weight_map.items()}
+    if os.path.isfile(single_path):
+        with safe_open(single_path, framework="numpy") as f:
+            return {name: single_path for name in f.keys()}
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {hf_dir} (only safetensors checkpoints load)")
+
+
+# ---------------------------------------------------------------------------------------------
+# raw safetensors access (fallback for dtypes the installed safetensors numpy path rejects)
+# ---------------------------------------------------------------------------------------------
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def _read_raw_tensor(path: str, name: str) -> np.ndarray:
+    header, data_start = _read_header(path)
+    info = header[name]
+    begin, end = info["data_offsets"]
+    dtype = _ST_DTYPES[info["dtype"]]
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,))
+    return mm.view(dtype).reshape(info["shape"])
+
+
+class _Reader:
+    """Keeps each shard open while a checkpoint loads; returns numpy arrays one tensor at a time."""
+
+    def __init__(self, files: Mapping[str, str], stack: contextlib.ExitStack):
+        self._files = files
+        self._stack = stack
+        self._handles: dict[str, Any] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        path = self._files[name]
+        if path not in self._handles:
+            handle = self._stack.enter_context(safe_open(path, framework="numpy"))
+            self._handles[path] = (handle, set(handle.keys()))
+        handle, names = self._handles[path]
+        if name not in names:
+            raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but missing from {os.path.basename(path)}")
+        try:
+            return handle.get_tensor(name)
+        except TypeError:  # dtype numpy does not know (older safetensors without ml_dtypes)
+            return _read_raw_tensor(path, name)
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    entries: Sequence[tuple[str, Sequence[int], np.dtype]],
+    arrays: Iterable[np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Stream tensors into a .safetensors file; ``entries`` (name, shape, dtype) fix the header and
+    ``arrays`` yields the matching arrays in the same order, one at a time."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _NP_TO_ST[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        count = 0
+        for (name, shape, dtype), arr in zip(entries, arrays):
+            arr = np.ascontiguousarray(arr)
+            if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
+                raise ValueError(f"{name}: got {arr.shape} {arr.dtype}, header says {tuple(shape)} {np.dtype(dtype)}")
+            f.write(arr.tobytes())
+            count += 1
+    if count != len(entries):
+        raise ValueError(f"write_safetensors: {len(entries)} entries but {count} arrays")
+
+
+# ---------------------------------------------------------------------------------------------
+# params
+# ---------------------------------------------------------------------------------------------
+def _short_list(names: Sequence[str], limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_params(
+    hf_dir: str | os.PathLike,
+    target_cls: type[Target],
+    config: Any,
+    dtype: Any = "bfloat16",
+    shardings: Any = None,
+) -> dict:
+    """Read a safetensors checkpoint into the stacked specjax param tree of ``target_cls``."""
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    files = checkpoint_files(hf_dir)
+    specs = target_cls.weight_specs(config)
+    L = config.num_hidden_layers
+
+    expected = {}
+    for spec in specs:
+        for i in range(L) if spec.stacked else [None]:
+            expected[spec.hf_name.format(i=i) if spec.stacked else spec.hf_name] = spec
+    unknown = [n for n in files if n not in expected and not target_cls.ignored_hf_names(config, n)]
+    missing = [n for n in expected if n not in files]
+    if unknown or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_short_list(missing)}")
+        if unknown:
+            parts.append(f"unexpected tensors: {_short_list(unknown)}")
+        raise ValueError(f"checkpoint {hf_dir} does not match {config.architecture}: " + "; ".join(parts))
+
+    params: dict = {}
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(files, stack)
+        for spec in specs:
+            buf = np.empty(spec.shape, np_dtype)
+            for i in range(L) if spec.stacked else [None]:
+                name = spec.hf_name.format(i=i) if spec.stacked else spec.hf_name
+                t = reader.get(name)
+                if tuple(t.shape) != spec.hf_shape:
+                    raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {spec.hf_shape}")
+                t = t.T if spec.transpose else t
+                if spec.stacked:
+                    buf[i] = t  # numpy casts to the target dtype (round-to-nearest-even for bf16)
+                else:
+                    buf[...] = t
+            sharding = tree_get(shardings, spec.path) if shardings is not None else None
+            if sharding is None:
+                leaf = jax.device_put(buf)
+            else:  # each process only materialises its addressable shards (multi-host safe)
+                leaf = jax.make_array_from_callback(buf.shape, sharding, lambda idx, b=buf: b[idx])
+            tree_set(params, spec.path, leaf)
+            del buf
+    return params
+
+
+def load_target(
+    hf_dir: str | os.PathLike,
+    dtype: Any = "bfloat16",
+    shardings: Any = None,
+    **config_overrides,
+) -> Target:
+    """Load an HF safetensors checkpoint as a frozen specjax target.
+
+    dtype: params/compute dtype ("bfloat16" or "float32"; the on-disk dtype is cast).
+    shardings: optional pytree like the params (leaves jax.sharding.Sharding or None).
+    config_overrides: runtime config fields, e.g. ``attention_q_block=1024``.
+    """
+    from specjax.targets.registry import get_target_class  # registry imports the architectures
+
+    hf_config = read_hf_config(hf_dir)
+    cls = get_target_class(hf_config)
+    config = cls.config_from_hf(hf_config, **config_overrides)
+    params = load_params(hf_dir, cls, config, dtype=dtype, shardings=shardings)
+    return cls(config, hf_config, params)
