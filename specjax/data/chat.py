@@ -1,0 +1,202 @@
+"""Chat-template a conversation and mark the assistant tokens (the draft is trained only there).
+
+How the assistant spans are found: for assistant turn i, render ``messages[:i]`` with the
+generation prompt and ``messages[:i+1]`` without it. When the first is a prefix of the second and
+the second a prefix of the full rendering, the characters in between are what the template emits
+for that turn; the span runs from there to the end of the first special token after the content
+(the end-of-turn marker), so the newline or trailer a template puts after the marker, which the
+model never generates, is not trained on. Some templates break the prefix property (they render
+history differently from the last turn); for those turns we fall back to locating the content
+string in the full text and extending the span over a special token that follows it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+__all__ = ["Example", "SkipRow", "tokenize_conversation", "resolve_chat_template", "CHAT_TEMPLATE_HINT"]
+
+CHAT_TEMPLATE_HINT = (
+    "set one with the config key `data.chat_template` (a Jinja template string or a path to a "
+    ".jinja file), e.g. the template of the instruct model the target was tuned as"
+)
+
+
+class SkipRow(Exception):
+    """This conversation cannot become a training example. ``reason`` is a short category
+    (used as a counter key); ``detail`` says more for logs."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason + (f": {detail}" if detail else ""))
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Example:
+    input_ids: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # int32 [n], 1 on assistant tokens
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def resolve_chat_template(tokenizer, chat_template: str | None = None) -> str:
+    """The template to use: an explicit string (or path to a file holding one), else the
+    tokenizer's own. No template at all is a configuration error, not a bad row."""
+    if chat_template:
+        if "{" not in chat_template and os.path.isfile(chat_template):
+            with open(chat_template, encoding="utf-8") as f:
+                return f.read()
+        return chat_template
+    tmpl = getattr(tokenizer, "chat_template", None)
+    if isinstance(tmpl, dict):  # some tokenizers carry several named templates
+        tmpl = tmpl.get("default") or next(iter(tmpl.values()), None)
+    if not tmpl:
+        raise ValueError(f"the tokenizer has no chat template; {CHAT_TEMPLATE_HINT}")
+    return tmpl
+
+
+def _render(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):  # defensive: some versions return a list for batched input
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def _special_strings(tokenizer) -> list[str]:
+    """Special-token strings, longest first (so '<|im_end|>' wins over a shorter overlap)."""
+    found = set()
+    for t in getattr(tokenizer, "all_special_tokens", None) or []:
+        found.add(str(t))
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    for tok in decoder.values():
+        if getattr(tok, "special", False):
+            found.add(str(getattr(tok, "content", tok)))
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+def _first_marker_end(text: str, start: int, stop: int, specials: list[str]) -> int | None:
+    """End of the earliest special token in text[start:stop] (longest on ties), or None."""
+    best = None
+    for s in specials:
+        pos = text.find(s, start, stop)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, pos + len(s))  # specials are longest-first, so ties keep the longest
+    return None if best is None else best[1]
+
+
+def _assistant_spans(tokenizer, template: str, messages: list[dict], full: str) -> list[tuple[int, int]]:
+    spans: list[tuple[int, int]] = []
+    cursor = 0  # spans are found left to right and must not overlap
+    specials = _special_strings(tokenizer)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        content = m["content"].strip()
+        span = None
+        try:
+            start_text = _render(tokenizer, template, messages[:i], add_generation_prompt=True)
+            end_text = _render(tokenizer, template, messages[: i + 1], add_generation_prompt=False)
+        except Exception:  # e.g. a template that rejects an empty or assistant-first history
+            start_text = end_text = None
+        if (
+            end_text is not None
+            and end_text.startswith(start_text)
+            and full.startswith(end_text)
+            and len(start_text) >= cursor
+        ):
+            s0, s1 = len(start_text), len(end_text)
+            # The turn ends with the first special token after the content (the end-of-turn
+            # marker). Anything after it -- a newline, or a trailer a template appends only after
+            # the last message -- is glue the model never generates (serving stops at the marker).
+            cpos = full.find(content, s0, s1)
+            end = _first_marker_end(full, cpos + len(content), s1, specials) if cpos >= 0 else None
+            if end is None:  # no marker (or content rewritten by the template): whole turn text
+                end = s0 + len(full[s0:s1].rstrip())
+            if end > s0:
+                span = (s0, end)
+        if span is None:
+            idx = full.find(content, cursor)
+            if idx < 0:
+                raise SkipRow("assistant turn not found in templated text", f"turn {i}")
+            end = idx + len(content)
+            # Take the end-of-turn marker too when it follows the content (whitespace allowed).
+            at = end
+            while at < len(full) and full[at].isspace():
+                at += 1
+            for s in specials:  # longest first
+                if full.startswith(s, at):
+                    end = at + len(s)
+                    break
+            span = (idx, end)
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict],
+    seq_length: int,
+    truncate: bool = True,
+    chat_template: str | None = None,
+) -> Example:
+    """Template + tokenize one conversation; loss_mask marks the assistant tokens.
+
+    Raises SkipRow for a conversation that cannot be used, ValueError for a tokenizer that
+    cannot do the job (no chat template, no offsets)."""
+    if seq_length <= 0:
+        raise ValueError(f"seq_length must be positive, got {seq_length}")
+    template = resolve_chat_template(tokenizer, chat_template)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkipRow("no assistant turn")
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise SkipRow("empty assistant content", f"turn {i}")
+
+    try:
+        full = _render(tokenizer, template, messages, add_generation_prompt=False)
+    except Exception as e:  # raise_exception() in templates, e.g. roles that do not alternate
+        raise SkipRow("chat template error", f"{type(e).__name__}: {e}") from None
+    if not full.strip():
+        raise SkipRow("empty after templating")
+
+    spans = _assistant_spans(tokenizer, template, messages, full)
+
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as e:
+        raise ValueError(
+            "the tokenizer cannot return character offsets; load a fast tokenizer "
+            "(AutoTokenizer.from_pretrained(..., use_fast=True))"
+        ) from e
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    if ids.size == 0:
+        raise SkipRow("empty after templating")
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+    # A token belongs to a span when it starts inside it (a token never straddles a special
+    # token, and the content boundary is normally a pre-tokenizer split point).
+    starts = offsets[:, 0]
+    mask = np.zeros(ids.shape[0], dtype=bool)
+    for s, e in spans:
+        mask |= (starts >= s) & (starts < e)
+    if not mask.any():
+        raise SkipRow("no assistant token")
+
+    if ids.shape[0] > seq_length:
+        if not truncate:
+            raise SkipRow("longer than seq_length", f"{ids.shape[0]} > {seq_length} tokens")
+        ids, mask = ids[:seq_length], mask[:seq_length]
+        if not mask.any():
+            raise SkipRow("no assistant token after truncation")
+
+    return Example(
+        input_ids=ids.astype(np.int32),
+        loss_mask=mask.astype(np.int32),
+    )
