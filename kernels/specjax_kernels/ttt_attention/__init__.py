@@ -1,0 +1,1 @@
+from specjax_kernels.ttt_attention.api import ttt_attention  # noqa: F401

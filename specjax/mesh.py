@@ -1,0 +1,127 @@
+"""Device mesh and the one logical-axis rules table.
+
+Every array that crosses the train step's boundary (target params, draft params, optimizer state,
+batch) is annotated with logical axis names; `RULES` maps them to mesh axes. Scaling out is a
+config change (`parallelism.*`), not a code change.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
+
+# logical name -> mesh axes (a tuple shards one array dim over several mesh axes; None = replicate)
+RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp", "expert"),
+    "seq": "context",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "draft_vocab": "tensor",
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "ssm_heads": "tensor",
+    "layers": None,
+    "head_dim": None,
+    "norm": None,
+    "ssm_state": None,
+    "ttt": None,
+}
+
+
+def mesh_shape(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
+    """Resolve -1 (fill) and check the product equals the device count."""
+    sizes = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+    fill = [a for a, s in sizes.items() if s == -1]
+    if len(fill) > 1:
+        raise ValueError(f"parallelism: only one axis may be -1 (fill), got {fill}.")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise ValueError(f"parallelism: sizes must be positive or -1, got {sizes}.")
+    if fill:
+        if num_devices % fixed:
+            raise ValueError(
+                f"parallelism: {num_devices} devices are not divisible by the fixed axes {sizes} "
+                f"(product {fixed}); change the sizes so their product divides {num_devices}."
+            )
+        sizes[fill[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    if total > num_devices:
+        raise ValueError(
+            f"parallelism {sizes} needs {total} devices but only {num_devices} are visible."
+        )
+    return sizes
+
+
+def make_mesh(sizes: dict[str, int], devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    shape = mesh_shape(sizes, len(devices))
+    n = math.prod(shape.values())
+    arr = np.asarray(devices[:n]).reshape(tuple(shape[a] for a in MESH_AXES))
+    # Auto axes: the compiler propagates shardings inside the step; we pin only the boundaries.
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_pspec(logical: Optional[Sequence[Optional[str]]], mesh: Mesh) -> P:
+    if logical is None:
+        return P()
+    out, used = [], set()
+    for name in logical:
+        phys = RULES.get(name) if name is not None else None
+        if name is not None and name not in RULES:
+            raise KeyError(f"logical axis `{name}` has no rule in specjax.mesh.RULES")
+        axes = (phys,) if isinstance(phys, str) else tuple(phys or ())
+        # drop mesh axes of size 1 and axes already used by an earlier dim
+        axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def _fits(shape: Sequence[int], spec: P, mesh: Mesh) -> P:
+    """Replicate a dim whose size is not divisible by its mesh axes (tiny models, odd vocabs)."""
+    fixed = []
+    for dim, ax in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if ax is None:
+            fixed.append(None)
+            continue
+        n = math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
+        fixed.append(ax if dim % n == 0 else None)
+    return P(*fixed)
+
+
+def named_sharding(mesh: Mesh, logical, shape=None) -> NamedSharding:
+    spec = logical_to_pspec(logical, mesh)
+    if shape is not None:
+        spec = _fits(shape, spec, mesh)
+    return NamedSharding(mesh, spec)
+
+
+def tree_shardings(mesh: Mesh, logical_tree, shape_tree) -> Any:
+    """Shardings for a pytree given a matching tree of logical-axis tuples and of arrays/shapes."""
+    is_leaf = lambda x: x is None or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+    flat_logical, _ = jax.tree_util.tree_flatten(logical_tree, is_leaf=is_leaf)
+    flat_shapes, treedef = jax.tree_util.tree_flatten(shape_tree)
+    if len(flat_logical) != len(flat_shapes):
+        raise ValueError("logical-axis tree does not match the parameter tree")
+    out = [named_sharding(mesh, lg, np.shape(s) if not hasattr(s, "shape") else s.shape)
+           for lg, s in zip(flat_logical, flat_shapes)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard(x: jax.Array, logical: Sequence[Optional[str]], mesh: Optional[Mesh] = None) -> jax.Array:
+    """Constrain an activation inside jit to its logical sharding (no-op without a mesh)."""
+    if mesh is None or mesh.size == 1:
+        return x
+    spec = _fits(x.shape, logical_to_pspec(logical, mesh), mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+BATCH_LOGICAL = ("batch", "seq")
