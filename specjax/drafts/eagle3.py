@@ -1,0 +1,226 @@
+"""The EAGLE-3 draft head: fc over three target aux states, one Llama decoder layer whose q/k/v read
+[input_layernorm(embedding), hidden_norm(h)] (2H wide, embedding first), a final norm, and an
+lm_head over the draft vocab (reference: shared/reference/eagle3-contract.md §2.1, §3.2).
+
+Parameters are a plain pytree (layout in docs/INTERFACES.md); every function here is pure. The
+token embedding is the target's (frozen) and is passed in as an array.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.targets.layers.norms import rms_norm
+from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels.ttt_attention import ttt_attention
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int  # H, must equal the target's embedding width
+    target_hidden_size: int  # tH, width of each aux state
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # V, the target's config vocab
+    draft_vocab_size: int  # Vd
+    aux_layer_ids: tuple[int, ...]  # output-of-layer-k convention
+    rms_norm_eps: float = 1e-6
+    rope: RopeSpec = RopeSpec()  # the target's RoPE (the draft's positions are the target's)
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"draft num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}."
+            )
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft.draft_vocab_size={self.draft_vocab_size} is larger than the target vocab "
+                f"({self.vocab_size}); set draft.draft_vocab_size <= {self.vocab_size}."
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"draft hidden_act {self.hidden_act!r}: only 'silu' is supported.")
+
+
+def _dense(key, n_in, n_out, std, dtype):
+    return {"kernel": (std * jax.random.normal(key, (n_in, n_out), jnp.float32)).astype(dtype)}
+
+
+def init_draft_params(cfg: Eagle3Config, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
+    """Random init like HF `post_init` (normal(0, std) linears, unit norms); all trainable."""
+    H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    q_out = cfg.num_attention_heads * cfg.head_dim
+    kv_out = cfg.num_key_value_heads * cfg.head_dim
+    ks = jax.random.split(key, 9)
+    ones = lambda n: {"scale": jnp.ones((n,), dtype)}
+    return {
+        "fc": _dense(ks[0], cfg.num_aux * tH, H, std, dtype),
+        "midlayer": {
+            "hidden_norm": ones(H),
+            "input_layernorm": ones(H),
+            "post_attention_layernorm": ones(H),
+            "self_attn": {
+                "q_proj": _dense(ks[1], 2 * H, q_out, std, dtype),
+                "k_proj": _dense(ks[2], 2 * H, kv_out, std, dtype),
+                "v_proj": _dense(ks[3], 2 * H, kv_out, std, dtype),
+                "o_proj": _dense(ks[4], q_out, H, std, dtype),
+            },
+            "mlp": {
+                "gate_proj": _dense(ks[5], H, I, std, dtype),
+                "up_proj": _dense(ks[6], H, I, std, dtype),
+                "down_proj": _dense(ks[7], I, H, std, dtype),
+            },
+        },
+        "norm": ones(H),
+        "lm_head": _dense(ks[8], H, cfg.draft_vocab_size, std, dtype),
+    }
+
+
+def param_logical_axes(cfg: Eagle3Config) -> dict:
+    """Logical axes for every draft leaf (see specjax.mesh.RULES)."""
+    norm = {"scale": ("norm",)}
+    return {
+        "fc": {"kernel": (None, "embed")},
+        "midlayer": {
+            "hidden_norm": norm,
+            "input_layernorm": norm,
+            "post_attention_layernorm": norm,
+            "self_attn": {
+                "q_proj": {"kernel": ("embed", "heads")},
+                "k_proj": {"kernel": ("embed", "kv_heads")},
+                "v_proj": {"kernel": ("embed", "kv_heads")},
+                "o_proj": {"kernel": ("heads", "embed")},
+            },
+            "mlp": {
+                "gate_proj": {"kernel": ("embed", "mlp")},
+                "up_proj": {"kernel": ("embed", "mlp")},
+                "down_proj": {"kernel": ("mlp", "embed")},
+            },
+        },
+        "norm": norm,
+        "lm_head": {"kernel": ("embed", "draft_vocab")},
+    }
+
+
+def _mm(x, p):
+    return jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype))
+
+
+def project_aux(params: dict, aux_hidden: tuple | list, cfg: Eagle3Config, dtype=jnp.float32) -> jnp.ndarray:
+    """fc(concat(aux_low, aux_mid, aux_high)) -> [B, T, H]."""
+    if len(aux_hidden) != cfg.num_aux:
+        raise ValueError(f"expected {cfg.num_aux} aux hidden states, got {len(aux_hidden)}")
+    g = jnp.concatenate([a.astype(dtype) for a in aux_hidden], axis=-1)
+    return _mm(g, params["fc"])
+
+
+def inv_freq(cfg: Eagle3Config) -> np.ndarray:
+    return inverse_frequencies(cfg.rope, cfg.head_dim)
+
+
+def decoder_layer(
+    params: dict,
+    cfg: Eagle3Config,
+    emb_btd: jnp.ndarray,
+    hidden_btd: jnp.ndarray,
+    positions_bt: jnp.ndarray,
+    segment_ids_bt: Optional[jnp.ndarray],
+    kv_cache: list,
+    *,
+    attention_impl: Optional[str] = None,
+):
+    """One draft step. `kv_cache` holds (k, v) of earlier TTT steps ([] at step 0); step k = len(kv_cache).
+
+    Returns (h_out pre-norm [B,T,H], (k_new, v_new)). RoPE positions are `positions + k` for the
+    queries and the new keys, so the diagonal key of step i sits at t+i (contract §3.4).
+    """
+    m = params["midlayer"]
+    eps = cfg.rms_norm_eps
+    B, T, _ = hidden_btd.shape
+    step = len(kv_cache)
+    residual = hidden_btd
+    x = jnp.concatenate(
+        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
+        axis=-1,
+    )
+    a = m["self_attn"]
+    nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = _mm(x, a["q_proj"]).reshape(B, T, nH, hd)
+    k = _mm(x, a["k_proj"]).reshape(B, T, nKV, hd)
+    v = _mm(x, a["v_proj"]).reshape(B, T, nKV, hd)
+    cos, sin = rope_cos_sin(positions_bt + step, inv_freq(cfg), q.dtype)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    if step == 0:
+        k0, v0, kd, vd = k, v, None, None
+    else:
+        k0, v0 = kv_cache[0]
+        kd = jnp.stack([kv[0] for kv in kv_cache[1:]] + [k])
+        vd = jnp.stack([kv[1] for kv in kv_cache[1:]] + [v])
+    attn = ttt_attention(q, k0, v0, kd, vd, segment_ids_bt, implementation=attention_impl)
+    h = residual + _mm(attn.reshape(B, T, nH * hd), a["o_proj"])
+    mlp = m["mlp"]
+    xn = rms_norm(h, m["post_attention_layernorm"]["scale"], eps)
+    h = h + _mm(jax.nn.silu(_mm(xn, mlp["gate_proj"])) * _mm(xn, mlp["up_proj"]), mlp["down_proj"])
+    return h, (k, v)
+
+
+def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:
+    """lm_head(norm(h)) over the draft vocab, in fp32."""
+    hn = rms_norm(h_btd, params["norm"]["scale"], cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", hn, params["lm_head"]["kernel"].astype(hn.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, intermediate_size=None,
+                       num_attention_heads=None, num_key_value_heads=None, head_dim=None) -> Eagle3Config:
+    """Draft shape from the target's config; the hidden size must be the target's embedding width."""
+    H = target_cfg.hidden_size
+    nH = num_attention_heads or target_cfg.num_attention_heads
+    cfg = Eagle3Config(
+        hidden_size=H,
+        target_hidden_size=H,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
+        num_attention_heads=nH,
+        num_key_value_heads=num_key_value_heads or target_cfg.num_key_value_heads,
+        head_dim=head_dim or (target_cfg.head_dim if num_attention_heads is None else H // nH),
+        vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=tuple(int(i) for i in aux_layer_ids),
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope=target_cfg.rope,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+    )
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Eagle3Config) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["aux_layer_ids"] = list(cfg.aux_layer_ids)
+    return d
+
+
+def config_from_dict(d: dict) -> Eagle3Config:
+    d = dict(d)
+    d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+    d["rope"] = RopeSpec(**d["rope"])
+    return Eagle3Config(**d)
+
+
+def num_params(params) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))

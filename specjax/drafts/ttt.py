@@ -1,0 +1,146 @@
+"""The training-time-test (TTT) objective: K draft steps unrolled over a whole packed sequence.
+
+Alignment (contract §3.1, §3.3), for row t of a packed row whose tokens are x:
+  step k input token  : x[t+1+k]          (teacher-forced ground truth)
+  step k input hidden : fc(aux[t]) at k=0, else the draft's own pre-norm output of step k-1, row t
+  step k teacher      : the target's distribution at position t+1+k (it predicts x[t+2+k]),
+                        renormalised over the draft vocab
+  step k loss mask    : loss_mask[t+k]  (SpecForge shifts the mask left once per step)
+                        AND position t+1+k exists and lies in the same packed segment as t
+  position mask       : loss mask AND the target's full-vocab argmax at t+1+k is in the draft vocab
+Per-step loss = sum over rows of position_mask * softCE / (B*T)  (SpecForge normalises by all rows);
+total = sum_k decay^k * loss_k. acc_k = top-1 agreement (draft argmax mapped through d2t vs the
+target's full-vocab argmax) over the loss mask. tau_sim = sum_k prod_{i<=k} acc_i (no bonus token).
+
+The teacher is computed here from the target's final hidden state and its lm_head rows for the
+draft vocab; the full-vocab argmax is taken in vocab chunks, so no [B,T,V] fp32 tensor exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, project_aux
+from specjax_kernels.soft_ce import soft_cross_entropy
+
+
+@dataclass(frozen=True)
+class TTTConfig:
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    vocab_chunk: int = 8192
+    attention_impl: Optional[str] = None
+    soft_ce_impl: Optional[str] = None
+
+
+def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
+    """x[:, t+n] at row t, `fill` past the end (axis 1)."""
+    if n == 0:
+        return x
+    T = x.shape[1]
+    if n >= T:
+        return jnp.full_like(x, fill)
+    pad = jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> jnp.ndarray:
+    """argmax_v (h @ w.T) without materialising all V logits at once (first index wins on ties)."""
+    V, D = w_vd.shape
+    chunk = min(chunk, V)
+    n_chunks = -(-V // chunk)
+    pad = n_chunks * chunk - V
+    w = jnp.pad(w_vd, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+
+    def body(carry, inp):
+        best_val, best_idx = carry
+        wc, c = inp
+        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=jnp.float32)
+        col = c * chunk + jnp.arange(chunk)
+        logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
+        idx = jnp.argmax(logits, axis=-1)
+        val = jnp.take_along_axis(logits, idx[:, None], axis=-1)[:, 0]
+        better = val > best_val  # strict: keep the earlier chunk on ties, like a global argmax
+        return (jnp.where(better, val, best_val), jnp.where(better, c * chunk + idx, best_idx)), None
+
+    init = (jnp.full(h_nd.shape[:1], -jnp.inf, jnp.float32), jnp.zeros(h_nd.shape[:1], jnp.int32))
+    (_, best), _ = jax.lax.scan(body, init, (w, jnp.arange(n_chunks)))
+    return best.astype(jnp.int32)
+
+
+def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int):
+    """(teacher logits over the draft vocab [B,T,Vd] fp32, full-vocab argmax [B,T])."""
+    B, T, D = final_hidden_btd.shape
+    rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
+    teacher = jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
+                         preferred_element_type=jnp.float32)
+    argmax = chunked_argmax(final_hidden_btd.reshape(B * T, D), lm_head_vd, vocab_chunk).reshape(B, T)
+    return teacher, argmax
+
+
+def ttt_loss(
+    draft_params: dict,
+    cfg: Eagle3Config,
+    ttt: TTTConfig,
+    *,
+    input_ids: jnp.ndarray,  # [B,T] int32
+    loss_mask: jnp.ndarray,  # [B,T]
+    segment_ids: jnp.ndarray,  # [B,T], 0 = padding
+    positions: jnp.ndarray,  # [B,T]
+    aux_hidden: tuple,  # 3 x [B,T,tH]   (target, no gradient)
+    final_hidden: jnp.ndarray,  # [B,T,tH]   target's final-norm hidden
+    embed_table: jnp.ndarray,  # [V,H]      target's token embedding (frozen)
+    lm_head: jnp.ndarray,  # [V,H]      target's lm_head rows
+    draft_ids: jnp.ndarray,  # [Vd] int32 (sorted)
+    t2d: jnp.ndarray,  # [V] bool
+    d2t: jnp.ndarray,  # [Vd] int
+    compute_dtype=jnp.float32,
+):
+    """Returns (weighted loss, metrics dict of per-step arrays and scalars)."""
+    B, T = input_ids.shape
+    sg = jax.lax.stop_gradient
+    aux_hidden = tuple(sg(a) for a in aux_hidden)
+    teacher_logits, target_argmax = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk)
+    teacher_logits = sg(teacher_logits)
+    params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), draft_params)
+
+    seg = segment_ids.astype(jnp.int32)
+    lmask = loss_mask.astype(jnp.float32)
+    h = project_aux(params, aux_hidden, cfg, compute_dtype)
+    kv_cache: list = []
+    losses, accs, lmask_sums, pmask_sums = [], [], [], []
+    for k in range(ttt.ttt_steps):
+        tok = shift_left(input_ids, 1 + k)
+        same_doc = (shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0)
+        step_mask = shift_left(lmask, k) * same_doc
+        tgt_ids = shift_left(target_argmax, 1 + k)
+        pos_mask = step_mask * jnp.take(t2d, tgt_ids).astype(jnp.float32)
+        emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
+        h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
+        kv_cache.append(kv)
+        logits = draft_logits(params, cfg, h)
+        ce = soft_cross_entropy(logits, shift_left(teacher_logits, 1 + k), implementation=ttt.soft_ce_impl)
+        losses.append(jnp.sum(ce * pos_mask) / (B * T))
+        pred = jnp.argmax(logits, axis=-1)
+        pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+        correct = jnp.sum((pred_target == tgt_ids) * step_mask)
+        denom = jnp.sum(step_mask)
+        accs.append(correct / jnp.maximum(denom, 1e-6))
+        lmask_sums.append(denom)
+        pmask_sums.append(jnp.sum(pos_mask))
+    losses = jnp.stack(losses)
+    accs = sg(jnp.stack(accs))
+    weights = ttt.step_decay ** jnp.arange(ttt.ttt_steps, dtype=jnp.float32)
+    total = jnp.sum(weights * losses)
+    metrics = {
+        "loss": total,
+        "loss_k": sg(losses),
+        "acc_k": accs,
+        "tau_sim": jnp.sum(jnp.cumprod(accs)),
+        "mask_tokens_k": jnp.stack(lmask_sums),
+        "in_vocab_tokens_k": jnp.stack(pmask_sums),
+    }
+    return total, metrics

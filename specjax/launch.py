@@ -1,0 +1,62 @@
+"""Entry point: `python -m specjax.launch --config configs/X.yaml [section.key=value ...]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specjax.config import ConfigError, describe_sections, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specjax.launch",
+        description="Train an EAGLE-3 draft against a frozen JAX target, then export it.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Config sections (override any key with section.key=value):\n" + describe_sections(),
+    )
+    p.add_argument("--config", required=True, help="YAML config (may use `base: other.yaml`).")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 draft.ttt_steps=5")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("absl", "jax._src", "orbax", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from specjax.config import config_to_dict
+
+        print(json.dumps(config_to_dict(cfg), indent=2))
+        return 0
+
+    from specjax.distributed import initialize
+
+    initialize()
+    from specjax.train.loop import train
+
+    result = train(cfg)
+    first, last = result.first_metrics, result.last_metrics
+    summary = {
+        "output_dir": result.output_dir,
+        "steps": result.final_step,
+        "wall_time_s": round(result.wall_time_s, 1),
+        "first": {k: round(first[k], 4) for k in ("loss", "acc_0", "tau_sim") if k in first},
+        "last": {k: round(last[k], 4) for k in ("loss", "acc_0", "tau_sim") if k in last},
+        "val": {k: round(v, 4) for k, v in result.val_metrics.items() if k in ("loss", "acc_0", "tau_sim")},
+        "export_dir": result.export_dir,
+    }
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""The training loop: build everything from a Config, train, validate, checkpoint, export.
+
+Order: target -> tokenizer -> data -> draft vocab -> draft config/params -> mesh + jitted step ->
+restore (latest checkpoint, data position, RNG) -> steps -> final checkpoint -> export.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import checkpoint as ckpt
+from specjax import mesh as meshlib
+from specjax.config import Config, config_to_dict
+from specjax.drafts import eagle3
+from specjax.drafts.ttt import TTTConfig
+from specjax.train.metrics import MetricsWriter, summarize
+from specjax.train.optim import lr_schedule, make_optimizer
+from specjax.train.step import BATCH_KEYS, build_step_fns, init_state
+
+log = logging.getLogger("specjax")
+
+VOCAB_FILE = "draft_vocab.npz"
+RUN_META_FILE = "run_meta.json"
+
+
+@dataclass
+class RunResult:
+    output_dir: str
+    final_step: int
+    first_metrics: dict = field(default_factory=dict)
+    last_metrics: dict = field(default_factory=dict)
+    val_metrics: dict = field(default_factory=dict)
+    export_dir: Optional[str] = None
+    wall_time_s: float = 0.0
+    stopped_early: bool = False
+
+
+def _resolve_path(p: str) -> str:
+    """`pkg://specjax/assets/x` -> the installed package file; other paths unchanged."""
+    if p.startswith("pkg://"):
+        import importlib.resources as ir
+
+        pkg, _, rel = p[len("pkg://"):].partition("/")
+        return str(ir.files(pkg).joinpath(rel))
+    return p
+
+
+def _check_writable(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write_probe")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(f"run.output_dir {path!r} is not writable ({e}); choose another run.output_dir.") from e
+
+
+def build_target(cfg: Config):
+    from specjax.targets import load_target
+
+    path = cfg.target.path
+    if not path:
+        raise ValueError("target.path is empty: set it to a Hugging Face folder (config.json + *.safetensors).")
+    if cfg.target.build_demo:
+        from specjax.demo import ensure_demo_target
+
+        ensure_demo_target(path)
+    return load_target(path, dtype=cfg.target.dtype)
+
+
+def build_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    return AutoTokenizer.from_pretrained(tok_path)
+
+
+def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
+    from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
+
+    path = os.path.join(out_dir, VOCAB_FILE)
+    if os.path.exists(path):  # resume: the vocab must not change under a checkpoint
+        vocab = DraftVocab.load(path)
+        if vocab.t2d.shape[0] != vocab_size or vocab.draft_ids.shape[0] != cfg.draft.draft_vocab_size:
+            raise ValueError(
+                f"{path} was built for V={vocab.t2d.shape[0]}, Vd={vocab.draft_ids.shape[0]} but this run has "
+                f"V={vocab_size}, Vd={cfg.draft.draft_vocab_size}; use a new run.output_dir."
+            )
+        return vocab
+    counts = token_counts_from_examples(examples, vocab_size)
+    vocab = build_draft_vocab(counts, cfg.draft.draft_vocab_size)
+    vocab.validate()
+    vocab.save(path)
+    return vocab
+
+
+def resolve_aux_ids(cfg: Config, target) -> tuple[int, ...]:
+    from specjax.targets import validate_aux_layer_ids
+
+    ids = cfg.target.aux_layer_ids or target.default_aux_layer_ids()
+    return tuple(int(i) for i in validate_aux_layer_ids(tuple(ids), target.num_layers))
+
+
+def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
+    d = cfg.draft
+    return eagle3.config_from_target(
+        target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
+        intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+    )
+
+
+def _global_batch(np_batch: dict, sharding) -> dict:
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(np_batch[k])) for k in BATCH_KEYS}
+
+
+def _to_float_dict(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        v = np.asarray(v)
+        if v.ndim == 0:
+            out[k] = float(v)
+        else:
+            for i, x in enumerate(v.tolist()):
+                out[f"{k.removesuffix('_k')}_{i}"] = float(x)
+    return out
+
+
+def train(cfg: Config) -> RunResult:
+    t_start = time.time()
+    out_dir = os.path.abspath(cfg.run.output_dir)
+    _check_writable(out_dir)
+    proc, nproc = jax.process_index(), jax.process_count()
+
+    target = build_target(cfg)
+    tokenizer = build_tokenizer(cfg)
+    if len(tokenizer) > target.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
+            f"{target.config.vocab_size}; use the target's own tokenizer (data.tokenizer)."
+        )
+
+    from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
+
+    files = tuple(_resolve_path(p) for p in cfg.data.train_files)
+    if not files:
+        raise ValueError("data.train_files is empty: give one or more JSONL/JSON/parquet chat files.")
+    prepared = prepare_examples(
+        files, tokenizer, cfg.data.seq_length, cfg.data.val_fraction, cfg.data.shuffle_seed,
+        max_rows=cfg.data.max_rows, truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
+    )
+    n_skipped = sum(prepared.skipped.values())
+    log.info("data: %d rows -> %d train / %d val examples; skipped %d %s", prepared.n_rows,
+             len(prepared.train), len(prepared.val), n_skipped, dict(prepared.skipped))
+    if not prepared.train:
+        raise ValueError(f"no usable training rows in {files} (skipped: {dict(prepared.skipped)}).")
+
+    vocab = build_vocab(cfg, prepared.train, target.config.vocab_size, out_dir)
+    aux_ids = resolve_aux_ids(cfg, target)
+    draft_cfg = make_draft_config(cfg, target, aux_ids)
+    ttt = TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
+                    attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
+    compute_dtype = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
+
+    mesh = meshlib.make_mesh(
+        {a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES}
+    )
+    n_batch_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
+    if cfg.data.batch_size % n_batch_shards:
+        raise ValueError(
+            f"data.batch_size={cfg.data.batch_size} must be divisible by data*fsdp*expert={n_batch_shards} "
+            f"(mesh {dict(mesh.shape)}); change data.batch_size or parallelism.*."
+        )
+    if cfg.data.batch_size % nproc:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} must be divisible by the {nproc} processes.")
+
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+    draft_params = eagle3.init_draft_params(draft_cfg, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
+    fns = build_step_fns(target, target.params, draft_params, draft_cfg, ttt, optimizer, mesh, compute_dtype)
+    target_params = jax.device_put(target.params, fns.target_shardings)
+    vocab_arrays = jax.device_put(
+        {"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
+         "d2t": jnp.asarray(vocab.d2t, jnp.int32)}, fns.vocab_shardings)
+    state = jax.jit(lambda p: init_state(p, optimizer, cfg.run.seed), out_shardings=fns.state_shardings)(draft_params)
+    del draft_params
+
+    data_iter = make_train_iterator(prepared.train, cfg.data.seq_length, cfg.data.batch_size // nproc,
+                                    cfg.data.shuffle_seed, shard_index=proc, shard_count=nproc)
+    mngr = ckpt.manager(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep)
+    meta = {
+        "config": config_to_dict(cfg),
+        "draft_config": eagle3.config_to_dict(draft_cfg),
+        "target_path": os.path.abspath(cfg.target.path),
+        "target_config": target.hf_config,
+        "vocab_file": VOCAB_FILE,
+    }
+    if proc == 0:
+        with open(os.path.join(out_dir, RUN_META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+
+    start_step = 0
+    restore_from = cfg.checkpoint.restore_from
+    if restore_from != "none" and (mngr.latest_step() is not None or restore_from != "latest"):
+        rmngr = mngr
+        step = None
+        if restore_from != "latest":
+            rdir, step = os.path.split(os.path.abspath(restore_from))
+            rmngr, step = ckpt.manager(rdir, read_only=True), int(step)
+        state, _ = ckpt.restore(rmngr, ckpt.abstract_like(state), data_iter, step=step)
+        start_step = int(state["step"])
+        log.info("resumed from %s at step %d", rmngr.directory, start_step)
+
+    val_batches = make_eval_batches(prepared.val, cfg.data.seq_length, cfg.data.batch_size)[: cfg.train.eval_batches]
+    writer = MetricsWriter(out_dir, enabled=proc == 0)
+    result = RunResult(output_dir=out_dir, final_step=start_step)
+
+    def run_eval(step):
+        if not val_batches:
+            return {}
+        ms = [fns.eval_step(state["params"], target_params, vocab_arrays, _global_batch(b, fns.batch_sharding))
+              for b in val_batches]
+        agg = {k: float(np.mean([_to_float_dict(m)[k] for m in ms])) for k in _to_float_dict(ms[0])}
+        writer.write(step, "val", agg)
+        return agg
+
+    bar = None
+    if cfg.train.progress and proc == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", dynamic_ncols=True)
+    tokens_since, t_since = 0, time.time()
+    step = start_step
+    end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+    while step < end_step:
+        np_batch = next(data_iter)
+        tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0)) * nproc
+        state, metrics = fns.train_step(state, target_params, vocab_arrays, _global_batch(np_batch, fns.batch_sharding))
+        step += 1
+        if step % cfg.train.log_every == 0 or step == end_step or step == start_step + 1:
+            m = _to_float_dict(jax.device_get(metrics))
+            dt = time.time() - t_since
+            m["tokens_per_s"] = tokens_since / max(dt, 1e-9)
+            m["lr"] = float(schedule(step - 1))
+            tokens_since, t_since = 0, time.time()
+            writer.write(step, "train", m)
+            if not result.first_metrics:
+                result.first_metrics = dict(m, step=step)
+            result.last_metrics = dict(m, step=step)
+            if bar is not None:
+                bar.set_postfix(summarize(m), refresh=False)
+        if bar is not None:
+            bar.update(1)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            run_eval(step)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
+            ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
+    if bar is not None:
+        bar.close()
+
+    result.final_step = step
+    result.stopped_early = step < cfg.train.steps
+    result.val_metrics = run_eval(step)
+    if mngr.latest_step() != step:
+        ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
+    writer.close()
+
+    if cfg.export.at_end and proc == 0 and not result.stopped_early:
+        from specjax.export import export_from_state
+
+        export_dir = cfg.export.out_dir or os.path.join(out_dir, "export")
+        export_from_state(jax.device_get(state["params"]), draft_cfg, vocab, target.hf_config, export_dir,
+                          dtype=cfg.export.dtype, extra_manifest={"step": step, "metrics": result.last_metrics,
+                                                                  "config": config_to_dict(cfg),
+                                                                  "target_path": os.path.abspath(cfg.target.path)})
+        result.export_dir = export_dir
+    result.wall_time_s = time.time() - t_start
+    return result

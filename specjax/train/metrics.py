@@ -1,0 +1,52 @@
+"""Metrics sinks: `metrics.jsonl` (one JSON object per logged step and split) and TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._tb = None
+        if enabled:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            except ImportError:  # TensorBoard output is optional; metrics.jsonl is the record
+                self._tb = None
+
+    def write(self, step: int, split: str, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "split": split, "time": time.time(), **metrics}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+
+
+def summarize(m: dict) -> dict:
+    """The few numbers shown on the progress bar."""
+    out = {}
+    for key, fmt in (("loss", "{:.3f}"), ("acc_0", "{:.3f}"), ("tau_sim", "{:.2f}"), ("tokens_per_s", "{:.0f}")):
+        if key in m:
+            out[key.replace("tokens_per_s", "tok/s")] = fmt.format(m[key])
+    return out
+
+
+def read_metrics(out_dir: str, split: str = "train") -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [r for r in (json.loads(line) for line in f if line.strip()) if r["split"] == split]

@@ -1,0 +1,112 @@
+"""The train step: one pure function of (train state, target params, vocab arrays, batch), jitted
+once with explicit in/out shardings and the train state donated.
+
+state = {"step": int32[], "params": draft params, "opt_state": optax state, "rng": key data}
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax import mesh as meshlib
+from specjax.drafts import eagle3
+from specjax.drafts.ttt import TTTConfig, ttt_loss
+
+BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+
+
+@dataclass(frozen=True)
+class StepFns:
+    train_step: Callable  # (state, target_params, vocab, batch) -> (state, metrics)
+    eval_step: Callable  # (params, target_params, vocab, batch) -> metrics
+    state_shardings: Any
+    target_shardings: Any
+    vocab_shardings: Any
+    batch_sharding: NamedSharding
+
+
+def make_loss_fn(target, draft_cfg: eagle3.Eagle3Config, ttt: TTTConfig, compute_dtype):
+    aux_ids = tuple(draft_cfg.aux_layer_ids)
+
+    def loss_fn(draft_params, target_params, vocab, batch):
+        final_hidden, aux = target.forward(
+            target_params, batch["input_ids"], aux_layer_ids=aux_ids,
+            positions=batch["positions"], segment_ids=batch["segment_ids"],
+        )
+        return ttt_loss(
+            draft_params, draft_cfg, ttt,
+            input_ids=batch["input_ids"], loss_mask=batch["loss_mask"],
+            segment_ids=batch["segment_ids"], positions=batch["positions"],
+            aux_hidden=aux, final_hidden=final_hidden,
+            embed_table=target.embed_table(target_params), lm_head=target.lm_head_weight(target_params),
+            draft_ids=vocab["draft_ids"], t2d=vocab["t2d"], d2t=vocab["d2t"],
+            compute_dtype=compute_dtype,
+        )
+
+    return loss_fn
+
+
+def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
+    abstract = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract, param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfig, optimizer,
+                   mesh: Mesh, compute_dtype=jnp.float32) -> StepFns:
+    loss_fn = make_loss_fn(target, draft_cfg, ttt, compute_dtype)
+    replicated = NamedSharding(mesh, P())
+    param_sh = meshlib.tree_shardings(mesh, eagle3.param_logical_axes(draft_cfg), draft_params)
+    state_sh = {
+        "step": replicated,
+        "params": param_sh,
+        "opt_state": opt_state_shardings(optimizer, draft_params, param_sh, mesh),
+        "rng": replicated,
+    }
+    target_sh = meshlib.tree_shardings(mesh, target.param_logical_axes(), target_params)
+    vocab_sh = {"draft_ids": replicated, "t2d": replicated, "d2t": replicated}
+    batch_sh = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
+    batch_shs = {k: batch_sh for k in BATCH_KEYS}
+
+    def train_step(state, target_params, vocab, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], target_params, vocab, batch)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
+        return new_state, metrics
+
+    def eval_step(params, target_params, vocab, batch):
+        _, metrics = loss_fn(params, target_params, vocab, batch)
+        return metrics
+
+    train_jit = jax.jit(
+        train_step,
+        in_shardings=(state_sh, target_sh, vocab_sh, batch_shs),
+        out_shardings=(state_sh, replicated),
+        donate_argnums=(0,),
+    )
+    eval_jit = jax.jit(
+        eval_step,
+        in_shardings=(param_sh, target_sh, vocab_sh, batch_shs),
+        out_shardings=replicated,
+    )
+    return StepFns(train_jit, eval_jit, state_sh, target_sh, vocab_sh, batch_sh)
+
+
+def init_state(draft_params, optimizer, seed: int):
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": draft_params,
+        "opt_state": optimizer.init(draft_params),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+    }
