@@ -39,6 +39,7 @@ class RunResult:
     first_metrics: dict = field(default_factory=dict)
     last_metrics: dict = field(default_factory=dict)
     val_metrics: dict = field(default_factory=dict)
+    initial_val_metrics: dict = field(default_factory=dict)
     export_dir: Optional[str] = None
     wall_time_s: float = 0.0
     stopped_early: bool = False
@@ -239,6 +240,8 @@ def train(cfg: Config) -> RunResult:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", dynamic_ncols=True)
+    if start_step == 0:
+        result.initial_val_metrics = run_eval(0)  # the untrained draft, for comparison
     tokens_since, t_since = 0, time.time()
     step = start_step
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
