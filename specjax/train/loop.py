@@ -278,14 +278,20 @@ def train(cfg: Config) -> RunResult:
         ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
     writer.close()
 
-    if cfg.export.at_end and proc == 0 and not result.stopped_early:
+    if cfg.export.at_end and not result.stopped_early:
+        from jax.experimental import multihost_utils
+
         from specjax.export import export_from_state
 
+        # every process takes part in the gather (params may be sharded across hosts); one writes
+        host_params = (multihost_utils.process_allgather(state["params"], tiled=True) if nproc > 1
+                       else jax.device_get(state["params"]))
         export_dir = cfg.export.out_dir or os.path.join(out_dir, "export")
-        export_from_state(jax.device_get(state["params"]), draft_cfg, vocab, target.hf_config, export_dir,
+        result.export_dir = export_dir
+    if cfg.export.at_end and not result.stopped_early and proc == 0:
+        export_from_state(host_params, draft_cfg, vocab, target.hf_config, export_dir,
                           dtype=cfg.export.dtype, extra_manifest={"step": step, "metrics": result.last_metrics,
                                                                   "config": config_to_dict(cfg),
                                                                   "target_path": os.path.abspath(cfg.target.path)})
-        result.export_dir = export_dir
     result.wall_time_s = time.time() - t_start
     return result

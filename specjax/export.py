@@ -1,0 +1,156 @@
+"""Export a trained draft for vLLM / SGLang.
+
+    python -m specjax.export --checkpoint RUN_DIR --out OUT_DIR [--dtype bf16|fp32] [--step N]
+
+RUN_DIR is a training run's output_dir (run_meta.json, draft_vocab.npz, checkpoints/<step>/). Only
+the draft params are read from the orbax checkpoint; the target model is not needed (its config is
+in run_meta.json). The format is described in specjax_converters.eagle3_export.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Mapping, Optional
+
+import numpy as np
+
+from specjax_converters.eagle3_export import export_eagle3, normalize_dtype
+
+log = logging.getLogger("specjax")
+
+RUN_META_FILE = "run_meta.json"  # same names as specjax.train.loop (not imported: that pulls in training)
+VOCAB_FILE = "draft_vocab.npz"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_ITEM = "state"
+
+
+def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, dtype: str = "bfloat16",
+                      extra_manifest: Optional[Mapping] = None) -> str:
+    """Export draft `params` (host or device arrays) to `out_dir`; returns the absolute path."""
+    out = export_eagle3(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,
+                        extra_manifest=extra_manifest)
+    log.info("exported the EAGLE-3 draft to %s", out)
+    return out
+
+
+class NotARunError(ValueError):
+    pass
+
+
+def _checkpoint_steps(ckpt_dir: str) -> list[int]:
+    if not os.path.isdir(ckpt_dir):
+        return []
+    steps = []
+    for name in os.listdir(ckpt_dir):
+        # orbax names finished steps by their number; in-progress saves carry a tmp suffix.
+        if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name, STATE_ITEM)):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def read_run(run_dir: str) -> dict:
+    """run_meta.json of a run folder, with a clear error for anything else."""
+    run_dir = os.path.abspath(run_dir)
+    meta_path = os.path.join(run_dir, RUN_META_FILE)
+    if not os.path.isfile(meta_path):
+        hint = ""
+        for up in (os.path.dirname(run_dir), os.path.dirname(os.path.dirname(run_dir))):
+            if os.path.isfile(os.path.join(up, RUN_META_FILE)):
+                hint = f" (did you mean {up}?)"
+                break
+        raise NotARunError(
+            f"{run_dir} is not a specjax run folder: no {RUN_META_FILE}{hint}. Pass --checkpoint the run's "
+            f"output_dir, the folder holding {RUN_META_FILE}, {VOCAB_FILE} and {CHECKPOINTS_DIR}/."
+        )
+    with open(meta_path) as f:
+        meta = json.load(f)
+    missing = [k for k in ("draft_config", "target_config") if k not in meta]
+    if missing:
+        raise NotARunError(f"{meta_path} lacks {missing}; it was not written by specjax training.")
+    return meta
+
+
+def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple[dict, int]:
+    """Only the draft params of checkpoint `step` (default latest), as host numpy arrays."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath  # orbax's path type: its handlers do not accept str
+
+    from specjax.drafts import eagle3
+
+    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
+    steps = _checkpoint_steps(ckpt_dir)
+    if not steps:
+        raise NotARunError(f"no finished checkpoints under {ckpt_dir}; train (or resume) the run first.")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ValueError(f"--step {step} is not saved in {ckpt_dir}; available steps: {steps}")
+    path = epath.Path(ckpt_dir) / str(step) / STATE_ITEM
+
+    abstract = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    handler = ocp.PyTreeCheckpointHandler()
+    saved = handler.metadata(path)
+    saved = getattr(saved, "tree", saved)  # orbax returns a TreeMetadata wrapper (a plain tree in some versions)
+    if not isinstance(saved, Mapping) or "params" not in saved:
+        raise NotARunError(f"{path} holds no 'params' item; it is not a specjax train state.")
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    have = {jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_flatten_with_path(saved["params"])[0]}
+    if want != have:
+        diff = [f"  {k}: checkpoint {have.get(k)} vs draft_config {want.get(k)}"
+                for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+        raise ValueError(f"checkpoint {path} does not match run_meta.json's draft_config:\n" + "\n".join(diff))
+    # Host numpy restore: no shardings needed, so any device count can export any run.
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract)
+    restored = handler.restore(path, args=ocp.args.PyTreeRestore(
+        item={"params": abstract}, restore_args={"params": restore_args}, partial_restore=True))
+    return restored["params"], step
+
+
+def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None) -> str:
+    from specjax.drafts import eagle3
+    from specjax.drafts.vocab import DraftVocab
+
+    run_dir = os.path.abspath(run_dir)
+    meta = read_run(run_dir)
+    draft_cfg = eagle3.config_from_dict(meta["draft_config"])
+    vocab_path = os.path.join(run_dir, meta.get("vocab_file", VOCAB_FILE))
+    if not os.path.isfile(vocab_path):
+        raise NotARunError(f"{vocab_path} is missing: the run's draft vocab is needed for d2t/t2d.")
+    vocab = DraftVocab.load(vocab_path)
+    params, step = restore_params(run_dir, draft_cfg, step)
+    extra = {"step": step, "source_run": run_dir, "target_path": meta.get("target_path")}
+    if "config" in meta:
+        extra["config"] = meta["config"]
+    return export_from_state(params, draft_cfg, vocab, meta["target_config"], out_dir, dtype=dtype,
+                             extra_manifest=extra)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="the training run's output_dir")
+    ap.add_argument("--out", required=True, help="folder to write (model.safetensors, config.json)")
+    ap.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    args = ap.parse_args(argv)
+    # Show our INFO lines once (absl may add a root handler later); orbax's INFO chatter stays hidden.
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    try:
+        dtype = normalize_dtype(args.dtype)
+        out = export_run(args.checkpoint, args.out, dtype=dtype, step=args.step)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
