@@ -19,6 +19,10 @@ class CheckpointMismatch(ValueError):
     pass
 
 
+class CheckpointSaveError(OSError):
+    pass
+
+
 def manager(directory: str, *, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
     import grain  # noqa: F401  (registers grain.checkpoint args with orbax)
 

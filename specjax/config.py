@@ -41,6 +41,8 @@ class TargetConfig:
     aux_layer_ids: Optional[tuple[int, ...]] = None
     # build the tiny demo target + tokenizer at `path` if it is missing (embedded default job)
     build_demo: bool = False
+    # lets the HF tokenizer/config run code shipped in the model folder; off unless you trust it
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class TrainConfig:
     # end this invocation (after a checkpoint) once this step is reached; the schedule still
     # spans train.steps, so a later run resumes where this one stopped (time-boxed jobs, tests)
     stop_at_step: Optional[int] = None
+    # stop (after a checkpoint) when this many steps in a row had a non-finite loss or gradient
+    max_consecutive_skips: int = 10
 
 
 @dataclass(frozen=True)

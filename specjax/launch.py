@@ -43,7 +43,20 @@ def main(argv=None) -> int:
     initialize()
     from specjax.train.loop import train
 
-    result = train(cfg)
+    from specjax.checkpoint import CheckpointMismatch, CheckpointSaveError
+    from specjax.train.loop import NonFiniteTrainingError
+
+    try:
+        result = train(cfg)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, CheckpointMismatch,
+            CheckpointSaveError, NonFiniteTrainingError) as e:
+        # known, user-fixable problems: the message names the problem and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result.preempted:
+        print(f"stopped at step {result.final_step} with a checkpoint in {result.output_dir}; "
+              "run the same command again to resume.")
+        return 0
     first, last = result.first_metrics, result.last_metrics
     summary = {
         "output_dir": result.output_dir,

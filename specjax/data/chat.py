@@ -38,6 +38,8 @@ class SkipRow(Exception):
 class Example:
     input_ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # int32 [n], 1 on assistant tokens
+    source: str = ""  # file the row came from (for error reports)
+    row: int = -1  # row index in that file
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -91,6 +91,7 @@ def prepare_examples(
         except SkipRow as e:
             skip(e.reason, f"{row.source}[{row.index}]: {e}")
             continue
+        ex = dataclasses.replace(ex, source=str(row.source), row=int(row.index))
         (val if split_is_val(row.source, row.index, seed, val_fraction) else train).append(ex)
 
     if skipped:
@@ -116,8 +117,12 @@ def _check_lengths(examples: Sequence[Example], seq_length: int) -> None:
             )
 
 
-def _features(ex: Example) -> dict[str, np.ndarray]:
-    return {"input_ids": ex.input_ids, "loss_mask": ex.loss_mask}
+def _features(item: tuple[int, Example]) -> dict[str, np.ndarray]:
+    # example_ids (index into the host's example list, +1; 0 = padding) lets a bad batch be traced
+    # back to its source rows; it stays on the host
+    i, ex = item
+    return {"input_ids": ex.input_ids, "loss_mask": ex.loss_mask,
+            "example_ids": np.full(ex.input_ids.shape, i + 1, np.int32)}
 
 
 def _rename_packed(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -133,6 +138,7 @@ def _rename_packed(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "loss_mask": x["loss_mask"].astype(np.int32, copy=False),
         "segment_ids": x["input_ids_segment_ids"].astype(np.int32, copy=False),
         "positions": x["input_ids_positions"].astype(np.int32, copy=False),
+        "example_ids": x["example_ids"].astype(np.int32, copy=False),
     }
 
 
@@ -154,7 +160,7 @@ def _packed_rows(
             f"host shard {shard_index}/{shard_count} has no example ({len(examples)} examples in total)"
         )
     _check_lengths(local, seq_length)
-    ds = grain.MapDataset.source(local)
+    ds = grain.MapDataset.source(list(enumerate(local)))
     # shuffle before repeat: grain folds the epoch number into the seed, so every epoch gets a
     # different but reproducible order.
     ds = ds.shuffle(seed=int(seed) % 2**32).repeat(num_epochs).map(_features)
@@ -162,7 +168,7 @@ def _packed_rows(
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
-        length_struct={"input_ids": seq_length, "loss_mask": seq_length},
+        length_struct={"input_ids": seq_length, "loss_mask": seq_length, "example_ids": seq_length},
         num_packing_bins=num_packing_bins,
         shuffle_bins=False,  # the input order is already shuffled
     )

@@ -5,10 +5,13 @@ restore (latest checkpoint, data position, RNG) -> steps -> final checkpoint -> 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -43,6 +46,61 @@ class RunResult:
     export_dir: Optional[str] = None
     wall_time_s: float = 0.0
     stopped_early: bool = False
+    preempted: bool = False
+    skipped_steps: int = 0
+
+
+class NonFiniteTrainingError(RuntimeError):
+    pass
+
+
+class _TooManySkips(Exception):
+    def __init__(self, step, rows):
+        self.step, self.rows = step, rows
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT ask the loop to finish the current step, checkpoint and exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+
+    def _handler(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        self.requested = True
+        log.warning("received %s: finishing the current step, then checkpointing", signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set from the main thread
+            return
+        old = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+
+def _source_rows(examples, example_ids) -> list[str]:
+    if example_ids is None:
+        return []
+    ids = sorted(set(np.asarray(example_ids).ravel().tolist()) - {0})
+    return [f"{examples[i - 1].source}:{examples[i - 1].row}" for i in ids if 0 < i <= len(examples)]
+
+
+def _save(mngr, step, state, data_iter, result) -> None:
+    try:
+        ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
+    except OSError as e:
+        latest = mngr.latest_step()
+        raise ckpt.CheckpointSaveError(
+            f"saving the checkpoint for step {step} in {mngr.directory} failed: {e}. The previous checkpoint "
+            f"(step {latest}) is intact and a restart resumes from it. Free disk space or point "
+            f"run.output_dir at a volume with room."
+        ) from e
 
 
 def _resolve_path(p: str) -> str:
@@ -83,7 +141,7 @@ def build_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
     tok_path = cfg.data.tokenizer or cfg.target.path
-    return AutoTokenizer.from_pretrained(tok_path)
+    return AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
 
 
 def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
@@ -245,37 +303,89 @@ def train(cfg: Config) -> RunResult:
     tokens_since, t_since = 0, time.time()
     step = start_step
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
-    while step < end_step:
-        np_batch = next(data_iter)
-        tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0)) * nproc
-        state, metrics = fns.train_step(state, target_params, vocab_arrays, _global_batch(np_batch, fns.batch_sharding))
-        step += 1
-        if step % cfg.train.log_every == 0 or step == end_step or step == start_step + 1:
-            m = _to_float_dict(jax.device_get(metrics))
-            dt = time.time() - t_since
-            m["tokens_per_s"] = tokens_since / max(dt, 1e-9)
-            m["lr"] = float(schedule(step - 1))
-            tokens_since, t_since = 0, time.time()
-            writer.write(step, "train", m)
-            if not result.first_metrics:
-                result.first_metrics = dict(m, step=step)
-            result.last_metrics = dict(m, step=step)
-            if bar is not None:
-                bar.set_postfix(summarize(m), refresh=False)
+    stop = _StopSignal()
+    consecutive_skips, pending = 0, None  # `pending`: (step, skipped flag array, batch) read one step late
+
+    def check_skip(entry):
+        """Non-finite guard bookkeeping, one step behind so the host never waits on the device."""
+        nonlocal consecutive_skips
+        s_step, flag, batch_ids = entry
+        if float(flag) == 0.0:
+            consecutive_skips = 0
+            return
+        consecutive_skips += 1
+        result.skipped_steps += 1
+        rows = _source_rows(prepared.train[proc::nproc], batch_ids)
+        log.warning("step %d: non-finite loss or gradient; update skipped (params unchanged). Source rows: %s",
+                    s_step, rows)
+        writer.write(s_step, "skip", {"consecutive": consecutive_skips, "rows": rows})
+        if consecutive_skips >= cfg.train.max_consecutive_skips:
+            raise _TooManySkips(s_step, rows)
+
+    try:
+        with stop.installed():
+            while step < end_step:
+                np_batch = next(data_iter)
+                tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0)) * nproc
+                state, metrics = fns.train_step(state, target_params, vocab_arrays,
+                                                _global_batch(np_batch, fns.batch_sharding))
+                step += 1
+                if pending is not None:
+                    check_skip(pending)
+                pending = (step, metrics["skipped"], np_batch.get("example_ids"))
+                if step % cfg.train.log_every == 0 or step == end_step or step == start_step + 1:
+                    m = _to_float_dict(jax.device_get(metrics))
+                    dt = time.time() - t_since
+                    m["tokens_per_s"] = tokens_since / max(dt, 1e-9)
+                    m["lr"] = float(schedule(step - 1))
+                    tokens_since, t_since = 0, time.time()
+                    writer.write(step, "train", m)
+                    if not result.first_metrics:
+                        result.first_metrics = dict(m, step=step)
+                    result.last_metrics = dict(m, step=step)
+                    if bar is not None:
+                        bar.set_postfix(summarize(m), refresh=False)
+                if bar is not None:
+                    bar.update(1)
+                if stop.requested or (nproc > 1 and mngr.reached_preemption(step)):
+                    check_skip(pending)
+                    pending = None
+                    result.preempted = True
+                    break
+                if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                    run_eval(step)
+                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
+                    check_skip(pending)
+                    pending = None
+                    _save(mngr, step, state, data_iter, result)
+            if pending is not None:
+                check_skip(pending)
+    except _TooManySkips as e:
+        _save(mngr, step, state, data_iter, result)
+        writer.close()
+        raise NonFiniteTrainingError(
+            f"{cfg.train.max_consecutive_skips} consecutive steps (up to step {e.step}) had a non-finite loss or "
+            f"gradient, so training stopped; the last good state is checkpointed in {mngr.directory}. Likely causes: "
+            f"optim.lr too high (now {cfg.optim.lr}) or no/too-loose optim.grad_clip (now {cfg.optim.grad_clip}); "
+            f"bad data in the rows of the last batch {e.rows}; a target in too low a precision (target.dtype)."
+        ) from None
+    finally:
         if bar is not None:
-            bar.update(1)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            run_eval(step)
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
-            ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
-    if bar is not None:
-        bar.close()
+            bar.close()
+    if result.preempted:
+        _save(mngr, step, state, data_iter, result)
+        writer.close()
+        result.final_step, result.stopped_early = step, True
+        result.wall_time_s = time.time() - t_start
+        log.warning("stop requested (SIGTERM/SIGINT or preemption): checkpoint saved at step %d in %s; "
+                    "run the same command again to resume.", step, mngr.directory)
+        return result
 
     result.final_step = step
     result.stopped_early = step < cfg.train.steps
     result.val_metrics = run_eval(step)
     if mngr.latest_step() != step:
-        ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
+        _save(mngr, step, state, data_iter, result)
     writer.close()
 
     if cfg.export.at_end and not result.stopped_early:

@@ -82,7 +82,12 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
+        # numerical guard: a non-finite loss or gradient leaves params and optimizer untouched
+        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+        keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
+                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
         return new_state, metrics
 
     def eval_step(params, target_params, vocab, batch):

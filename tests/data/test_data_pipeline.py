@@ -332,10 +332,17 @@ def test_train_iterator_layout_and_shapes():
     all_segs = set(as_multiset(exs))
     for _ in range(10):
         b = next(it)
-        assert set(b) == {"input_ids", "loss_mask", "segment_ids", "positions"}
+        assert set(b) == {"input_ids", "loss_mask", "segment_ids", "positions", "example_ids"}
         assert all(v.shape == (4, 16) for v in b.values())
         for s in segments_of(b):
             assert s in all_segs
+        # example_ids trace every segment back to its example (0 only on padding)
+        for r in range(4):
+            for seg in set(b["segment_ids"][r].tolist()) - {0}:
+                cells = b["segment_ids"][r] == seg
+                (eid,) = set(b["example_ids"][r][cells].tolist())
+                np.testing.assert_array_equal(b["input_ids"][r][cells], exs[eid - 1].input_ids)
+            assert not b["example_ids"][r][b["segment_ids"][r] == 0].any()
 
 
 def test_each_example_once_per_epoch():
