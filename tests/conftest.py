@@ -20,3 +20,16 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def repo_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+TINY_TARGET = dict(hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, steps=40, seq_len=128, batch_size=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A tiny Llama target + tokenizer built locally from the shipped demo data (a few seconds)."""
+    from specjax.demo import ensure_demo_target
+
+    path = tmp_path_factory.mktemp("assets") / "target"
+    ensure_demo_target(path, vocab_size=320, log=None, **TINY_TARGET)
+    return str(path)

@@ -11,6 +11,12 @@ class MetricsWriter:
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._tb = None
+        if enabled and os.path.exists(self.path):
+            # a killed run can leave a torn last line; start the resumed run on a fresh line
+            with open(self.path, "rb+") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n"):
+                    f.write(b"\n")
         if enabled:
             try:
                 from tensorboardX import SummaryWriter
@@ -48,5 +54,18 @@ def read_metrics(out_dir: str, split: str = "train") -> list[dict]:
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [r for r in (json.loads(line) for line in f if line.strip()) if r["split"] == split]
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line torn by a killed process
+                continue
+            if row.get("split") == split:
+                rows.append(row)
+    return rows
+
+
+def last_per_step(rows: list[dict]) -> dict[int, dict]:
+    """A resumed run re-logs the steps after its last checkpoint; keep the latest row per step."""
+    return {r["step"]: r for r in rows}

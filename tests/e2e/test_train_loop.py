@@ -11,18 +11,6 @@ import pytest
 from specjax.config import load_config
 from specjax.train.metrics import read_metrics
 
-TINY_TARGET = dict(hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, steps=40, seq_len=128, batch_size=8)
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    from specjax.demo import ensure_demo_target
-
-    path = tmp_path_factory.mktemp("assets") / "target"
-    ensure_demo_target(path, vocab_size=320, log=None, **TINY_TARGET)
-    return str(path)
-
-
 def _cfg(target, out, *extra):
     return load_config(None, [
         f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",

@@ -1,0 +1,85 @@
+"""Helpers to run training as a separate process (one CPU device) for kill/resume tests."""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import yaml
+
+
+def write_config(path, target, out_dir, **sections):
+    cfg = {
+        "run": {"output_dir": str(out_dir), "seed": 0},
+        "target": {"path": target, "dtype": "float32"},
+        "draft": {"ttt_steps": 2, "draft_vocab_size": 96},
+        "data": {"train_files": ["pkg://specjax/assets/demo_chat.jsonl"], "max_rows": 160,
+                 "seq_length": 64, "batch_size": 2, "val_fraction": 0.0},
+        "optim": {"lr": 3e-3, "warmup_ratio": 0.1},
+        "train": {"steps": 24, "log_every": 1, "eval_every": 0, "eval_batches": 0, "progress": False},
+        "checkpoint": {"every_steps": 4, "keep": 2},
+        "export": {"at_end": True, "dtype": "float32"},
+    }
+    for sec, kv in sections.items():
+        cfg.setdefault(sec, {}).update(kv)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return str(path)
+
+
+_CACHE = os.path.join(tempfile.gettempdir(), f"specjax-test-jax-cache-{os.getuid()}")
+
+
+def env():
+    e = dict(os.environ)
+    # restarts reuse compiled executables instead of recompiling the step every time
+    e["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    e["JAX_PLATFORMS"] = "cpu"
+    e.pop("XLA_FLAGS", None)
+    e["JAX_NUM_CPU_DEVICES"] = "1"
+    return e
+
+
+def launch(config_path, cwd):
+    return subprocess.Popen([sys.executable, "-m", "specjax.launch", "--config", config_path],
+                            cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run(config_path, cwd, timeout=300):
+    p = launch(config_path, cwd)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def count_train_rows(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if b'"split": "train"' in line)
+
+
+def wait_for_rows(out_dir, n, proc, timeout=240):
+    t0 = time.time()
+    while count_train_rows(out_dir) < n:
+        if proc.poll() is not None:
+            return False
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"no progress in {out_dir}")
+        time.sleep(0.05)
+    return True
+
+
+def exported_tensors(out_dir):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(out_dir, "export", "model.safetensors"))
+
+
+def assert_same_tensors(a, b, atol=0.0):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0, err_msg=k)
