@@ -24,8 +24,6 @@ class CheckpointSaveError(OSError):
 
 
 def manager(directory: str, *, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
-    import grain  # noqa: F401  (registers grain.checkpoint args with orbax)
-
     options = ocp.CheckpointManagerOptions(
         create=not read_only,
         read_only=read_only,
@@ -33,7 +31,12 @@ def manager(directory: str, *, keep: int = 3, read_only: bool = False) -> ocp.Ch
         preservation_policy=ocm.preservation_policy.LatestN(keep) if keep else None,
         cleanup_tmp_directories=True,
     )
-    return ocp.CheckpointManager(os.path.abspath(directory), item_names=(STATE, DATA, META), options=options)
+    import grain
+
+    # explicit handlers let item_metadata() describe a saved state before restoring it
+    handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
+                DATA: grain.checkpoint.CheckpointHandler()}
+    return ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers, options=options)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, meta: Optional[dict] = None) -> None:
@@ -46,12 +49,25 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, met
     mngr.wait_until_finished()
 
 
+def _plain_path(path) -> tuple:
+    # saved metadata uses dict/list keys where the live tree has namedtuple attributes: compare names
+    out = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                out.append(getattr(k, attr))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
 def _shape_diff(expected, found) -> list[str]:
     out = []
-    e_flat = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-    f_flat = dict(jax.tree_util.tree_flatten_with_path(found)[0])
+    e_flat = {_plain_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    f_flat = {_plain_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(found)[0]}
     for path in sorted(set(e_flat) | set(f_flat), key=str):
-        name = jax.tree_util.keystr(path)
+        name = ".".join(str(p) for p in path)
         e, f = e_flat.get(path), f_flat.get(path)
         if e is None:
             out.append(f"  {name}: only in checkpoint {tuple(f.shape)}")

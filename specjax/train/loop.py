@@ -176,6 +176,7 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
         target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        fc_norm=d.fc_norm, norm_output=d.norm_output,
     )
 
 
@@ -246,6 +247,10 @@ def train(cfg: Config) -> RunResult:
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
     draft_params = eagle3.init_draft_params(draft_cfg, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
+    if cfg.draft.init_from:  # warm start from a published head (checked against draft_cfg and the vocab)
+        from specjax_converters.eagle3_import import warm_start_params
+
+        draft_params = warm_start_params(cfg.draft.init_from, draft_cfg, vocab, draft_params)
     fns = build_step_fns(target, target.params, draft_params, draft_cfg, ttt, optimizer, mesh, compute_dtype)
     target_params = jax.device_put(target.params, fns.target_shardings)
     vocab_arrays = jax.device_put(
@@ -275,6 +280,10 @@ def train(cfg: Config) -> RunResult:
         step = None
         if restore_from != "latest":
             rdir, step = os.path.split(os.path.abspath(restore_from))
+            if not step.isdigit() or not os.path.isdir(restore_from):
+                raise FileNotFoundError(
+                    f"checkpoint.restore_from={restore_from!r} is not a saved checkpoint; give a "
+                    f"<run>/checkpoints/<step> folder, 'latest' (default) or 'none'.")
             rmngr, step = ckpt.manager(rdir, read_only=True), int(step)
         state, _ = ckpt.restore(rmngr, ckpt.abstract_like(state), data_iter, step=step)
         start_step = int(state["step"])

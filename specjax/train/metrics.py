@@ -33,7 +33,8 @@ class MetricsWriter:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
-                self._tb.add_scalar(f"{split}/{k}", v, step)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
 
     def close(self) -> None:
         if self._tb is not None:
