@@ -1,0 +1,205 @@
+"""`python -m specjax.doctor --config X [--draft DIR] [--rows N]`: check a setup before a long run.
+
+Checks the environment (versions, devices, mesh fit), the target folder, the tokenizer and its chat
+template, a sample of the data (usable rows, tokens, loss-mask density) and, with --draft, the
+export contract of a draft folder. Prints one line per check; exits 1 if any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Report:
+    lines: list = field(default_factory=list)
+    failed: int = 0
+
+    def ok(self, what, detail=""):
+        self.lines.append(("OK", what, detail))
+
+    def warn(self, what, detail=""):
+        self.lines.append(("WARN", what, detail))
+
+    def fail(self, what, detail=""):
+        self.failed += 1
+        self.lines.append(("FAIL", what, detail))
+
+    def render(self) -> str:
+        return "\n".join(f"[{s:4}] {w}" + (f": {d}" if d else "") for s, w, d in self.lines)
+
+
+def _check_env(rep: Report, cfg) -> None:
+    import jax
+
+    from specjax import mesh as meshlib
+
+    vers = []
+    for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "transformers", "safetensors"):
+        try:
+            vers.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            rep.fail(f"package {pkg}", "not installed; reinstall specjax (pip install -e .)")
+    rep.ok("python " + sys.version.split()[0], ", ".join(vers))
+    devs = jax.devices()
+    rep.ok("devices", f"{len(devs)} x {devs[0].platform} ({devs[0].device_kind}), {jax.process_count()} process(es)")
+    try:
+        shape = meshlib.mesh_shape({a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES}, len(devs))
+        n = shape["data"] * shape["fsdp"] * shape["expert"]
+        if cfg.data.batch_size % n:
+            rep.fail("mesh fit", f"data.batch_size={cfg.data.batch_size} is not divisible by data*fsdp*expert={n}")
+        else:
+            rep.ok("mesh fit", str(shape))
+    except ValueError as e:
+        rep.fail("mesh fit", str(e))
+
+
+def _check_target(rep: Report, cfg):
+    from specjax.targets import SUPPORTED_ARCHITECTURES, get_target_class, validate_aux_layer_ids
+
+    path = cfg.target.path
+    conf_path = os.path.join(path, "config.json")
+    if not os.path.exists(conf_path):
+        hint = " (it is built on the first run: target.build_demo=true)" if cfg.target.build_demo else ""
+        (rep.warn if cfg.target.build_demo else rep.fail)("target folder", f"no config.json in {path!r}{hint}")
+        return None
+    hf = json.load(open(conf_path, encoding="utf-8"))
+    arch = (hf.get("architectures") or [hf.get("model_type")])[0]
+    try:
+        cls = get_target_class(hf)
+    except ValueError as e:
+        rep.fail("target architecture", str(e))
+        return None
+    rep.ok("target architecture", f"{arch} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    files = os.listdir(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        shards = sorted(set(json.load(open(index))["weight_map"].values()))
+        missing = [s for s in shards if s not in files]
+        if missing:
+            rep.fail("target weights", f"index names missing shard files {missing}; re-download them")
+        else:
+            rep.ok("target weights", f"{len(shards)} safetensors shards")
+    elif "model.safetensors" in files:
+        rep.ok("target weights", "model.safetensors")
+    else:
+        pickles = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+        rep.fail("target weights", "no safetensors weights" + (f" (found pickle files {pickles}; specjax loads only "
+                 "safetensors: convert them, e.g. with transformers' save_pretrained(safe_serialization=True))"
+                 if pickles else ""))
+    try:
+        config = cls.config_from_hf(hf)
+        ids = cfg.target.aux_layer_ids or None
+        L = config.num_hidden_layers
+        from specjax.targets import default_aux_layer_ids
+
+        ids = validate_aux_layer_ids(tuple(ids) if ids else default_aux_layer_ids(L), L)
+        rep.ok("aux layer ids", f"{list(ids)} of {L} layers (output-of-layer-k convention)")
+    except ValueError as e:
+        rep.fail("target config / aux ids", str(e))
+        return None
+    if cfg.draft.draft_vocab_size > config.vocab_size:
+        rep.fail("draft vocab", f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} > target vocab {config.vocab_size}")
+    return config
+
+
+def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> None:
+    from transformers import AutoTokenizer
+
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    try:
+        tok = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - report whatever the tokenizer loader says
+        rep.fail("tokenizer", f"cannot load from {tok_path!r}: {e}")
+        return
+    if target_config is not None and len(tok) > target_config.vocab_size:
+        rep.fail("tokenizer", f"{len(tok)} tokens > target vocab_size {target_config.vocab_size}; use the target's tokenizer")
+    else:
+        rep.ok("tokenizer", f"{len(tok)} tokens from {tok_path}")
+    from specjax.data import prepare_examples
+    from specjax.data.chat import resolve_chat_template
+    from specjax.train.loop import _resolve_path
+
+    try:
+        resolve_chat_template(tok, cfg.data.chat_template)
+        rep.ok("chat template", "data.chat_template" if cfg.data.chat_template else "the tokenizer's own")
+    except ValueError as e:
+        rep.fail("chat template", str(e))
+        return
+    files = tuple(_resolve_path(p) for p in cfg.data.train_files)
+    if not files:
+        rep.fail("data", "data.train_files is empty")
+        return
+    try:
+        prep = prepare_examples(files, tok, cfg.data.seq_length, 0.0, 0, max_rows=n_rows,
+                                truncate=cfg.data.truncate, chat_template=cfg.data.chat_template)
+    except (ValueError, FileNotFoundError) as e:
+        rep.fail("data sample", str(e))
+        return
+    n_tok = sum(len(e) for e in prep.train)
+    n_mask = sum(int(e.loss_mask.sum()) for e in prep.train)
+    detail = (f"{len(prep.train)}/{prep.n_rows} rows usable, {n_tok} tokens, loss-mask density "
+              f"{n_mask / max(n_tok, 1):.2f}, mean length {n_tok / max(len(prep.train), 1):.0f}")
+    if prep.skipped:
+        rep.warn("data sample", f"{detail}; skipped {prep.skipped}; first: {prep.skip_messages[:3]}")
+    else:
+        rep.ok("data sample", detail)
+
+
+def _check_draft(rep: Report, draft_dir: str) -> None:
+    try:
+        from specjax_converters.eagle3_validate import validate_folder
+    except ImportError:
+        validate_folder = None
+    try:
+        if validate_folder is not None:
+            validate_folder(draft_dir)
+        else:
+            from specjax_converters.eagle3_export import validate_export  # noqa: F401
+        rep.ok("draft export contract", draft_dir)
+    except (ValueError, FileNotFoundError) as e:
+        rep.fail("draft export contract", str(e))
+
+
+def run_doctor(config_path: str, overrides=(), draft: str | None = None, rows: int = 200) -> Report:
+    from specjax.config import load_config
+
+    rep = Report()
+    cfg = load_config(config_path, overrides)
+    rep.ok("config", config_path)
+    _check_env(rep, cfg)
+    target_config = _check_target(rep, cfg)
+    if os.path.exists(os.path.join(cfg.data.tokenizer or cfg.target.path, "tokenizer_config.json")) or cfg.data.tokenizer:
+        _check_tokenizer_and_data(rep, cfg, target_config, rows)
+    else:
+        rep.warn("tokenizer", f"no tokenizer files in {cfg.data.tokenizer or cfg.target.path!r} yet")
+    if draft:
+        _check_draft(rep, draft)
+    return rep
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specjax.doctor", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--draft", help="also validate an exported draft folder")
+    p.add_argument("--rows", type=int, default=200, help="data rows to sample")
+    a = p.parse_args(argv)
+    from specjax.config import ConfigError
+
+    try:
+        rep = run_doctor(a.config, a.overrides, a.draft, a.rows)
+    except ConfigError as e:
+        print(f"[FAIL] config: {e}")
+        return 1
+    print(rep.render())
+    print(f"doctor: {len(rep.lines) - rep.failed} ok, {rep.failed} failing")
+    return 1 if rep.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
