@@ -19,6 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML config (may use `base: other.yaml`).")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 draft.ttt_steps=5")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--compile-only", action="store_true",
+                   help="lower + compile the train step for the configured mesh from the target's config.json "
+                        "(no weights, no data) and print per-device memory and FLOPs")
     return p
 
 
@@ -41,6 +44,11 @@ def main(argv=None) -> int:
     from specjax.distributed import initialize
 
     initialize()
+    if args.compile_only:
+        from specjax.train.aot import compile_step, format_report
+
+        print(format_report(compile_step(cfg)))
+        return 0
     from specjax.train.loop import train
 
     from specjax.checkpoint import CheckpointMismatch, CheckpointSaveError
