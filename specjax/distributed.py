@@ -13,11 +13,19 @@ import jax
 _initialized = False
 
 
+def _cpu_collectives() -> None:
+    # multi-process CPU runs (tests, debugging) need a cross-process collectives backend
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
 def initialize() -> None:
     global _initialized
     if _initialized:
         return
     coord = os.environ.get("SPECJAX_COORDINATOR")
+    if coord or os.environ.get("SPECJAX_DISTRIBUTED") == "auto":
+        _cpu_collectives()
     if coord:
         jax.distributed.initialize(
             coordinator_address=coord,

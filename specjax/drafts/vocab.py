@@ -86,8 +86,10 @@ class DraftVocab:
         # Write through a file handle so numpy does not append ".npz" to a path that lacks it.
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "wb") as f:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
             np.savez(f, draft_ids=self.draft_ids, d2t=self.d2t, t2d=self.t2d)
+        os.replace(tmp, path)  # atomic: a reader never sees a half-written vocab
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "DraftVocab":

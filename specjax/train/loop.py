@@ -159,7 +159,8 @@ def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
     counts = token_counts_from_examples(examples, vocab_size)
     vocab = build_draft_vocab(counts, cfg.draft.draft_vocab_size)
     vocab.validate()
-    vocab.save(path)
+    if jax.process_index() == 0:  # every process computes the same vocab; one writes it
+        vocab.save(path)
     return vocab
 
 
@@ -181,7 +182,12 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
 
 
 def _global_batch(np_batch: dict, sharding) -> dict:
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(np_batch[k])) for k in BATCH_KEYS}
+    """Every process holds the same global numpy batch (identical iterators); each contributes the
+    rows of its own devices, so training is the same whatever the number of processes."""
+    nproc, proc = jax.process_count(), jax.process_index()
+    rows = np_batch["input_ids"].shape[0] // nproc
+    return {k: jax.make_array_from_process_local_data(
+        sharding, np.asarray(np_batch[k])[proc * rows:(proc + 1) * rows]) for k in BATCH_KEYS}
 
 
 def _to_float_dict(metrics: dict) -> dict:
@@ -259,8 +265,10 @@ def train(cfg: Config) -> RunResult:
     state = jax.jit(lambda p: init_state(p, optimizer, cfg.run.seed), out_shardings=fns.state_shardings)(draft_params)
     del draft_params
 
-    data_iter = make_train_iterator(prepared.train, cfg.data.seq_length, cfg.data.batch_size // nproc,
-                                    cfg.data.shuffle_seed, shard_index=proc, shard_count=nproc)
+    # one global iterator, identical on every process (packing is cheap next to the step); each
+    # process feeds its rows of the global batch to its devices (see _global_batch)
+    data_iter = make_train_iterator(prepared.train, cfg.data.seq_length, cfg.data.batch_size,
+                                    cfg.data.shuffle_seed)
     mngr = ckpt.manager(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep)
     meta = {
         "config": config_to_dict(cfg),
@@ -324,7 +332,7 @@ def train(cfg: Config) -> RunResult:
             return
         consecutive_skips += 1
         result.skipped_steps += 1
-        rows = _source_rows(prepared.train[proc::nproc], batch_ids)
+        rows = _source_rows(prepared.train, batch_ids)
         log.warning("step %d: non-finite loss or gradient; update skipped (params unchanged). Source rows: %s",
                     s_step, rows)
         writer.write(s_step, "skip", {"consecutive": consecutive_skips, "rows": rows})
@@ -335,7 +343,7 @@ def train(cfg: Config) -> RunResult:
         with stop.installed():
             while step < end_step:
                 np_batch = next(data_iter)
-                tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0)) * nproc
+                tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0))
                 state, metrics = fns.train_step(state, target_params, vocab_arrays,
                                                 _global_batch(np_batch, fns.batch_sharding))
                 step += 1
@@ -356,7 +364,12 @@ def train(cfg: Config) -> RunResult:
                         bar.set_postfix(summarize(m), refresh=False)
                 if bar is not None:
                     bar.update(1)
-                if stop.requested or (nproc > 1 and mngr.reached_preemption(step)):
+                if nproc > 1:  # every process must agree to stop at the same step (saves are collective)
+                    from jax.experimental import multihost_utils
+
+                    stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(stop.requested))))
+                    stop.requested = stop.requested or mngr.reached_preemption(step)
+                if stop.requested:
                     check_skip(pending)
                     pending = None
                     result.preempted = True
