@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Run one specjax training command on every host of a Cloud TPU pod slice.
+#
+#   launch/tpu_pod.sh create  NAME ZONE ACCELERATOR [VERSION]   # e.g. my-pod us-east5-a v5p-64
+#   launch/tpu_pod.sh setup   NAME ZONE                         # clone/copy + install on all hosts
+#   launch/tpu_pod.sh train   NAME ZONE CONFIG [key=value ...]  # same command on all hosts
+#   launch/tpu_pod.sh delete  NAME ZONE
+#
+# On a pod, jax.distributed finds the coordinator itself (SPECJAX_DISTRIBUTED=auto); every host
+# reads the same config, runs the same data iterator and feeds its own rows of each global batch.
+# The repository is copied from this machine to ~/specjax on every worker.
+set -euo pipefail
+
+usage() { sed -n '2,12p' "$0"; exit 2; }
+[[ $# -ge 3 ]] || usage
+cmd=$1 name=$2 zone=$3
+shift 3
+
+on_all() {  # run a shell snippet on every worker of the slice
+  gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" --worker=all --command "$1"
+}
+
+case "$cmd" in
+  create)
+    [[ $# -ge 1 ]] || usage
+    accel=$1 version=${2:-v2-alpha-tpuv5}
+    gcloud compute tpus tpu-vm create "$name" --zone "$zone" --accelerator-type "$accel" --version "$version"
+    ;;
+  setup)
+    repo=$(cd "$(dirname "$0")/.." && pwd)
+    tarball=$(mktemp --suffix .tar.gz)
+    tar -C "$repo" --exclude .git --exclude .venv --exclude runs -czf "$tarball" .
+    gcloud compute tpus tpu-vm scp "$tarball" "$name:~/specjax.tar.gz" --zone "$zone" --worker=all
+    rm -f "$tarball"
+    on_all 'mkdir -p ~/specjax && tar -C ~/specjax -xzf ~/specjax.tar.gz && cd ~/specjax && python3 -m venv .venv && .venv/bin/pip install -q -e . "jax[tpu]"'
+    ;;
+  train)
+    [[ $# -ge 1 ]] || usage
+    config=$1
+    shift
+    overrides=""
+    for kv in "$@"; do overrides+=" $(printf '%q' "$kv")"; done
+    on_all "cd ~/specjax && SPECJAX_DISTRIBUTED=auto .venv/bin/python -m specjax.launch --config $(printf '%q' "$config")$overrides"
+    ;;
+  delete)
+    gcloud compute tpus tpu-vm delete "$name" --zone "$zone" --quiet
+    ;;
+  *)
+    usage
+    ;;
+esac
