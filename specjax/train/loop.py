@@ -124,8 +124,22 @@ def _check_writable(path: str) -> None:
         raise OSError(f"run.output_dir {path!r} is not writable ({e}); choose another run.output_dir.") from e
 
 
-def build_target(cfg: Config):
+def target_shardings(cls, config, mesh):
+    """NamedShardings for every target leaf from its weight map, known before any weight is read,
+    so the loader puts each tensor straight onto its shards (no full host copy of a big target)."""
+    from specjax.targets.base import tree_set
+
+    logical, shapes = {}, {}
+    for spec in cls.weight_specs(config):
+        tree_set(logical, spec.path, spec.axes)
+        tree_set(shapes, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.float32))
+    return meshlib.tree_shardings(mesh, logical, shapes)
+
+
+def build_target(cfg: Config, mesh=None):
     from specjax.targets import load_target
+    from specjax.targets.loading import read_hf_config
+    from specjax.targets.registry import get_target_class
 
     path = cfg.target.path
     if not path:
@@ -134,7 +148,11 @@ def build_target(cfg: Config):
         from specjax.demo import ensure_demo_target
 
         ensure_demo_target(path)
-    return load_target(path, dtype=cfg.target.dtype)
+    shardings = None
+    if mesh is not None:
+        cls = get_target_class(read_hf_config(path))
+        shardings = target_shardings(cls, cls.config_from_hf(read_hf_config(path)), mesh)
+    return load_target(path, dtype=cfg.target.dtype, shardings=shardings)
 
 
 def build_tokenizer(cfg: Config):
@@ -208,7 +226,8 @@ def train(cfg: Config) -> RunResult:
     _check_writable(out_dir)
     proc, nproc = jax.process_index(), jax.process_count()
 
-    target = build_target(cfg)
+    mesh = meshlib.make_mesh({a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES})
+    target = build_target(cfg, mesh)
     tokenizer = build_tokenizer(cfg)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(
@@ -238,9 +257,6 @@ def train(cfg: Config) -> RunResult:
                     attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
     compute_dtype = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
 
-    mesh = meshlib.make_mesh(
-        {a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES}
-    )
     n_batch_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
     if cfg.data.batch_size % n_batch_shards:
         raise ValueError(
