@@ -57,6 +57,11 @@ class DraftConfig:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     init_std: float = 0.02
+    # EAGLE-3.1 (needs 2026+ engines): per-aux-chunk RMSNorms before fc; feed norm(h) to the next step
+    fc_norm: bool = False
+    norm_output: bool = False
+    # warm start: a published head folder (SpecForge midlayer.* / speculators layers.0.* / specjax export)
+    init_from: Optional[str] = None
 
 
 @dataclass(frozen=True)

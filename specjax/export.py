@@ -1,10 +1,14 @@
-"""Export a trained draft for vLLM / SGLang.
+"""Export a trained draft for vLLM / SGLang, or validate any EAGLE-3 head folder.
 
     python -m specjax.export --checkpoint RUN_DIR --out OUT_DIR [--dtype bf16|fp32] [--step N]
+                             [--variant eagle3|eagle3.1]
+    python -m specjax.export --validate HEAD_DIR [--target TARGET_DIR]
 
 RUN_DIR is a training run's output_dir (run_meta.json, draft_vocab.npz, checkpoints/<step>/). Only
 the draft params are read from the orbax checkpoint; the target model is not needed (its config is
-in run_meta.json). The format is described in specjax_converters.eagle3_export.
+in run_meta.json). The format is described in specjax_converters.eagle3_export. --validate runs
+every contract rule (specjax_converters.eagle3_validate) on a head folder, ours or another
+trainer's (SpecForge / speculators layout), and exits 1 when it finds an error.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from specjax_converters.eagle3_export import export_eagle3, normalize_dtype
+from specjax_converters.eagle3_validate import errors, validate_folder
 
 log = logging.getLogger("specjax")
 
@@ -28,10 +33,10 @@ STATE_ITEM = "state"
 
 
 def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, dtype: str = "bfloat16",
-                      extra_manifest: Optional[Mapping] = None) -> str:
+                      extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
     """Export draft `params` (host or device arrays) to `out_dir`; returns the absolute path."""
     out = export_eagle3(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,
-                        extra_manifest=extra_manifest)
+                        extra_manifest=extra_manifest, variant=variant)
     log.info("exported the EAGLE-3 draft to %s", out)
     return out
 
@@ -111,7 +116,34 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
     return restored["params"], step
 
 
-def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None) -> str:
+def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
+    """The metrics saved with checkpoint `step` (its meta item), else the last train row of
+    metrics.jsonl at or before `step`; None when neither exists."""
+    meta_path = os.path.join(run_dir, CHECKPOINTS_DIR, str(step), "meta", "metadata")
+    try:
+        with open(meta_path) as f:
+            metrics = json.load(f).get("metrics")
+        if metrics:
+            return metrics
+    except (OSError, ValueError, AttributeError):
+        pass
+    last = None
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if row.get("split", "train") == "train" and int(row.get("step", -1)) <= step:
+                    last = row
+    except OSError:
+        return None
+    return last
+
+
+def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None,
+               variant: Optional[str] = None) -> str:
     from specjax.drafts import eagle3
     from specjax.drafts.vocab import DraftVocab
 
@@ -123,20 +155,47 @@ def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Option
         raise NotARunError(f"{vocab_path} is missing: the run's draft vocab is needed for d2t/t2d.")
     vocab = DraftVocab.load(vocab_path)
     params, step = restore_params(run_dir, draft_cfg, step)
-    extra = {"step": step, "source_run": run_dir, "target_path": meta.get("target_path")}
+    extra = {"step": step, "source_run": run_dir, "target_path": meta.get("target_path"),
+             "metrics": _metrics_at(run_dir, step)}
     if "config" in meta:
         extra["config"] = meta["config"]
     return export_from_state(params, draft_cfg, vocab, meta["target_config"], out_dir, dtype=dtype,
-                             extra_manifest=extra)
+                             extra_manifest=extra, variant=variant)
+
+
+def validate_cli(head_dir: str, target: Optional[str] = None, out=None) -> int:
+    """Print every finding for `head_dir`; 0 when it has no errors, 1 when it has."""
+    out = out or sys.stdout
+    findings, info = validate_folder(head_dir, target=target)
+    errs = errors(findings)
+    print(f"{os.path.abspath(head_dir)}: {info['layout']} layout; target config: "
+          f"{info['target_source'] or 'none'}", file=out)
+    for f in sorted(findings, key=lambda f: (f.level != "error", f.rule)):
+        print(f"  {f}", file=out)
+    print(f"{'INVALID' if errs else 'OK'}: {len(errs)} error(s), {len(findings) - len(errs)} warning(s)", file=out)
+    return 1 if errs else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specjax.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", required=True, help="the training run's output_dir")
-    ap.add_argument("--out", required=True, help="folder to write (model.safetensors, config.json)")
+    ap.add_argument("--checkpoint", help="the training run's output_dir")
+    ap.add_argument("--out", help="folder to write (model.safetensors, config.json)")
     ap.add_argument("--dtype", default="bf16", help="bf16 (default) or fp32")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--variant", default=None, help="eagle3 or eagle3.1 (default: what the draft was trained as)")
+    ap.add_argument("--validate", metavar="HEAD_DIR", help="validate a head folder instead of exporting")
+    ap.add_argument("--target", help="with --validate: the target model folder (enables the target rules)")
     args = ap.parse_args(argv)
+    if args.validate:
+        if args.checkpoint or args.out:
+            ap.error("--validate takes a head folder only (no --checkpoint/--out)")
+        try:
+            return validate_cli(args.validate, args.target)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if not args.checkpoint or not args.out:
+        ap.error("export needs --checkpoint RUN_DIR and --out OUT_DIR (or use --validate HEAD_DIR)")
     # Show our INFO lines once (absl may add a root handler later); orbax's INFO chatter stays hidden.
     if not log.handlers:
         log.addHandler(logging.StreamHandler())
@@ -144,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.propagate = False
     try:
         dtype = normalize_dtype(args.dtype)
-        out = export_run(args.checkpoint, args.out, dtype=dtype, step=args.step)
+        out = export_run(args.checkpoint, args.out, dtype=dtype, step=args.step, variant=args.variant)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

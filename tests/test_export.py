@@ -109,8 +109,15 @@ def test_export_layout_config_and_manifest(tmp_path):
     }
     assert {k: conf.get(k) for k in expected} == expected
 
+    assert "fc_norm" not in conf  # only EAGLE-3.1 exports carry the flag
+    assert "target_layer_count" not in conf  # only looped targets need it
+
     manifest = json.loads((out / "specjax_manifest.json").read_text())
-    assert manifest["step"] == 7 and manifest["dtype"] == "bfloat16"
+    assert manifest["step"] == 7 and manifest["dtype"] == "bfloat16" and manifest["variant"] == "eagle3"
+    canonical = json.dumps(target_hf, sort_keys=True, separators=(",", ":")).encode()
+    assert manifest["target_config_sha256"] == hashlib.sha256(canonical).hexdigest()
+    assert manifest["target_config"] == target_hf and manifest["draft_config"]["aux_layer_ids"] == list(AUX)
+    assert manifest["warnings"] == []
     for name in ("model.safetensors", "config.json"):
         assert manifest["files"][name]["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
 
@@ -196,7 +203,7 @@ def _fake_run(run_dir, cfg, target_hf, vocab, params_by_step):
     for step, params in params_by_step.items():
         state = init_state(params, optax.adamw(1e-3), seed=0)
         state["step"] = jnp.asarray(step, jnp.int32)
-        ckpt.save(mngr, step, state, meta={"step": step})
+        ckpt.save(mngr, step, state, meta={"step": step, "metrics": {"loss": 10.0 - step}})
 
 
 def test_export_cli_from_run_folder(tmp_path, capsys):
@@ -217,6 +224,8 @@ def test_export_cli_from_run_folder(tmp_path, capsys):
     np.testing.assert_array_equal(w["t2d"], vocab.t2d)
     manifest = json.loads((tmp_path / "latest" / "specjax_manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["source_run"] == str(run) and manifest["dtype"] == "float32"
+    assert manifest["metrics"] == {"loss": 5.0} and manifest["config"] == {"run": {"seed": 0}}  # step 5's
+    assert manifest["target_path"] == "/nonexistent/target" and manifest["variant"] == "eagle3"
 
     assert main(["--checkpoint", str(run), "--out", str(tmp_path / "s3"), "--step", "3"]) == 0
     w = load_file(tmp_path / "s3" / "model.safetensors")
@@ -231,6 +240,8 @@ def test_export_cli_from_run_folder(tmp_path, capsys):
     assert main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--step", "4"]) == 2
     assert "available steps: [3, 5]" in capsys.readouterr().err
     assert main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--dtype", "int8"]) == 2
+    assert main(["--checkpoint", str(run), "--out", str(tmp_path / "x"), "--variant", "eagle3.1"]) == 2
+    assert "variant: --variant eagle3.1 but the draft was trained as eagle3" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -5,22 +5,31 @@ Layout (shared/reference/eagle3-contract.md §2.11): one folder with
                         offsets [Vd], t2d bool [V]; no `model.` prefix and no embed_tokens (engines use
                         the target's embedding)
   config.json           a LlamaForCausalLMEagle3 config (one layer, untied head, the target's vocab,
-                        RoPE and context, aux ids in both index conventions)
-  specjax_manifest.json sha256 of each file plus whatever the caller adds (step, metrics, run config)
+                        RoPE and context, aux ids in both index conventions; EAGLE-3.1 flags and
+                        looped-target depth fields when they apply)
+  specjax_manifest.json sha256 of each file, variant, draft config, target config and its hash, plus
+                        whatever the caller adds (step, metrics, training config, target path)
+
+Every rule of specjax_converters.eagle3_validate runs before anything is written.
 
 The folder is written under a temporary name next to `out_dir` and renamed at the end, so a failed
 export leaves no partial folder behind.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import Any, Mapping, Optional
 
 import numpy as np
+
+from specjax_converters.eagle3_validate import (ARCHITECTURE, ExportValidationError, Finding, check_head, errors,
+                                                target_text_config, target_virtual_depth, validate_folder)
 
 __all__ = [
     "CONFIG_FILE",
@@ -30,21 +39,25 @@ __all__ = [
     "eagle3_state_dict",
     "expected_shapes",
     "export_eagle3",
+    "infer_variant",
     "normalize_dtype",
+    "target_config_sha256",
     "validate_export",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "specjax_manifest.json"
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 FORMAT = "specjax-eagle3"
 FORMAT_VERSION = 1
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 # Target config fields copied verbatim when present (special-token ids the engines may read).
 _COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_RESERVED_MANIFEST_KEYS = ("format", "format_version", "dtype", "files")
+_RESERVED_MANIFEST_KEYS = ("format", "format_version", "dtype", "files", "variant", "target_config",
+                           "target_config_sha256", "draft_config", "warnings")
+VARIANTS = ("eagle3", "eagle3.1")
+log = logging.getLogger("specjax")
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -120,8 +133,31 @@ def _legacy_rope_scaling(rope_parameters: dict) -> Optional[dict]:
     return {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
 
 
+def infer_variant(cfg) -> str:
+    """"eagle3.1" when the draft was trained with fc_norm or norm_output, else "eagle3"."""
+    return "eagle3.1" if (getattr(cfg, "fc_norm", False) or getattr(cfg, "norm_output", False)) else "eagle3"
+
+
+def normalize_variant(variant: Optional[str], cfg) -> str:
+    trained = infer_variant(cfg)
+    if variant is None:
+        return trained
+    v = str(variant).lower().replace("eagle-", "eagle")
+    if v not in VARIANTS:
+        raise ValueError(f"export variant {variant!r} is not supported; use one of {', '.join(VARIANTS)}.")
+    if v != trained:
+        flags = f"fc_norm={getattr(cfg, 'fc_norm', False)}, norm_output={getattr(cfg, 'norm_output', False)}"
+        raise ValueError(
+            f"EAGLE-3 export: variant: --variant {v} but the draft was trained as {trained} ({flags}); the "
+            f"variant is fixed at training time. Fix: export with --variant {trained}"
+            + (", or retrain with draft.fc_norm=true / draft.norm_output=true" if v == "eagle3.1" else "")
+        )
+    return v
+
+
 def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") -> dict:
     """The draft's config.json (contract §2.3 / §2.11)."""
+    tc = target_text_config(target_hf_config)
     rope_parameters = cfg.rope.to_hf()
     out_ids = [int(i) for i in cfg.aux_layer_ids]
     conf = {
@@ -135,10 +171,10 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "num_hidden_layers": 1,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": int(target_hf_config["vocab_size"]),
+        "vocab_size": int(tc["vocab_size"]),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "max_position_embeddings": int(target_hf_config.get("max_position_embeddings", cfg.max_position_embeddings)),
+        "max_position_embeddings": int(tc.get("max_position_embeddings", cfg.max_position_embeddings)),
         # Both RoPE layouts: transformers 5 reads rope_parameters, older stacks rope_theta/rope_scaling.
         "rope_theta": rope_parameters["rope_theta"],
         "rope_scaling": _legacy_rope_scaling(rope_parameters),
@@ -152,72 +188,50 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         # Engines feed the pre-norm hidden to the next draft step when these are false, which is how
         # the draft was trained (contract §2.3: `norm_output` means something else in SpecForge).
         "norm_before_residual": False,
-        "norm_output": False,
+        "norm_output": bool(getattr(cfg, "norm_output", False)),
         "torch_dtype": normalize_dtype(dtype),
     }
+    if infer_variant(cfg) == "eagle3.1":
+        conf["fc_norm"] = bool(cfg.fc_norm)  # only EAGLE-3.1 heads carry the key (and fc_norm.{i}.weight)
+    loops = int(tc.get("num_loops") or 1)
+    if loops > 1:
+        # Looped target (Nanbeige card): the aux ids index the unrolled depth L*loops, and the draft's own
+        # layer must sit after it. vLLM stamps `target_layer_count` and names the draft layer
+        # layers.<count>; from the physical L it would collide with loop 2's layer L.
+        conf["target_layer_count"] = target_virtual_depth(target_hf_config)
+        conf["target_num_loops"] = loops
+        conf["target_num_hidden_layers"] = int(tc["num_hidden_layers"])
+        for key in ("loop_start", "loop_end"):
+            if tc.get(key) is not None:
+                conf[f"target_{key}"] = int(tc[key])
     for key in _COPIED_TOKEN_FIELDS:
-        if target_hf_config.get(key) is not None:
-            conf[key] = target_hf_config[key]
+        if tc.get(key) is not None:
+            conf[key] = tc[key]
     return conf
 
 
-def _fail(field: str, problem: str, fix: str) -> None:
-    raise ValueError(f"EAGLE-3 export: {field}: {problem}. Fix: {fix}")
+def validate_export(tensors: Mapping[str, np.ndarray], config: Mapping, target_hf_config: Mapping,
+                    training_aux_ids=None, variant: Optional[str] = None) -> list[Finding]:
+    """Every contract rule (specjax_converters.eagle3_validate) on the in-memory head; raises
+    ExportValidationError (a ValueError naming each field and its fix) on any error, else returns
+    the warnings."""
+    findings = check_head(config, tensors, target_config=target_hf_config, training_aux_ids=training_aux_ids,
+                          variant=variant)
+    if errors(findings):
+        raise ExportValidationError(findings)
+    return findings
 
 
-def validate_export(tensors: Mapping[str, np.ndarray], config: Mapping, target_hf_config: Mapping) -> None:
-    """The silent-failure checks of contract §2.11 that are cheap to run before writing anything."""
-    shapes = {k: tuple(v) for k, v in _shapes_from_config(config).items()}
-    bad_prefix = [k for k in tensors if k.startswith(("model.", "draft_model."))]
-    if bad_prefix:
-        _fail("weight keys", f"{bad_prefix} carry a model./draft_model. prefix", "export the draft's own keys")
-    got = set(tensors) - {"d2t", "t2d"}
-    if got != set(shapes):
-        _fail("weight keys", f"missing {sorted(set(shapes) - got)}, unexpected {sorted(got - set(shapes))}",
-              "pass the draft params from specjax.drafts.eagle3 (layout in docs/INTERFACES.md)")
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            _fail(key, f"shape {tuple(tensors[key].shape)} but the config implies {shape}",
-                  "export with the Eagle3Config the params were trained with")
-
-    V, Vd = int(config["vocab_size"]), int(config["draft_vocab_size"])
-    d2t, t2d = np.asarray(tensors["d2t"]), np.asarray(tensors["t2d"])
-    if d2t.dtype != np.int64 or d2t.shape != (Vd,):
-        _fail("d2t", f"dtype {d2t.dtype} shape {d2t.shape}, expected int64 ({Vd},)",
-              "use the run's DraftVocab (draft_vocab.npz) built for this draft_vocab_size")
-    if t2d.dtype != np.bool_ or t2d.shape != (V,):
-        _fail("t2d", f"dtype {t2d.dtype} shape {t2d.shape}, expected bool ({V},) (the target's vocab_size)",
-              "build the DraftVocab for the target's config vocab_size")
-    if not np.array_equal(np.flatnonzero(t2d), np.arange(Vd) + d2t):
-        _fail("d2t/t2d", "nonzero(t2d) != arange(Vd) + d2t (engines would map draft tokens to wrong ids)",
-              "rebuild the vocab with specjax.drafts.vocab.DraftVocab.from_ids")
-
-    if int(target_hf_config.get("hidden_size", config["hidden_size"])) != int(config["hidden_size"]):
-        _fail("hidden_size", f"draft {config['hidden_size']} != target {target_hf_config['hidden_size']}",
-              "the draft shares the target's embedding, so its hidden_size must be the target's")
-    n_layers = target_hf_config.get("num_hidden_layers")
-    ids = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    if n_layers is not None and not all(0 <= i < int(n_layers) for i in ids):
-        _fail("aux_layer_ids", f"{ids} outside the target's {n_layers} layers", "use ids in [0, num_hidden_layers)")
-
-    from specjax.targets.layers.rope import rope_spec_from_hf
-
-    if rope_spec_from_hf(target_hf_config).to_hf() != config["rope_parameters"]:
-        _fail("rope_parameters", f"draft {config['rope_parameters']} != target "
-              f"{rope_spec_from_hf(target_hf_config).to_hf()}", "the draft must use the target's RoPE")
+def _config_dict(cfg) -> dict:
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return dict(vars(cfg))
 
 
-def _shapes_from_config(config: Mapping) -> dict[str, tuple[int, ...]]:
-    from types import SimpleNamespace
-
-    n_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    cfg = SimpleNamespace(
-        hidden_size=config["hidden_size"], target_hidden_size=config["target_hidden_size"],
-        intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-        draft_vocab_size=config["draft_vocab_size"], num_aux=n_aux,
-    )
-    return expected_shapes(cfg)
+def target_config_sha256(target_hf_config: Mapping) -> str:
+    """Hash of the target's config.json content (key order does not matter)."""
+    blob = json.dumps(target_hf_config, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _sha256(path: str) -> str:
@@ -254,6 +268,10 @@ def _is_replaceable(path: str) -> bool:
     return not entries or MANIFEST_FILE in entries
 
 
+def _fail(field: str, problem: str, fix: str) -> None:
+    raise ValueError(f"EAGLE-3 export: {field}: {problem}. Fix: {fix}")
+
+
 def export_eagle3(
     draft_params: Mapping,
     draft_cfg,
@@ -262,23 +280,31 @@ def export_eagle3(
     out_dir: str | os.PathLike,
     dtype: str = "bfloat16",
     extra_manifest: Optional[Mapping] = None,
+    variant: Optional[str] = None,
 ) -> str:
     """Validate, then write model.safetensors + config.json + specjax_manifest.json to `out_dir`.
 
-    `vocab` needs `d2t` (int64 [Vd]) and `t2d` (bool [V]) (a DraftVocab). Raises ValueError before
-    touching the disk when the draft, vocab and target config disagree. An existing `out_dir` is
+    `vocab` needs `d2t` (int64 [Vd]) and `t2d` (bool [V]) (a DraftVocab). `variant` ("eagle3" |
+    "eagle3.1", default: what the draft was trained as) must match the draft's fc_norm/norm_output.
+    Every rule of specjax_converters.eagle3_validate runs on the tensors and config before anything
+    touches the disk, and again on the written folder before it is renamed into place; any error
+    raises ExportValidationError (a ValueError) and leaves no folder. An existing `out_dir` is
     replaced only when it is empty or holds an earlier export. Returns the absolute out_dir.
     """
     from safetensors.numpy import save_file
 
     dtype = normalize_dtype(dtype)
+    variant = normalize_variant(variant, draft_cfg)
     extra = dict(extra_manifest or {})
     clash = [k for k in extra if k in _RESERVED_MANIFEST_KEYS]
     if clash:
         _fail("extra_manifest", f"keys {clash} are reserved", f"rename them (reserved: {_RESERVED_MANIFEST_KEYS})")
     tensors = eagle3_state_dict(draft_params, draft_cfg, vocab, dtype)
     config = eagle3_hf_config(draft_cfg, target_hf_config, dtype)
-    validate_export(tensors, config, target_hf_config)
+    aux_ids = [int(i) for i in draft_cfg.aux_layer_ids]
+    warnings = validate_export(tensors, config, target_hf_config, training_aux_ids=aux_ids, variant=variant)
+    for w in warnings:
+        log.warning("export: %s", w)
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not _is_replaceable(out_dir):
@@ -296,10 +322,21 @@ def export_eagle3(
             name: {"sha256": _sha256(os.path.join(tmp, name)), "bytes": os.path.getsize(os.path.join(tmp, name))}
             for name in (WEIGHTS_FILE, CONFIG_FILE)
         }
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "files": files, **extra}
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "variant": variant, "files": files,
+            "draft_config": _config_dict(draft_cfg),
+            "target_config_sha256": target_config_sha256(target_hf_config),
+            "target_config": dict(target_hf_config),
+            "warnings": [str(w) for w in warnings],
+            **extra,
+        }
         with open(os.path.join(tmp, MANIFEST_FILE), "w") as f:
             json.dump(manifest, f, indent=2, default=_json_default)
             f.write("\n")
+        # What was written, read back (safetensors header, dtypes, manifest hashes) before it is published.
+        findings, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=aux_ids, check_finite=False)
+        if errors(findings):
+            raise ExportValidationError(findings, "EAGLE-3 export (written files)")
         _apply_umask_modes(tmp)
         if os.path.exists(out_dir):
             # Swap: the old export is moved aside first so out_dir is never half-written.
@@ -312,4 +349,8 @@ def export_eagle3(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if variant == "eagle3.1":
+        log.warning("export: %s is an EAGLE-3.1 head (fc_norm=%s, norm_output=%s): it needs 2026+ engines "
+                    "(vLLM/SGLang with fc_norm and norm_output support)", out_dir, draft_cfg.fc_norm,
+                    draft_cfg.norm_output)
     return out_dir

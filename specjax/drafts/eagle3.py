@@ -36,6 +36,9 @@ class Eagle3Config:
     rope: RopeSpec = RopeSpec()  # the target's RoPE (the draft's positions are the target's)
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
+    # EAGLE-3.1 options (off = plain EAGLE-3; contract §2.2/§2.3, vLLM/SGLang 2026 meaning):
+    fc_norm: bool = False  # one RMSNorm per aux chunk before fc (params fc_norm.{i}.scale, [tH] each)
+    norm_output: bool = False  # feed norm(h_out) instead of the pre-norm h_out to the next draft step
 
     @property
     def num_aux(self) -> int:
@@ -67,7 +70,7 @@ def init_draft_params(cfg: Eagle3Config, key: jax.Array, *, std: float = 0.02, d
     kv_out = cfg.num_key_value_heads * cfg.head_dim
     ks = jax.random.split(key, 9)
     ones = lambda n: {"scale": jnp.ones((n,), dtype)}
-    return {
+    params = {
         "fc": _dense(ks[0], cfg.num_aux * tH, H, std, dtype),
         "midlayer": {
             "hidden_norm": ones(H),
@@ -88,12 +91,15 @@ def init_draft_params(cfg: Eagle3Config, key: jax.Array, *, std: float = 0.02, d
         "norm": ones(H),
         "lm_head": _dense(ks[8], H, cfg.draft_vocab_size, std, dtype),
     }
+    if cfg.fc_norm:  # added after the random draws, so the other leaves equal the plain draft's
+        params["fc_norm"] = {str(i): ones(tH) for i in range(cfg.num_aux)}
+    return params
 
 
 def param_logical_axes(cfg: Eagle3Config) -> dict:
     """Logical axes for every draft leaf (see specjax.mesh.RULES)."""
     norm = {"scale": ("norm",)}
-    return {
+    axes = {
         "fc": {"kernel": (None, "embed")},
         "midlayer": {
             "hidden_norm": norm,
@@ -114,6 +120,9 @@ def param_logical_axes(cfg: Eagle3Config) -> dict:
         "norm": norm,
         "lm_head": {"kernel": ("embed", "draft_vocab")},
     }
+    if cfg.fc_norm:
+        axes["fc_norm"] = {str(i): norm for i in range(cfg.num_aux)}
+    return axes
 
 
 def _mm(x, p):
@@ -121,10 +130,15 @@ def _mm(x, p):
 
 
 def project_aux(params: dict, aux_hidden: tuple | list, cfg: Eagle3Config, dtype=jnp.float32) -> jnp.ndarray:
-    """fc(concat(aux_low, aux_mid, aux_high)) -> [B, T, H]."""
+    """fc(concat(aux_low, aux_mid, aux_high)) -> [B, T, H]; with cfg.fc_norm each chunk is
+    RMS-normalised first (EAGLE-3.1, as vLLM's combine_hidden_states / SGLang / SpecForge do)."""
     if len(aux_hidden) != cfg.num_aux:
         raise ValueError(f"expected {cfg.num_aux} aux hidden states, got {len(aux_hidden)}")
-    g = jnp.concatenate([a.astype(dtype) for a in aux_hidden], axis=-1)
+    chunks = [a.astype(dtype) for a in aux_hidden]
+    if cfg.fc_norm:
+        chunks = [rms_norm(a, params["fc_norm"][str(i)]["scale"].astype(dtype), cfg.rms_norm_eps)
+                  for i, a in enumerate(chunks)]
+    g = jnp.concatenate(chunks, axis=-1)
     return _mm(g, params["fc"])
 
 
@@ -186,8 +200,17 @@ def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.nda
                       preferred_element_type=jnp.float32)
 
 
+def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:
+    """The hidden state the next draft step reads: the pre-norm output (EAGLE-3), or its final-norm
+    output when cfg.norm_output (the vLLM/SGLang meaning of `norm_output`, contract §2.3)."""
+    if not cfg.norm_output:
+        return h_btd
+    return rms_norm(h_btd, params["norm"]["scale"].astype(h_btd.dtype), cfg.rms_norm_eps)
+
+
 def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, intermediate_size=None,
-                       num_attention_heads=None, num_key_value_heads=None, head_dim=None) -> Eagle3Config:
+                       num_attention_heads=None, num_key_value_heads=None, head_dim=None,
+                       fc_norm: bool = False, norm_output: bool = False) -> Eagle3Config:
     """Draft shape from the target's config; the hidden size must be the target's embedding width."""
     H = target_cfg.hidden_size
     nH = num_attention_heads or target_cfg.num_attention_heads
@@ -204,6 +227,8 @@ def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, inte
         rms_norm_eps=target_cfg.rms_norm_eps,
         rope=target_cfg.rope,
         max_position_embeddings=target_cfg.max_position_embeddings,
+        fc_norm=bool(fc_norm),
+        norm_output=bool(norm_output),
     )
     cfg.validate()
     return cfg

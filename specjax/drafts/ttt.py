@@ -3,6 +3,7 @@
 Alignment (contract §3.1, §3.3), for row t of a packed row whose tokens are x:
   step k input token  : x[t+1+k]          (teacher-forced ground truth)
   step k input hidden : fc(aux[t]) at k=0, else the draft's own pre-norm output of step k-1, row t
+                        (its final-norm output with cfg.norm_output, EAGLE-3.1)
   step k teacher      : the target's distribution at position t+1+k (it predicts x[t+2+k]),
                         renormalised over the draft vocab
   step k loss mask    : loss_mask[t+k]  (SpecForge shifts the mask left once per step)
@@ -23,7 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, project_aux
+from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, next_step_hidden, project_aux
 from specjax_kernels.soft_ce import soft_cross_entropy
 
 
@@ -122,6 +123,7 @@ def ttt_loss(
         h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
         kv_cache.append(kv)
         logits = draft_logits(params, cfg, h)
+        h = next_step_hidden(params, cfg, h)  # the same array unless cfg.norm_output (EAGLE-3.1)
         ce = soft_cross_entropy(logits, shift_left(teacher_logits, 1 + k), implementation=ttt.soft_ce_impl)
         losses.append(jnp.sum(ce * pos_mask) / (B * T))
         pred = jnp.argmax(logits, axis=-1)

@@ -1,0 +1,283 @@
+"""Import a published EAGLE-3 draft head into specjax draft params (warm start, re-export, eval).
+
+Reads the two layouts other trainers publish (shared/reference/eagle3-contract.md §2.2, §2.7):
+  * Llama-EAGLE3 (SpecForge, official EAGLE, specjax exports): `midlayer.*` keys, config.json with
+    `LlamaForCausalLMEagle3`, aux ids in `eagle_config` (output-of-layer) and/or top level (input);
+  * speculators: `layers.0.*` keys, `speculators_model_type: eagle3`, decoder fields in
+    `transformer_layer_config`, top-level aux ids in vLLM's input-of-layer convention.
+HF weights `[out, in]` become specjax kernels `[in, out]` (transposed), norms `scale`; the values
+and their dtype are kept, so import -> export in the file's dtype reproduces the tensors bit for bit.
+
+Heads that specjax cannot run the same way (norm_before_residual, norm_before_fc/input_norm, more
+than one layer, biases) are refused with the reason: training from them would change their function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from specjax_converters.eagle3_validate import (_LEGACY_AUX_NORMS, default_aux_ids, expected_weight_shapes,
+                                                flatten_head_config, read_head_files,
+                                                target_virtual_depth)
+
+__all__ = ["ImportedHead", "read_head", "warm_start_params"]
+
+log = logging.getLogger("specjax")
+_IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportedHead:
+    params: dict  # specjax draft pytree (docs/INTERFACES.md), numpy arrays in the file's dtype
+    config: Any  # specjax.drafts.eagle3.Eagle3Config
+    vocab: Any  # specjax.drafts.vocab.DraftVocab
+    layout: str  # "llama" | "speculators"
+    dtype: str  # the weights' dtype: "bfloat16" | "float32" | "float16"
+    source_config: dict
+    notes: tuple[str, ...] = ()
+
+
+def _refuse(folder: str, field: str, problem: str, fix: str) -> None:
+    raise ValueError(f"cannot import {folder}: {field}: {problem}. Fix: {fix}")
+
+
+def _param_path(name: str, prefix: str) -> tuple[tuple[str, ...], str]:
+    """HF tensor name -> (specjax pytree path, leaf kind)."""
+    base = name[: -len(".weight")]
+    if base.startswith(prefix):
+        base = "midlayer." + base[len(prefix):]
+    parts = tuple(base.split("."))
+    kind = "scale" if ("norm" in parts[-1] or parts[0] == "fc_norm") else "kernel"
+    return parts, kind
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def read_head(folder: str, *, target_config: Optional[Mapping] = None,
+              assume_aux_ids: Optional[tuple[int, ...]] = None) -> ImportedHead:
+    """Read a head folder into specjax params + Eagle3Config + DraftVocab.
+
+    Aux ids come from the head's config (nested output-of-layer ids, else top-level ids - 1); a head
+    with neither was trained on the engines' default taps, computed from `target_config`
+    (or taken from `assume_aux_ids`). Raises ValueError naming the field and the fix otherwise.
+    """
+    from specjax.drafts.eagle3 import Eagle3Config
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.targets.layers.rope import rope_spec_from_hf
+
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    config, tensors, manifest, _ = read_head_files(folder)
+    layout, cfg = flatten_head_config(config)
+    notes: list[str] = []
+
+    # --- features specjax's draft does not have: importing would silently change the function
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        _refuse(folder, "num_hidden_layers", f"{cfg['num_hidden_layers']} decoder layers",
+                "specjax drafts have one layer; use a one-layer head")
+    nbr = cfg.get("norm_before_residual")
+    if nbr:
+        _refuse(folder, "norm_before_residual", "true (the residual is the normed hidden)",
+                "specjax trains norm_before_residual=false heads only (the SGLang-compatible form)")
+    if nbr is None and layout == "speculators":
+        notes.append("norm_before_residual absent: read as false (speculators 0.9 default; vLLM assumes true)")
+    if cfg.get("norm_before_fc") or "input_norm.weight" in tensors:
+        _refuse(folder, "norm_before_fc", "the head normalises the concatenated aux states (input_norm)",
+                "specjax supports EAGLE-3.1 fc_norm (one norm per aux chunk), not norm_before_fc")
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if cfg.get(key):
+            _refuse(folder, key, "the head has biases", "use a bias-free head (the Llama-EAGLE3 contract)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        _refuse(folder, "hidden_act", repr(cfg.get("hidden_act")), "use a SiLU-gated head")
+    if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        _refuse(folder, "eagle_config.use_aux_hidden_state", "false (no fc over aux states)",
+                "use an EAGLE-3 head")
+
+    # --- tensor names: tolerate the prefix/legacy spellings other tools write, refuse the rest
+    rename: dict[str, str] = {}
+    for name in tensors.names:
+        new = name
+        if new.startswith("model."):
+            new = new[len("model."):]
+        new = _LEGACY_AUX_NORMS.get(new, new)
+        rename[name] = new
+    if any(k != v for k, v in rename.items()):
+        notes.append("renamed keys: " + ", ".join(f"{k}->{v}" for k, v in rename.items() if k != v))
+    by_new = {v: k for k, v in rename.items()}
+    if any(n.startswith("fc_norm.") for n in by_new) and not cfg.get("fc_norm"):
+        cfg["fc_norm"] = True  # legacy aux_norm_* heads predate the flag
+    prefix = "layers.0." if (layout == "speculators" or (any(n.startswith("layers.0.") for n in by_new)
+                                                         and not any(n.startswith("midlayer.") for n in by_new))) \
+        else "midlayer."
+    shapes = expected_weight_shapes(cfg, prefix)
+    unknown = [n for n in by_new if n not in shapes and n not in ("d2t", "t2d") and n not in _IGNORED_KEYS]
+    if unknown:
+        _refuse(folder, unknown[0], f"unexpected tensor(s) {unknown}", "import an EAGLE-3 (Llama) head")
+    missing = [n for n in shapes if n not in by_new]
+    if missing:
+        _refuse(folder, missing[0], f"missing tensor(s) {missing}", "the head must hold the full §2.11 key set")
+    for n in by_new:
+        if n in _IGNORED_KEYS:
+            notes.append(f"{n} ignored (specjax uses the target's embedding / has no verifier copy)")
+
+    # --- config
+    H = int(cfg["hidden_size"])
+    nH = int(cfg["num_attention_heads"])
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        aux = tuple(int(i) for i in nested)
+        if top and [i + 1 for i in aux] != [int(i) for i in top]:
+            _refuse(folder, "eagle_aux_hidden_state_layer_ids", f"top-level {top} != nested {list(nested)} + 1",
+                    "fix the head's config so both keys name the same layers")
+    elif top:
+        aux = tuple(int(i) - 1 for i in top)
+    elif target_config is not None:
+        aux = tuple(default_aux_ids(target_virtual_depth(target_config)))
+        notes.append(f"no aux ids in the head: using the engines' default taps {list(aux)} (output convention)")
+    elif assume_aux_ids is not None:
+        aux = tuple(int(i) for i in assume_aux_ids)
+        notes.append(f"no aux ids in the head: assuming it was trained on {list(aux)} (output convention)")
+    else:
+        _refuse(folder, "eagle_aux_hidden_state_layer_ids", "absent, and no target config to derive the "
+                "default taps from", "pass target_config (the target's config.json dict)")
+    norm_output = bool(cfg.get("norm_output", False))
+    if norm_output and layout == "llama" and not (manifest and manifest.get("format") == "specjax-eagle3"):
+        notes.append("norm_output: true read with the vLLM/SGLang meaning (post-norm hidden fed to the next step); "
+                     "SpecForge writes it meaning 'norm before lm_head' (contract §2.3)")
+    try:
+        rope = rope_spec_from_hf(cfg)
+    except ValueError as e:
+        _refuse(folder, "rope_parameters", str(e), "specjax drafts support default/linear/llama3 RoPE")
+    V = int(cfg["vocab_size"])
+    Vd = int(cfg.get("draft_vocab_size") or V)
+    draft_cfg = Eagle3Config(
+        hidden_size=H,
+        target_hidden_size=int(cfg.get("target_hidden_size") or H),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_attention_heads=nH,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or nH),
+        head_dim=int(cfg.get("head_dim") or H // nH),
+        vocab_size=V,
+        draft_vocab_size=Vd,
+        aux_layer_ids=aux,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        hidden_act="silu",
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=norm_output,
+    )
+    draft_cfg.validate()
+
+    # --- weights
+    params: dict = {}
+    dtypes = set()
+    for name, shape in shapes.items():
+        src = by_new[name]
+        if tuple(tensors.shape(src)) != tuple(shape):
+            _refuse(folder, src, f"shape {tensors.shape(src)} but the config implies {shape}",
+                    "the head's config.json must describe its weights")
+        if tensors.dtype(src) not in _ST_DTYPES:
+            _refuse(folder, src, f"dtype {tensors.dtype(src)}", "weights must be bf16, fp16 or fp32")
+        dtypes.add(_ST_DTYPES[tensors.dtype(src)])
+        a = tensors.array(src)
+        path, kind = _param_path(name, prefix)
+        _set(params, path, {kind: np.ascontiguousarray(a.T) if kind == "kernel" else a})
+    if len(dtypes) != 1:
+        notes.append(f"mixed weight dtypes {sorted(dtypes)}")
+    dtype = sorted(dtypes)[0] if len(dtypes) == 1 else "float32"
+
+    # --- vocab
+    if "d2t" in by_new:
+        d2t = tensors.array(by_new["d2t"]).astype(np.int64)
+        if d2t.shape != (Vd,):
+            _refuse(folder, "d2t", f"shape {d2t.shape}, expected ({Vd},)", "ship d2t for draft_vocab_size")
+        ids = np.arange(Vd, dtype=np.int64) + d2t
+    elif Vd == V:
+        ids = np.arange(V, dtype=np.int64)
+    else:
+        _refuse(folder, "d2t", f"absent with draft_vocab_size {Vd} < vocab_size {V}",
+                "the head must ship d2t (which target token each draft row predicts)")
+    try:
+        vocab = DraftVocab.from_ids(ids, V)
+    except ValueError as e:
+        _refuse(folder, "d2t", str(e), "rebuild the head's vocab mapping")
+    if not np.array_equal(vocab.draft_ids, ids):
+        _refuse(folder, "d2t", "target ids are not in ascending order", "rebuild d2t from the sorted draft ids")
+    if "t2d" in by_new:
+        t2d = tensors.array(by_new["t2d"]).astype(bool)
+        if t2d.shape != (V,) or not np.array_equal(np.flatnonzero(t2d), ids):
+            _refuse(folder, "t2d", "does not match d2t (nonzero(t2d) != arange(Vd) + d2t)",
+                    "rebuild both maps from the same draft ids")
+    for n in notes:
+        log.info("import %s: %s", folder, n)
+    return ImportedHead(params=params, config=draft_cfg, vocab=vocab, layout=layout, dtype=dtype,
+                        source_config=dict(config), notes=tuple(notes))
+
+
+_SHAPE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "fc_norm", "norm_output")
+_DRAFT_KEYS = {"intermediate_size": "draft.intermediate_size", "num_attention_heads": "draft.num_attention_heads",
+               "num_key_value_heads": "draft.num_key_value_heads", "head_dim": "draft.head_dim",
+               "fc_norm": "draft.fc_norm", "norm_output": "draft.norm_output"}
+
+
+def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:
+    """Params for a run that starts from a published head (`draft.init_from`).
+
+    The head must have the run's architecture (sizes, EAGLE-3.1 flags) and aux taps; errors name the
+    config key to change. When the head's draft vocab differs from the run's, lm_head rows are
+    matched by target token id: shared tokens keep the head's row, the others keep `init_params`'
+    fresh row. Leaves come back as jax arrays with init_params' dtypes.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    head = read_head(folder, assume_aux_ids=tuple(draft_cfg.aux_layer_ids))
+    hc = head.config
+    diff = [f for f in _SHAPE_FIELDS if getattr(hc, f) != getattr(draft_cfg, f)]
+    if diff:
+        lines = "; ".join(f"{f}: head {getattr(hc, f)} vs run {getattr(draft_cfg, f)}"
+                          + (f" (set {_DRAFT_KEYS[f]}={getattr(hc, f)})" if f in _DRAFT_KEYS else "")
+                          for f in diff)
+        raise ValueError(f"draft.init_from={folder}: the head does not fit this run's draft: {lines}. A head "
+                         "for another target (hidden size / vocab) cannot be warm-started from.")
+    if tuple(hc.aux_layer_ids) != tuple(draft_cfg.aux_layer_ids):
+        raise ValueError(f"draft.init_from={folder}: the head was trained on aux layers {list(hc.aux_layer_ids)}, "
+                         f"the run taps {list(draft_cfg.aux_layer_ids)}. Fix: set "
+                         f"target.aux_layer_ids=[{','.join(map(str, hc.aux_layer_ids))}] (fc is tied to its taps).")
+    if hc.rope != draft_cfg.rope or hc.rms_norm_eps != draft_cfg.rms_norm_eps:
+        log.warning("draft.init_from=%s: the head's RoPE/eps (%s, %s) differ from the target's (%s, %s); "
+                    "training continues with the target's", folder, hc.rope, hc.rms_norm_eps, draft_cfg.rope,
+                    draft_cfg.rms_norm_eps)
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), head.params)
+    run_ids = np.asarray(vocab.draft_ids)
+    head_ids = np.asarray(head.vocab.draft_ids)
+    if not np.array_equal(run_ids, head_ids):
+        init_head = np.asarray(init_params["lm_head"]["kernel"], np.float32)
+        kernel = init_head.copy()
+        pos = {int(t): j for j, t in enumerate(head_ids)}
+        shared = [(i, pos[int(t)]) for i, t in enumerate(run_ids) if int(t) in pos]
+        if shared:
+            run_idx, head_idx = map(np.asarray, zip(*shared))
+            kernel[:, run_idx] = params["lm_head"]["kernel"][:, head_idx]
+        params["lm_head"]["kernel"] = kernel
+        log.warning("draft.init_from=%s: draft vocab differs from the run's; %d of %d lm_head rows taken from the "
+                    "head (matched by target token id), the rest freshly initialised", folder, len(shared),
+                    run_ids.size)
+    want = jax.tree_util.tree_structure(init_params)
+    got = jax.tree_util.tree_structure(params)
+    if want != got:
+        raise ValueError(f"draft.init_from={folder}: imported params {got} do not match the draft's {want}")
+    out = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, dtype=old.dtype), params, dict(init_params))
+    log.info("warm start: draft params loaded from %s (%s layout)", folder, head.layout)
+    return out

@@ -1,0 +1,782 @@
+"""Validate an EAGLE-3 draft head against the serving contract (shared/reference/eagle3-contract.md §2).
+
+Every rule below is a failure that engines do not report: they load the head and it underperforms
+(random weights for dropped keys, wrong aux taps, identity d2t, wrong RoPE, tied heads, ...).
+`check_head` runs the rules on a config dict plus tensors (in memory, before an export writes
+anything); `validate_folder` runs them on any head folder, including other trainers' heads:
+
+  * the Llama-EAGLE3 layout (SpecForge / official EAGLE / specjax: `midlayer.*`, `config.json` with
+    `architectures: ["LlamaForCausalLMEagle3"]`), the layout vLLM, SGLang and tpu-inference load;
+  * the speculators layout (`layers.0.*`, `speculators_model_type`, `speculators_config`), which only
+    vLLM loads.
+
+Each finding names a rule id, the field (config key or tensor name), the problem and the fix.
+Errors make a head unservable or silently wrong; warnings are portability notes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import struct
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "ARCHITECTURE",
+    "ExportValidationError",
+    "Finding",
+    "HeadTensors",
+    "check_head",
+    "default_aux_ids",
+    "errors",
+    "expected_weight_shapes",
+    "flatten_head_config",
+    "is_hybrid_target",
+    "read_head_files",
+    "rope_dict",
+    "target_text_config",
+    "target_virtual_depth",
+    "validate_folder",
+]
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+MANIFEST_FILE = "specjax_manifest.json"
+# d2t/t2d are the only non-weight tensors of the contract (§2.4).
+VOCAB_KEYS = ("d2t", "t2d")
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+# safetensors dtype names <-> numpy
+_ST_TO_NP = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+# config keys that mean "this target mixes Mamba/SSM or linear-attention blocks with attention"
+_HYBRID_KEYS = ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
+                "ssm_state_size", "mamba_d_ssm", "linear_num_value_heads")
+_HYBRID_MODEL_TYPES = ("nemotron_h", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
+                       "qwen3_next", "lfm2", "plamo2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    rule: str  # stable id, e.g. "aux.convention"
+    field: str  # config key or tensor name the problem is in
+    problem: str
+    fix: str
+    level: str = "error"  # "error" | "warning"
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.field}: {self.problem}. Fix: {self.fix} [{self.rule}]"
+
+
+class ExportValidationError(ValueError):
+    """Raised when a head fails validation; `findings` holds every error (and the warnings)."""
+
+    def __init__(self, findings: Sequence[Finding], what: str = "EAGLE-3 export"):
+        self.findings = list(findings)
+        # one line per error, each "<what>: <field>: <problem>. Fix: <fix> [<rule>]"
+        super().__init__("\n".join(f"{what}: {f.field}: {f.problem}. Fix: {f.fix} [{f.rule}]"
+                                   for f in errors(self.findings)))
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level == "error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors: one interface for in-memory arrays, safetensors folders and pytorch_model.bin
+# ---------------------------------------------------------------------------------------------
+class HeadTensors:
+    """Names, dtypes (safetensors names: BF16, F32, I64, BOOL, ...) and shapes of a head's tensors,
+    with the arrays loaded only when a rule needs them."""
+
+    def __init__(self, meta: Mapping[str, tuple[str, tuple[int, ...]]], load: Callable[[str], np.ndarray]):
+        self.meta = dict(meta)
+        self._load = load
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> "HeadTensors":
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        meta = {k: (_NP_TO_ST.get(a.dtype.name, a.dtype.name.upper()), tuple(a.shape)) for k, a in arrays.items()}
+        return cls(meta, arrays.__getitem__)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.meta)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.meta
+
+    def dtype(self, name: str) -> str:
+        return self.meta[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.meta[name][1]
+
+    def array(self, name: str) -> np.ndarray:
+        return np.asarray(self._load(name))
+
+
+def _safetensors_header(path: str) -> dict:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise ValueError(f"{path} is not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _safetensors_tensors(folder: str) -> HeadTensors:
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [WEIGHTS_FILE]
+    meta, where = {}, {}
+    for name in files:
+        path = os.path.join(folder, name)
+        for key, info in _safetensors_header(path).items():
+            meta[key] = (info["dtype"], tuple(info["shape"]))
+            where[key] = path
+
+    def load(key: str) -> np.ndarray:
+        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, which safetensors asks for)
+        from safetensors import safe_open
+
+        with safe_open(where[key], framework="numpy") as f:
+            return f.get_tensor(key)
+
+    return HeadTensors(meta, load)
+
+
+def _bin_tensors(path: str) -> HeadTensors:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is in the test extra
+        raise ValueError(f"{path} is a pytorch_model.bin; reading it needs torch (pip install torch), "
+                         "or convert the head to model.safetensors") from e
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    arrays = {}
+    for k, t in sd.items():
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            arrays[k] = t.float().numpy().astype(ml_dtypes.bfloat16)
+        else:
+            arrays[k] = t.numpy()
+    return HeadTensors.from_arrays(arrays)
+
+
+def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], list[Finding]]:
+    """(config dict, tensors, specjax manifest or None, file-level findings) of a head folder.
+    Raises ValueError when the folder has no config or no weights at all."""
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder} is not a folder; pass the draft head's folder (config.json + model.safetensors).")
+    cpath = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(cpath):
+        raise ValueError(f"{folder} has no {CONFIG_FILE}; an EAGLE-3 head folder needs config.json and weights.")
+    with open(cpath) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cpath} is not valid JSON ({e}); re-export the head.") from e
+    findings: list[Finding] = []
+    if os.path.isfile(os.path.join(folder, WEIGHTS_FILE)) or os.path.isfile(os.path.join(folder, INDEX_FILE)):
+        tensors = _safetensors_tensors(folder)
+    elif os.path.isfile(os.path.join(folder, BIN_FILE)):
+        tensors = _bin_tensors(os.path.join(folder, BIN_FILE))
+        findings.append(Finding("files.format", BIN_FILE, "weights are a pickled pytorch_model.bin",
+                                "ship model.safetensors (safe to load, memory-mapped; every engine reads it)",
+                                "warning"))
+    else:
+        raise ValueError(f"{folder} has no {WEIGHTS_FILE}, {INDEX_FILE} or {BIN_FILE}; nothing to validate.")
+    manifest = None
+    mpath = os.path.join(folder, MANIFEST_FILE)
+    if os.path.isfile(mpath):
+        with open(mpath) as f:
+            manifest = json.load(f)
+        for name, info in (manifest.get("files") or {}).items():
+            path = os.path.join(folder, name)
+            want = info.get("sha256") if isinstance(info, Mapping) else None
+            if want is None:
+                continue
+            if not os.path.isfile(path):
+                findings.append(Finding("files.manifest_hash", name, f"listed in {MANIFEST_FILE} but missing",
+                                        "copy the whole export folder, or re-export"))
+            elif _sha256(path) != want:
+                findings.append(Finding("files.manifest_hash", name,
+                                        f"sha256 differs from {MANIFEST_FILE} (the file changed after export)",
+                                        "re-export instead of editing exported files"))
+    return config, tensors, manifest, findings
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# target facts
+# ---------------------------------------------------------------------------------------------
+def target_text_config(target_config: Mapping) -> dict:
+    """The language-model part of a target config (multimodal configs nest it as text_config)."""
+    tc = target_config.get("text_config")
+    return dict(tc) if isinstance(tc, Mapping) else dict(target_config)
+
+
+def target_virtual_depth(target_config: Mapping) -> int:
+    """Decoder steps per token. For a looped (weight-shared) target whose span [loop_start, loop_end)
+    runs num_loops times (specjax.targets.looped; the Nanbeige card: 22 layers x 2 loops = 44):
+    L + (num_loops - 1) * (loop_end - loop_start); otherwise num_hidden_layers."""
+    tc = target_text_config(target_config)
+    L = int(tc["num_hidden_layers"])
+    loops = max(int(tc.get("num_loops") or 1), 1)
+    start = int(tc.get("loop_start") or 0)
+    end = L if tc.get("loop_end") is None else int(tc["loop_end"])
+    return L + (loops - 1) * (end - start)
+
+
+def is_hybrid_target(target_config: Mapping) -> bool:
+    tc = target_text_config(target_config)
+    mt = str(tc.get("model_type", "")).lower()
+    if mt in _HYBRID_MODEL_TYPES or any(k in tc for k in _HYBRID_KEYS):
+        return True
+    types = tc.get("layer_types") or []
+    return any(isinstance(t, str) and ("mamba" in t or "linear" in t or "ssm" in t) for t in types)
+
+
+def default_aux_ids(num_layers: int) -> list[int]:
+    """SpecForge/SGLang default taps, output-of-layer-k convention: [1, L//2-1, L-4] (contract §2.8)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def rope_dict(config: Mapping) -> Optional[dict]:
+    """A config's RoPE as one normalised dict {rope_type, rope_theta, <scaling keys>} from either
+    layout (transformers 5 `rope_parameters`, or `rope_theta` + `rope_scaling`); None when the config
+    has neither key."""
+    if "rope_parameters" not in config and "rope_theta" not in config and "rope_scaling" not in config:
+        return None
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
+        params = None  # per-layer-type rope (hybrid sliding configs): compare the legacy keys instead
+    if not isinstance(params, Mapping):
+        params = dict(config.get("rope_scaling") or {})
+    params = dict(params)
+    out = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
+    out["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    out["rope_theta"] = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if out["rope_type"] == "llama3" and "original_max_position_embeddings" not in out:
+        out["original_max_position_embeddings"] = config.get("max_position_embeddings")
+    return out
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return set(a) == set(b) and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------------
+def flatten_head_config(config: Mapping) -> tuple[str, dict]:
+    """("llama" | "speculators", one flat dict with the Llama-EAGLE3 field names).
+
+    A speculators config keeps the decoder fields in `transformer_layer_config` and the EAGLE fields
+    at the top level (ids there are vLLM's input-of-layer convention); they are merged here so the
+    same rules apply. The nested `eagle_config` ids (output convention) are derived as top - 1.
+    """
+    if "speculators_model_type" not in config:
+        return "llama", dict(config)
+    flat = dict(config.get("transformer_layer_config") or {})
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
+                "norm_output", "eagle_aux_hidden_state_layer_ids"):
+        if key in config:
+            flat[key] = config[key]
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in top]}
+    flat["_speculators"] = dict(config)
+    return "speculators", flat
+
+
+def _layer_prefix(layout: str, tensors: HeadTensors) -> str:
+    if layout == "speculators":
+        return "layers.0."
+    has_mid = any(k.startswith("midlayer.") for k in tensors.names)
+    has_l0 = any(k.startswith("layers.0.") for k in tensors.names)
+    return "layers.0." if has_l0 and not has_mid else "midlayer."
+
+
+def _num_aux(config: Mapping) -> int:
+    if config.get("num_aux_hidden_states"):
+        return int(config["num_aux_hidden_states"])
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
+        config.get("eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else 3
+
+
+def _head_dim(config: Mapping) -> int:
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    return int(config["hidden_size"]) // int(config["num_attention_heads"])
+
+
+def expected_weight_shapes(config: Mapping, prefix: str = "midlayer.") -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of every weight a one-layer Llama-EAGLE3 head with this (flat) config has
+    (§2.11 key set; fc_norm.{i} only with fc_norm); d2t/t2d not included."""
+    H = int(config["hidden_size"])
+    tH = int(config.get("target_hidden_size") or H)
+    inter = int(config["intermediate_size"])
+    hd = _head_dim(config)
+    q, kv = int(config["num_attention_heads"]) * hd, int(config.get("num_key_value_heads") or
+                                                         config["num_attention_heads"]) * hd
+    n_aux = _num_aux(config)
+    Vd = int(config.get("draft_vocab_size") or config["vocab_size"])
+    p = prefix
+    out = {
+        "fc.weight": (H, n_aux * tH),
+        f"{p}hidden_norm.weight": (H,),
+        f"{p}input_layernorm.weight": (H,),
+        f"{p}post_attention_layernorm.weight": (H,),
+        f"{p}self_attn.q_proj.weight": (q, 2 * H),
+        f"{p}self_attn.k_proj.weight": (kv, 2 * H),
+        f"{p}self_attn.v_proj.weight": (kv, 2 * H),
+        f"{p}self_attn.o_proj.weight": (H, q),
+        f"{p}mlp.gate_proj.weight": (inter, H),
+        f"{p}mlp.up_proj.weight": (inter, H),
+        f"{p}mlp.down_proj.weight": (H, inter),
+        "norm.weight": (H,),
+        "lm_head.weight": (Vd, H),
+    }
+    if config.get("fc_norm"):
+        for i in range(n_aux):
+            out[f"fc_norm.{i}.weight"] = (tH,)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the rules
+# ---------------------------------------------------------------------------------------------
+_REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "rms_norm_eps")
+_LEGACY_AUX_NORMS = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
+                     "aux_norm_high.weight": "fc_norm.2.weight"}
+
+
+def check_head(
+    config: Mapping,
+    tensors: HeadTensors | Mapping[str, Any],
+    *,
+    target_config: Optional[Mapping] = None,
+    training_aux_ids: Optional[Sequence[int]] = None,
+    variant: Optional[str] = None,
+    check_finite: bool = True,
+) -> list[Finding]:
+    """All findings for one head. `target_config` (the target's config.json dict) enables the rules
+    that compare with the target; `training_aux_ids` (output convention) the rule that the written
+    ids are the ones the draft was trained with; `variant` ("eagle3" | "eagle3.1") what the export
+    claims to be."""
+    if not isinstance(tensors, HeadTensors):
+        tensors = HeadTensors.from_arrays(tensors)
+    out: list[Finding] = []
+
+    def bad(rule, field, problem, fix, level="error"):
+        out.append(Finding(rule, field, problem, fix, level))
+
+    layout, cfg = flatten_head_config(config)
+    missing = [k for k in _REQUIRED_FIELDS if k not in cfg]
+    if missing:
+        for k in missing:
+            bad("config.required", k, "missing from config.json",
+                "write the draft's Llama fields (hidden_size, intermediate_size, num_attention_heads, "
+                "num_key_value_heads, head_dim, vocab_size, draft_vocab_size, rms_norm_eps)")
+        return out  # the shape rules need these
+
+    _check_layout_fields(layout, cfg, config, bad)
+    _check_fields(cfg, bad, variant)
+    _check_aux(cfg, layout, target_config, training_aux_ids, bad)
+    _check_tensors(cfg, layout, tensors, bad, check_finite)
+    if target_config is not None:
+        _check_target(cfg, target_config, bad)
+    return out
+
+
+def _check_layout_fields(layout, cfg, config, bad):
+    if layout == "speculators":
+        spec = cfg["_speculators"]
+        bad("layout.speculators", "speculators_model_type",
+            "a speculators-format head: only vLLM loads it (SGLang and tpu-inference read the Llama-EAGLE3 layout)",
+            "for SGLang/TPU serving convert it to the Llama-EAGLE3 layout (specjax: import it with "
+            "specjax_converters.eagle3_import and export again)", "warning")
+        if "norm_before_residual" not in spec:
+            bad("config.norm_before_residual", "norm_before_residual",
+                "absent: vLLM's speculators path assumes true, speculators 0.9 itself assumes false",
+                "write norm_before_residual explicitly (false for heads trained like SpecForge/specjax)")
+        if not ((spec.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"):
+            bad("config.speculators_config", "speculators_config.verifier.name_or_path",
+                "missing: vLLM's speculators path needs the verifier", "set it to the target model id or path",
+                "warning")
+        return
+    if "speculators_config" in config or "speculators_model_type" in config:
+        bad("config.speculators_mix", "speculators_config",
+            "a Llama-EAGLE3 config that also carries speculators fields (vLLM then takes the speculators path)",
+            "remove speculators_config from a Llama-layout head (contract §2.3: do not mix the paths)")
+    arch = config.get("architectures")
+    if arch != [ARCHITECTURE]:
+        bad("config.architectures", "architectures", f"{arch!r}, not [{ARCHITECTURE!r}] (SGLang's only "
+            "EAGLE-3 entry class; vLLM maps it too)", f'write "architectures": ["{ARCHITECTURE}"]')
+    if config.get("model_type") != "llama":
+        bad("config.model_type", "model_type", f"{config.get('model_type')!r}, not 'llama'",
+            'write "model_type": "llama" (the draft is a one-layer Llama whatever the target is)')
+
+
+def _check_fields(cfg, bad, variant):
+    n_layers = cfg.get("num_hidden_layers")
+    if n_layers != 1:
+        bad("config.num_hidden_layers", "num_hidden_layers", f"{n_layers!r}: the contract head has one layer "
+            "(early SGLang and tpu-inference load exactly one)", 'write "num_hidden_layers": 1')
+    if cfg.get("tie_word_embeddings") is True:
+        bad("config.tie_word_embeddings", "tie_word_embeddings",
+            "true: SGLang then uses embed_tokens (the full vocab) as the draft's lm_head",
+            'write "tie_word_embeddings": false (the draft has its own draft-vocab lm_head)')
+    elif "tie_word_embeddings" not in cfg:
+        bad("config.tie_word_embeddings", "tie_word_embeddings", "absent (engines fall back to their default)",
+            'write "tie_word_embeddings": false explicitly', "warning")
+    H, nH = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if not cfg.get("head_dim"):
+        level = "warning" if H % nH == 0 else "error"
+        bad("config.head_dim", "head_dim", f"absent; engines then use hidden_size/num_attention_heads = {H // nH}",
+            'write "head_dim" explicitly (required when heads*head_dim != hidden_size, e.g. Qwen3-30B-A3B)', level)
+    if cfg.get("hidden_act", "silu") != "silu":
+        bad("config.hidden_act", "hidden_act", f"{cfg.get('hidden_act')!r}: the EAGLE-3 draft MLP is SiLU-gated",
+            'write "hidden_act": "silu"')
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if cfg.get(key):
+            bad("config.bias", key, "true: SGLang builds the draft without biases and would drop them silently",
+                f"train without biases and write \"{key}\": false")
+    nkv = int(cfg.get("num_key_value_heads") or nH)
+    if nkv <= 0 or nH % nkv:
+        bad("config.num_key_value_heads", "num_key_value_heads",
+            f"{nkv} does not divide num_attention_heads={nH}", "use a KV head count that divides the query heads")
+    if cfg.get("norm_before_residual"):
+        bad("config.norm_before_residual", "norm_before_residual",
+            "true: SGLang has no such option and runs the head with the un-normed residual",
+            "train with norm_before_residual=false (SpecForge/specjax semantics) for a head every engine runs")
+    if cfg.get("norm_before_fc"):
+        bad("config.norm_before_fc", "norm_before_fc",
+            "true: only vLLM applies input_norm; SGLang drops input_norm.weight silently",
+            "train without norm_before_fc (EAGLE-3.1's fc_norm is the portable form)")
+    if cfg.get("draft_vocab_size") is None:
+        bad("config.draft_vocab_size", "draft_vocab_size",
+            "absent: vLLM then sizes lm_head as vocab_size and SGLang loads the target's head instead",
+            'write "draft_vocab_size": <rows of lm_head.weight>')
+    if "max_position_embeddings" not in cfg:
+        bad("config.max_position_embeddings", "max_position_embeddings", "absent (engines default to 2048-8192, "
+            "so long prompts break: sglang #6783)", "write the target's max_position_embeddings")
+    if "torch_dtype" not in cfg and "dtype" not in cfg and "_speculators" not in cfg:
+        bad("config.torch_dtype", "torch_dtype", "absent", 'write "torch_dtype" (e.g. "bfloat16")', "warning")
+    if "_speculators" not in cfg:
+        has_new = isinstance(cfg.get("rope_parameters"), Mapping)
+        has_old = "rope_theta" in cfg
+        if not (has_new and has_old):
+            bad("config.rope_layouts", "rope_parameters" if not has_new else "rope_theta",
+                "only one RoPE layout is written; transformers v4 stacks read rope_theta/rope_scaling, "
+                "v5 stacks rope_parameters (vLLM PR #51092, speculators PR #574)",
+                "write both rope_theta + rope_scaling and rope_parameters, copied from the target")
+        elif not _same_value(rope_dict({"rope_parameters": cfg["rope_parameters"],
+                                        "max_position_embeddings": cfg.get("max_position_embeddings")}),
+                             rope_dict({"rope_theta": cfg["rope_theta"], "rope_scaling": cfg.get("rope_scaling"),
+                                        "max_position_embeddings": cfg.get("max_position_embeddings")})):
+            bad("config.rope_layouts", "rope_scaling",
+                f"rope_theta/rope_scaling ({cfg['rope_theta']}, {cfg.get('rope_scaling')}) disagree with "
+                f"rope_parameters ({cfg['rope_parameters']}); engines pick different ones",
+                "write both layouts from the same target RoPE")
+    # EAGLE-3.1 flags
+    fc_norm, norm_output = bool(cfg.get("fc_norm")), cfg.get("norm_output")
+    is31 = fc_norm or bool(norm_output)
+    if variant == "eagle3" and is31:
+        bad("config.variant", "fc_norm" if fc_norm else "norm_output",
+            "an EAGLE-3 export with EAGLE-3.1 flags set", "export with --variant eagle3.1, or train without them")
+    if variant == "eagle3.1" and not is31:
+        bad("config.variant", "fc_norm", "an EAGLE-3.1 export with neither fc_norm nor norm_output",
+            "train with draft.fc_norm=true and/or draft.norm_output=true, or export as eagle3")
+    if norm_output is None and "_speculators" not in cfg:
+        bad("config.norm_output", "norm_output",
+            "absent: engines default to false (pre-norm feedback) but SpecForge reads absent as true with "
+            "another meaning (contract §2.3)", 'write "norm_output": false (or true for an EAGLE-3.1 head '
+            "trained with post-norm feedback)", "warning")
+    if is31:
+        bad("config.eagle31", "fc_norm" if fc_norm else "norm_output",
+            "EAGLE-3.1 head: needs 2026+ engines (vLLM and SGLang with fc_norm/norm_output); one published "
+            "fc_norm head measured acceptance ~1.5 on SGLang vs 3.19 on vLLM (Nemotron card)",
+            "serve on a 2026+ vLLM, and measure acceptance before relying on SGLang", "warning")
+
+
+def _check_aux(cfg, layout, target_config, training_aux_ids, bad):
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if cfg.get("eagle_config") and cfg["eagle_config"].get("use_aux_hidden_state") is False:
+        bad("aux.use_aux_hidden_state", "eagle_config.use_aux_hidden_state",
+            "false: vLLM then skips fc (an EAGLE-1 style head)", "write true (EAGLE-3 fuses three aux states)")
+    if nested and not top:
+        bad("aux.top_level_missing", "eagle_aux_hidden_state_layer_ids",
+            "absent at the top level: vLLM reads only that key and silently taps its defaults "
+            "(vLLM PR #50170: 1.2% vs 58.9% acceptance)",
+            f"write the top-level key = nested ids + 1 = {[int(i) + 1 for i in nested]}")
+    if top and not nested and layout == "llama":
+        bad("aux.nested_missing", "eagle_config.eagle_aux_hidden_state_layer_ids",
+            "absent: SGLang reads only the nested key and silently taps its defaults",
+            f"write eagle_config.eagle_aux_hidden_state_layer_ids = top-level ids - 1 = {[int(i) - 1 for i in top]}")
+    if not nested and not top:
+        bad("aux.absent", "eagle_aux_hidden_state_layer_ids",
+            "no aux layer ids: every engine taps its default layers", "write both keys (nested = output-of-layer "
+            "ids, top level = those + 1) so non-default taps are not silently replaced", "warning")
+    if nested and top and [int(i) + 1 for i in nested] != [int(i) for i in top]:
+        bad("aux.convention", "eagle_aux_hidden_state_layer_ids",
+            f"top-level {list(top)} != nested {list(nested)} + 1 (vLLM uses input-of-layer ids, SGLang "
+            "output-of-layer ids: both must name the same layers)",
+            f"write top-level = {[int(i) + 1 for i in nested]} (nested ids + 1)")
+    # (the count of ids is checked through fc.weight's shape, which is [H, n_ids * target_hidden_size])
+    ids = [int(i) for i in nested] if nested else ([int(i) - 1 for i in top] if top else None)
+    if ids is not None:
+        if len(set(ids)) != len(ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+            bad("aux.range", "eagle_aux_hidden_state_layer_ids", f"{ids} are not unique and increasing",
+                "use three distinct increasing layer ids (low, mid, high)")
+        if cfg.get("num_aux_hidden_states") and int(cfg["num_aux_hidden_states"]) != len(ids):
+            bad("aux.count", "num_aux_hidden_states", f"{cfg['num_aux_hidden_states']} but {len(ids)} aux ids",
+                "make num_aux_hidden_states equal the number of ids (or drop it)")
+        if target_config is not None:
+            depth = target_virtual_depth(target_config)
+            out_of_range = [i for i in ids if not 0 <= i < depth]
+            if out_of_range:
+                bad("aux.range", "eagle_aux_hidden_state_layer_ids",
+                    f"output-of-layer ids {out_of_range} outside the target's depth 0..{depth - 1}",
+                    f"use ids in [0, {depth}) (output of decoder step k; looped targets count the unrolled depth)")
+        if training_aux_ids is not None and [int(i) for i in training_aux_ids] != ids:
+            bad("aux.training", "eagle_aux_hidden_state_layer_ids",
+                f"config ids {ids} (output convention) differ from the ids the draft was trained with "
+                f"{list(training_aux_ids)}", "export from the run's own draft config (its aux_layer_ids)")
+    elif training_aux_ids is not None and target_config is not None:
+        defaults = default_aux_ids(target_virtual_depth(target_config))
+        if [int(i) for i in training_aux_ids] != defaults:
+            bad("aux.training", "eagle_aux_hidden_state_layer_ids",
+                f"no ids written, so engines tap {defaults} but the draft was trained on {list(training_aux_ids)}",
+                "write both aux id keys")
+
+
+def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
+    names = tensors.names
+    prefixed = [k for k in names if k.startswith(("model.", "draft_model."))]
+    if prefixed:
+        bad("keys.prefix", prefixed[0].split(".")[0] + ".*", f"{len(prefixed)} key(s) carry a model./draft_model. "
+            f"prefix, e.g. {prefixed[0]} (vLLM adds `model.` itself and raises on model.model.*; SGLang drops "
+            "unknown keys)",
+            "save the head's own keys: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d")
+    prefix = _layer_prefix(layout, tensors)
+    if layout == "llama" and prefix == "layers.0.":
+        bad("keys.layout", "layers.0.*", "decoder keys are layers.0.*: tpu-inference and pre-2026 SGLang map only "
+            "midlayer.* (and SGLang drops what it cannot map)", "save the decoder layer as midlayer.*", "warning")
+    try:
+        shapes = expected_weight_shapes(cfg, prefix)
+    except (KeyError, TypeError, ValueError) as e:
+        bad("config.required", "config", f"cannot derive the tensor shapes ({e!r})", "write the Llama fields")
+        return
+    allowed_extra = set(VOCAB_KEYS) | {"embed_tokens.weight"}
+    missing = [k for k in shapes if k not in tensors]
+    unknown = [k for k in names if k not in shapes and k not in allowed_extra and k not in prefixed]
+    for k in missing:
+        if k.startswith("fc_norm.") and any(n in tensors for n in _LEGACY_AUX_NORMS):
+            continue  # reported below as the legacy names
+        bad("keys.missing", k, "missing from the weights (engines would run it randomly initialised)",
+            "export every tensor of the contract key set (§2.11)")
+    for k in unknown:
+        if k in _LEGACY_AUX_NORMS:
+            bad("keys.unknown", k, "legacy EAGLE-3.1 name: vLLM raises on it and old SGLang drops it",
+                f"rename to {_LEGACY_AUX_NORMS[k]} and set \"fc_norm\": true")
+        elif k.startswith("fc_norm.") and not cfg.get("fc_norm"):
+            bad("keys.unknown", k, "fc_norm weights but config fc_norm is not true (engines drop or reject them)",
+                'write "fc_norm": true (EAGLE-3.1) or drop the fc_norm weights')
+        else:
+            bad("keys.unknown", k, "not part of the EAGLE-3 head: SGLang drops unknown keys silently and "
+                "vLLM refuses to load them", "remove it from the export (only the §2.11 key set)")
+    if "embed_tokens.weight" in tensors:
+        want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
+        if tensors.shape("embed_tokens.weight") != want:
+            bad("shapes", "embed_tokens.weight", f"shape {tensors.shape('embed_tokens.weight')} != {want}",
+                "drop embed_tokens (engines use the target's)")
+        else:
+            bad("keys.embed_tokens", "embed_tokens.weight", "a copy of the target embedding is shipped "
+                "(vLLM keeps it when it differs from the target's; SGLang replaces it)",
+                "drop embed_tokens.weight: engines share the target's embedding", "warning")
+    for k, shape in shapes.items():
+        if k in tensors and tuple(tensors.shape(k)) != tuple(shape):
+            bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {tuple(shape)}",
+                "export the config the weights were trained with (hidden_size, heads, head_dim, "
+                "intermediate_size, draft_vocab_size, target_hidden_size, aux count)")
+    weight_keys = [k for k in shapes if k in tensors]
+    dtypes = sorted({tensors.dtype(k) for k in weight_keys})
+    non_float = [d for d in dtypes if d not in _FLOAT_DTYPES]
+    if non_float:
+        bad("dtype.weights", "model.safetensors", f"weights stored as {non_float}", "store weights as bf16 or fp32")
+    elif len(dtypes) > 1:
+        bad("dtype.weights", "model.safetensors", f"mixed weight dtypes {dtypes}", "store all weights in one dtype",
+            "warning")
+    declared = cfg.get("torch_dtype") or cfg.get("dtype")
+    if declared and len(dtypes) == 1 and _ST_TO_NP.get(dtypes[0]) != declared:
+        bad("dtype.weights", "torch_dtype", f"config says {declared!r}, weights are {_ST_TO_NP.get(dtypes[0])}",
+            "write torch_dtype equal to the stored dtype", "warning")
+    if check_finite and not non_float:
+        for k in weight_keys:
+            a = tensors.array(k)
+            if not np.all(np.isfinite(a.astype(np.float32))):
+                bad("weights.finite", k, "contains NaN or Inf", "export a checkpoint from before the divergence")
+    _check_vocab(cfg, tensors, bad)
+
+
+def _check_vocab(cfg, tensors: HeadTensors, bad):
+    V = int(cfg["vocab_size"])
+    Vd = int(cfg.get("draft_vocab_size") or V)
+    if "d2t" not in tensors:
+        level = "error" if Vd < V else "warning"
+        bad("vocab.d2t_missing", "d2t", "absent: vLLM then maps draft id i to target id i (silently wrong tokens "
+            "when draft_vocab_size < vocab_size); old SGLang crashes", "ship d2t (int64 offsets, [draft_vocab_size])",
+            level)
+        return
+    if tensors.dtype("d2t") != "I64" or tuple(tensors.shape("d2t")) != (Vd,):
+        bad("vocab.d2t_dtype", "d2t", f"dtype {tensors.dtype('d2t')} shape {tensors.shape('d2t')}, expected I64 "
+            f"({Vd},)", "save d2t as int64 offsets with one entry per draft token (target_id = i + d2t[i])")
+        return
+    d2t = tensors.array("d2t").astype(np.int64)
+    ids = np.arange(Vd, dtype=np.int64) + d2t
+    if ids.min() < 0 or ids.max() >= V:
+        bad("vocab.ids", "d2t", f"maps draft ids to target ids outside [0, {V}) (range {ids.min()}..{ids.max()})",
+            "rebuild the draft vocab for this target's vocab_size")
+    elif np.any(np.diff(ids) <= 0):
+        n_dup = int(ids.size - np.unique(ids).size)
+        bad("vocab.ids", "d2t", f"target ids are not unique and ascending ({n_dup} duplicate(s))",
+            "rebuild d2t from the sorted unique draft ids: d2t[i] = ids[i] - i")
+    if "t2d" not in tensors:
+        bad("vocab.t2d_missing", "t2d", "absent (engines ignore it, training tools read it)",
+            "ship t2d (bool [vocab_size])", "warning")
+        return
+    if tensors.dtype("t2d") != "BOOL" or tuple(tensors.shape("t2d")) != (V,):
+        bad("vocab.t2d_dtype", "t2d", f"dtype {tensors.dtype('t2d')} shape {tensors.shape('t2d')}, expected BOOL "
+            f"({V},) (the target's config vocab_size)", "save t2d as a bool mask over the target vocab")
+        return
+    t2d = tensors.array("t2d")
+    if not np.array_equal(np.flatnonzero(t2d), ids):
+        bad("vocab.invariant", "t2d", "nonzero(t2d) != arange(draft_vocab_size) + d2t (the two maps name "
+            "different tokens)", "build both from the same sorted draft ids")
+
+
+def _check_target(cfg, target_config, bad):
+    tc = target_text_config(target_config)
+    H = int(cfg["hidden_size"])
+    tH_target = int(tc["hidden_size"])
+    if H != tH_target:
+        bad("target.hidden_size", "hidden_size", f"draft {H} != target embedding dim {tH_target}: engines feed "
+            "the target's embedding into the draft", f"train the draft with hidden_size {tH_target}")
+    tH = int(cfg.get("target_hidden_size") or H)
+    if tH != tH_target:
+        bad("target.target_hidden_size", "target_hidden_size", f"{tH} != target hidden size {tH_target} (the width "
+            "of each aux state fed to fc)", f"write target_hidden_size {tH_target}")
+    if int(cfg["vocab_size"]) != int(tc["vocab_size"]):
+        bad("target.vocab_size", "vocab_size", f"draft {cfg['vocab_size']} != target config vocab_size "
+            f"{tc['vocab_size']} (the size engines scatter draft logits into)",
+            f"write vocab_size {tc['vocab_size']} and build t2d over that many ids")
+    nkv = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    t_nkv = tc.get("num_key_value_heads") or tc.get("num_attention_heads")
+    if is_hybrid_target(target_config) and t_nkv is not None and nkv != int(t_nkv):
+        bad("target.kv_heads", "num_key_value_heads",
+            f"draft {nkv} != target {t_nkv} on a hybrid Mamba/attention target: vLLM cannot unify the KV-cache "
+            "page size (unify_kv_cache_spec_page_size) and no runtime flag fixes it (Nemotron card)",
+            f"train the draft with draft.num_key_value_heads={t_nkv}")
+    mine, theirs = rope_dict(cfg), rope_dict(tc)
+    if theirs is None:
+        theirs = {"rope_type": "default", "rope_theta": 10000.0}
+    if mine is not None and not _same_value(mine, theirs):
+        bad("target.rope", "rope_parameters", f"draft RoPE {mine} != target RoPE {theirs}",
+            "copy the target's rope_theta / rope_scaling / rope_parameters into the draft config")
+    t_ctx = tc.get("max_position_embeddings")
+    if t_ctx is not None and cfg.get("max_position_embeddings") is not None and \
+            int(cfg["max_position_embeddings"]) < int(t_ctx):
+        bad("target.max_position_embeddings", "max_position_embeddings",
+            f"draft {cfg['max_position_embeddings']} < target {t_ctx}: SGLang caps the draft context there "
+            "(sglang #6783)", f"write max_position_embeddings {t_ctx}")
+    loops = int(tc.get("num_loops") or 1)
+    if loops > 1:
+        depth = target_virtual_depth(target_config)
+        if cfg.get("target_layer_count") != depth:
+            bad("target.looped", "target_layer_count",
+                f"{cfg.get('target_layer_count')!r} on a looped target ({tc['num_hidden_layers']} layers, {loops} "
+                f"loops): engines must place the draft layer after the virtual depth {depth} (Nanbeige card: "
+                "vLLM names it at num_hidden_layers and collides with loop 2)",
+                f'write "target_layer_count": {depth} and "target_num_loops": {loops}')
+
+
+# ---------------------------------------------------------------------------------------------
+# folders
+# ---------------------------------------------------------------------------------------------
+def _load_target_config(path: str) -> dict:
+    path = os.path.expanduser(os.fspath(path))
+    cpath = path if path.endswith(".json") else os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(cpath):
+        raise ValueError(f"target {path}: no {CONFIG_FILE} there; pass the target model's local folder.")
+    with open(cpath) as f:
+        return json.load(f)
+
+
+def validate_folder(
+    folder: str,
+    *,
+    target: Optional[str | Mapping] = None,
+    training_aux_ids: Optional[Sequence[int]] = None,
+    check_finite: bool = True,
+) -> tuple[list[Finding], dict]:
+    """(findings, info) for a head folder. The target config comes from `target` (a folder, a
+    config.json path or a dict), else from a specjax manifest, else from a speculators config's local
+    verifier path; `info` says which, plus the layout. Raises ValueError for folders that are not heads."""
+    config, tensors, manifest, findings = read_head_files(folder)
+    info: dict[str, Any] = {"layout": flatten_head_config(config)[0], "target_source": None}
+    target_config = None
+    if isinstance(target, Mapping):
+        target_config, info["target_source"] = dict(target), "argument"
+    elif target:
+        target_config, info["target_source"] = _load_target_config(target), os.path.abspath(os.fspath(target))
+    elif manifest and isinstance(manifest.get("target_config"), Mapping):
+        target_config, info["target_source"] = dict(manifest["target_config"]), MANIFEST_FILE
+    else:
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if verifier and os.path.isfile(os.path.join(os.fspath(verifier), CONFIG_FILE)):
+            target_config, info["target_source"] = _load_target_config(verifier), verifier
+    if training_aux_ids is None and manifest and isinstance(manifest.get("draft_config"), Mapping):
+        training_aux_ids = manifest["draft_config"].get("aux_layer_ids")
+    variant = manifest.get("variant") if manifest else None
+    findings += check_head(config, tensors, target_config=target_config, training_aux_ids=training_aux_ids,
+                           variant=variant, check_finite=check_finite)
+    if target_config is None:
+        findings.append(Finding("target.unknown", "target", "no target config given, so the target rules "
+                                "(hidden size, vocab, RoPE, context, KV heads, aux range) were not run",
+                                "pass --target <target folder>", "warning"))
+    return findings, info

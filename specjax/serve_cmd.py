@@ -1,0 +1,143 @@
+"""Print the commands that serve an exported draft with its target on vLLM and SGLang.
+
+    python -m specjax.serve_cmd --draft DRAFT_DIR --target TARGET [--engine vllm|sglang|all]
+                                [--num-spec-tokens N]
+
+The draft folder is validated first (specjax_converters.eagle3_validate); a head with errors gets
+no command (exit 2). TARGET is what the engine should load: a local folder (then its config.json
+is read for the target rules and caveats) or a hub id (then the target config comes from the
+draft's specjax_manifest.json when there is one). Caveats the validator knows are printed with the
+commands: unsupported engine/target pairs, EAGLE-3.1 engine versions, looped targets, non-default
+aux taps on tpu-inference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Optional
+
+from specjax_converters.eagle3_validate import (default_aux_ids, errors, is_hybrid_target, read_head_files,
+                                                target_text_config, target_virtual_depth, validate_folder)
+
+ENGINES = ("vllm", "sglang")
+
+
+def _target_config(target: str, manifest: Optional[dict]) -> tuple[Optional[dict], Optional[str]]:
+    path = os.path.join(os.path.expanduser(target), "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f), path
+    if manifest and isinstance(manifest.get("target_config"), dict):
+        return manifest["target_config"], "the draft's specjax_manifest.json"
+    return None, None
+
+
+def vllm_command(draft: str, target: str, num_spec_tokens: int) -> str:
+    # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path (contract §2.3)
+    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec_tokens},
+                      separators=(", ", ": "))
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def sglang_command(draft: str, target: str, num_spec_tokens: int, extra: tuple[str, ...] = ()) -> str:
+    # a chain of N drafted tokens: N draft steps, top-1, N+1 tokens verified per step
+    args = ["python", "-m", "sglang.launch_server", "--model-path", target,
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(num_spec_tokens), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(num_spec_tokens + 1), *extra]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list[str]]:
+    """Engine -> notes (the first word "UNSUPPORTED" marks a pair that will not work upstream)."""
+    out: dict[str, list[str]] = {"vllm": [], "sglang": [], "all": []}
+    if draft_config.get("fc_norm") or draft_config.get("norm_output"):
+        out["all"].append("EAGLE-3.1 head (fc_norm/norm_output): needs 2026+ vLLM/SGLang that read these flags; "
+                          "older engines ignore them and run a different function.")
+        if draft_config.get("fc_norm"):
+            out["sglang"].append("a published fc_norm head measured acceptance ~1.5 on SGLang vs 3.19 on vLLM "
+                                 "(Nemotron 3.5 card): measure acceptance before relying on SGLang.")
+    if target_config is None:
+        out["all"].append("target config not readable here: target-specific caveats were not checked.")
+        return out
+    tc = target_text_config(target_config)
+    if is_hybrid_target(target_config):
+        mt = tc.get("model_type", "hybrid")
+        out["sglang"].append(f"UNSUPPORTED: upstream SGLang has no EAGLE-3 aux-state capture for {mt} "
+                             "(ModelOpt PR #1568; the Nemotron card needed a patched SGLang plus "
+                             "--disable-radix-cache).")
+        out["vllm"].append(f"{mt} needs a vLLM whose target class implements SupportsEagle3 (NemotronH: PR #43130); "
+                           "the draft's num_key_value_heads must equal the target's (checked).")
+    loops = int(tc.get("num_loops") or 1)
+    if loops > 1:
+        depth = target_virtual_depth(target_config)
+        note = (f"looped target ({tc['num_hidden_layers']} layers, {loops} loops = virtual depth {depth}): the engine "
+                "must capture the aux states at virtual-depth ids "
+                f"{draft_config.get('eagle_aux_hidden_state_layer_ids')} "
+                f"(input convention) and place the draft's layer after depth {depth} (config target_layer_count). "
+                "Upstream engines index physical layers: this needs an engine-side tap definition "
+                "(e.g. a vLLM plugin as in the Nanbeige4.2 card).")
+        out["vllm"].append(note)
+        out["sglang"].append(note)
+    nested = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested and [int(i) for i in nested] != default_aux_ids(target_virtual_depth(target_config)):
+        out["all"].append(f"non-default aux taps {nested} (output convention): vLLM and SGLang read them from "
+                          "config.json; tpu-inference ignores them (hard-coded (2, L//2, L-3)).")
+    return out
+
+
+def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3) -> tuple[int, str]:
+    """(exit code, text to print)."""
+    if num_spec_tokens < 1:
+        return 2, "error: --num-spec-tokens must be >= 1"
+    draft_abs = os.path.abspath(os.path.expanduser(draft))
+    try:
+        config, _, manifest, _ = read_head_files(draft_abs)
+        target_config, source = _target_config(target, manifest)
+        findings, _ = validate_folder(draft_abs, target=target_config, check_finite=False)
+    except (ValueError, OSError) as e:
+        return 2, f"error: {e}"
+    lines = []
+    errs = errors(findings)
+    if errs:
+        lines.append(f"error: {draft_abs} fails validation; fix these before serving it:")
+        lines += [f"  {f}" for f in errs]
+        return 2, "\n".join(lines)
+    target_ref = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
+    notes = caveats(config, target_config)
+    lines.append(f"# draft  {draft_abs}  (validated{'; target config from ' + source if source else ''})")
+    for note in notes["all"]:
+        lines.append(f"# note: {note}")
+    engines = ENGINES if engine == "all" else (engine,)
+    for eng in engines:
+        lines.append("")
+        unsupported = [n for n in notes[eng] if n.startswith("UNSUPPORTED")]
+        for note in notes[eng]:
+            lines.append(f"# {eng}: {note}")
+        if eng == "vllm":
+            cmd = vllm_command(draft_abs, target_ref, num_spec_tokens)
+        else:
+            extra = ("--disable-radix-cache",) if target_config is not None and is_hybrid_target(target_config) else ()
+            cmd = sglang_command(draft_abs, target_ref, num_spec_tokens, extra)
+        lines.append(f"# {cmd}" if unsupported else cmd)
+    return 0, "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.serve_cmd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", required=True, help="the exported draft folder")
+    ap.add_argument("--target", required=True, help="the target model the engine loads (folder or hub id)")
+    ap.add_argument("--engine", default="all", choices=("vllm", "sglang", "all"))
+    ap.add_argument("--num-spec-tokens", type=int, default=3,
+                    help="draft tokens per verification (default 3: later positions rarely pay)")
+    args = ap.parse_args(argv)
+    code, text = build(args.draft, args.target, args.engine, args.num_spec_tokens)
+    print(text, file=sys.stderr if code else sys.stdout)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Shared pieces of the export tests: a tiny target folder, drafts (plain and EAGLE-3.1), head
+folders written/edited by hand, the JAX draft's per-step logits, and speculators' import.
+
+Import as `export._heads` (tests/ is on sys.path through its conftest).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafts import eagle3
+from specjax.drafts.ttt import shift_left
+from specjax.drafts.vocab import DraftVocab
+from specjax.targets import llama as tl
+
+H, N_HEADS, N_KV, HEAD_DIM, INTER, V, VD, L = 64, 4, 2, 16, 128, 300, 120, 6
+AUX = (1, 2, 3)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def target_config(**overrides) -> dict:
+    hf = tl.hf_config_dict(
+        vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV, head_dim=HEAD_DIM, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        rope_parameters=LLAMA3_ROPE,
+    )
+    hf.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hf.update(overrides)
+    return hf
+
+
+def make_draft(seed=0, *, fc_norm=False, norm_output=False, target_hf=None, aux=AUX, std=0.08):
+    """(target config, Eagle3Config, numpy params with norm scales away from 1, DraftVocab)."""
+    target_hf = target_hf or target_config()
+    cfg = eagle3.config_from_target(tl.LlamaTargetConfig.from_hf(target_hf), draft_vocab_size=VD,
+                                    aux_layer_ids=aux, fc_norm=fc_norm, norm_output=norm_output)
+    rng = np.random.default_rng(seed)
+    params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(seed), std=std))
+    # Norm scales away from 1, so a dropped or swapped norm weight changes the logits.
+    norms = [params["norm"]] + [params["midlayer"][n] for n in ("hidden_norm", "input_layernorm",
+                                                                "post_attention_layernorm")]
+    norms += list(params.get("fc_norm", {}).values())
+    for n in norms:
+        n["scale"] = (n["scale"] + 0.3 * rng.standard_normal(n["scale"].shape)).astype(np.float32)
+    vocab = DraftVocab.from_ids(rng.choice(V, VD, replace=False), V)
+    return target_hf, cfg, params, vocab
+
+
+def write_target(folder, target_hf, seed=1) -> np.ndarray:
+    """A tiny random HF Llama target (config.json + model.safetensors) at `folder`; returns its embedding."""
+    tcfg = tl.LlamaTargetConfig.from_hf(target_hf)
+    rng = np.random.default_rng(seed)  # numpy draws on the init's shapes: no XLA compile needed
+    shapes = jax.eval_shape(lambda: tl.init_params(tcfg, jax.random.key(seed)))
+    params = jax.tree_util.tree_map(lambda s: (0.05 * rng.standard_normal(s.shape)).astype(np.float32), shapes)
+    tl.save_hf_checkpoint(params, tcfg, str(folder))
+    with open(os.path.join(folder, "config.json")) as f:
+        on_disk = json.load(f)
+    on_disk.update({k: target_hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in target_hf})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(on_disk, f, indent=1)
+    return np.asarray(tl.embed_table(params, tcfg), np.float32)
+
+
+def inputs(seed, B=1, T=16, n_aux=3):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.integers(0, V, (B, T)).astype(np.int32),
+        "aux": tuple(rng.standard_normal((B, T, H)).astype(np.float32) for _ in range(n_aux)),
+        "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+    }
+
+
+@functools.partial(jax.jit, static_argnums=(1, 6), compiler_options=FAST_COMPILE)
+def _steps(params, cfg, x, aux, embed, positions, n_steps):
+    h = eagle3.project_aux(params, aux, cfg)
+    seg = jnp.ones(x.shape, jnp.int32)
+    cache, out = [], []
+    for k in range(n_steps):
+        h, kv = eagle3.decoder_layer(params, cfg, jnp.take(embed, shift_left(x, 1 + k), axis=0), h, positions,
+                                     seg, cache)
+        cache.append(kv)
+        out.append(eagle3.draft_logits(params, cfg, h))
+        h = eagle3.next_step_hidden(params, cfg, h)  # what ttt.py feeds the next step
+    return out
+
+
+def jax_logits(params, cfg, data, embed, n_steps=3) -> list[np.ndarray]:
+    """The JAX draft's logits for TTT steps 0..n_steps-1 (step k reads token x[t+1+k])."""
+    out = _steps(params, cfg, jnp.asarray(data["x"]), tuple(jnp.asarray(a) for a in data["aux"]),
+                 jnp.asarray(embed), jnp.asarray(data["positions"]), n_steps)
+    return [np.asarray(a) for a in out]
+
+
+def rel_err(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+# ---- head folders edited by hand (the validator tests) -----------------------------------------
+def read_folder(folder):
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    manifest = None
+    if os.path.isfile(os.path.join(folder, "specjax_manifest.json")):
+        with open(os.path.join(folder, "specjax_manifest.json")) as f:
+            manifest = json.load(f)
+    return config, dict(load_file(os.path.join(folder, "model.safetensors"))), manifest
+
+
+def write_folder(folder, config, tensors, manifest=None):
+    """Write a head; a manifest gets fresh file hashes (so only the intended defect is present)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if manifest is not None:
+        manifest = dict(manifest)
+        manifest["files"] = {n: {"sha256": hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest()}
+                             for n in ("model.safetensors", "config.json")}
+        with open(os.path.join(folder, "specjax_manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=2)
+    return str(folder)
+
+
+# ---- speculators (installed --no-deps) -----------------------------------------------------------
+def import_speculators():
+    """speculators 0.9.0 imported without its training-data dependency.
+
+    `speculators/__init__` reaches speculators.train.data, which imports `datasets` (pyarrow, pandas)
+    at module level for its offline data loader; the model and converter code never call it. When
+    `datasets` is not installed, a stand-in module holding the two names imported there is put in
+    sys.modules for the duration of the import and removed right after.
+    """
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("speculators") is None:
+        pytest.skip("speculators not installed (pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 "
+                    "&& pip install loguru openai)")
+    stub = None
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        stub = types.ModuleType("datasets")
+        stub.load_from_disk = stub.load_dataset = stub.concatenate_datasets = None
+        stub.Dataset = type("Dataset", (), {})
+        sys.modules["datasets"] = stub
+    try:
+        import speculators  # noqa: F401
+        from speculators.convert.entrypoints import convert_model
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    except ImportError as e:
+        pytest.skip(f"speculators does not import here: {e}")
+    finally:
+        if stub is not None and sys.modules.get("datasets") is stub:
+            del sys.modules["datasets"]
+    return types.SimpleNamespace(convert_model=convert_model, Eagle3DraftModel=Eagle3DraftModel,
+                                 Eagle3SpeculatorConfig=Eagle3SpeculatorConfig)
+
+
+def speculators_logits(model, data, n_steps=3) -> list[np.ndarray]:
+    """Run speculators' own Eagle3DraftModel.forward (its TTT loop, KV cache, masks, positions + k,
+    norm_output feedback) and catch the lm_head output of each step. Step 0 is fed x[t+1]; the model
+    itself then feeds x[t+1+k] (its teacher forcing shifts the original ids by 1+k)."""
+    import torch
+
+    caught = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: caught.append(o.detach().float().numpy()))
+    try:
+        with torch.no_grad():
+            x = torch.from_numpy(np.array(shift_left(jnp.asarray(data["x"]), 1))).long()
+            dtype = model.fc.weight.dtype
+            model(hidden_states=torch.from_numpy(np.concatenate(data["aux"], -1)).to(dtype), input_ids=x,
+                  document_ids=torch.zeros_like(x), position_ids=torch.from_numpy(data["positions"]).long(),
+                  ttt_steps=n_steps)
+    finally:
+        hook.remove()
+    return caught
+
+
+def speculators_head(sp, folder, verifier_dir, *, fc_norm=False, norm_output=False, seed=0, aux=AUX):
+    """A head as speculators itself trains and saves it (Eagle3DraftModel.save_pretrained): layers.0.*,
+    speculators_config, top-level aux ids in vLLM's input convention. Random weights, norm scales
+    away from 1. Returns the (fp32, sdpa) model."""
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    tl_conf = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
+                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
+                          rms_norm_eps=1e-5, max_position_embeddings=4096, rope_parameters=dict(LLAMA3_ROPE),
+                          tie_word_embeddings=False)
+    tl_conf._attn_implementation = "sdpa"
+    spec = SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+                             default_proposal_method="greedy",
+                             verifier=VerifierConfig(name_or_path=str(verifier_dir),
+                                                     architectures=["LlamaForCausalLM"]))
+    config = sp.Eagle3SpeculatorConfig(transformer_layer_config=tl_conf, draft_vocab_size=VD,
+                                       eagle_aux_hidden_state_layer_ids=[a + 1 for a in aux], fc_norm=fc_norm,
+                                       norm_output=norm_output, speculators_config=spec)
+    model = sp.Eagle3DraftModel(config)
+    rng = np.random.default_rng(seed)
+    ids = torch.from_numpy(np.sort(rng.choice(V, VD, replace=False)).astype(np.int64))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    model.load_vocab_mappings(t2d, ids - torch.arange(VD))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("verifier_"):
+                continue
+            if p.ndim == 1:  # norms
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(folder))
+    return model.float().eval()
