@@ -1,4 +1,9 @@
-"""Shared implementation selection: explicit name, or `auto` = best available, with a logged fallback."""
+"""Shared implementation selection: an explicit name, or `auto`/None = best available, with a logged fallback.
+
+Each op has a table name -> loader. A loader returns the function, or raises `Unavailable(reason)`
+(or returns None) when the implementation cannot run here (wrong backend, missing package). The
+preference table lists names best-first per backend (`jax.default_backend()`: cpu, gpu, tpu).
+"""
 from __future__ import annotations
 
 import logging
@@ -8,26 +13,55 @@ import jax
 
 log = logging.getLogger("specjax_kernels")
 
+NAMES = ("reference", "xla", "pallas_tpu", "pallas_gpu", "triton")
+_logged: set = set()
+
+
+class Unavailable(RuntimeError):
+    """Raised by a loader whose implementation cannot run on this backend / install."""
+
+
+def _load(impls, name):
+    try:
+        fn = impls[name]()
+    except Unavailable as e:
+        return None, str(e)
+    except ImportError as e:  # an optional dependency (jax_triton, triton) is missing
+        return None, f"import failed: {e}"
+    return fn, None if fn is not None else "not available on this backend"
+
+
+def _log_once(level, msg, *args):
+    key = (level, msg, args)
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, msg, *args)
+
 
 def select(op: str, impls: dict[str, Callable[[], Callable | None]], preference: dict[str, list[str]],
            implementation: str | None) -> tuple[str, Callable]:
-    """`impls` maps a name to a loader returning the function, or None when unavailable here."""
-    if implementation in (None, "auto"):
-        backend = jax.default_backend()
-        order = preference.get(backend, preference["cpu"])
+    backend = jax.default_backend()
+    order = preference.get(backend, preference["cpu"])
+    if implementation not in (None, "auto"):
+        if implementation not in impls:
+            raise ValueError(
+                f"{op}: unknown implementation {implementation!r}; choose one of {sorted(impls)} or 'auto'.")
+        fn, why = _load(impls, implementation)
+        if fn is not None:
+            return implementation, fn
         for name in order:
-            fn = impls[name]()
-            if fn is not None:
-                return name, fn
-        raise RuntimeError(f"{op}: no implementation available on backend {backend}")
-    if implementation not in impls:
-        raise ValueError(
-            f"{op}: unknown implementation {implementation!r}; choose one of {sorted(impls)} or 'auto'."
-        )
-    fn = impls[implementation]()
-    if fn is None:
-        fallback = preference["cpu"][0]
-        log.warning("%s: implementation %r is not available here; falling back to %r",
-                    op, implementation, fallback)
-        return fallback, impls[fallback]()
-    return implementation, fn
+            fb, _ = _load(impls, name)
+            if fb is not None:
+                _log_once(logging.WARNING, "%s: implementation %r is not available on %s (%s); falling back to %r",
+                          op, implementation, backend, why, name)
+                return name, fb
+        raise RuntimeError(f"{op}: {implementation!r} is not available ({why}) and no fallback works on {backend}.")
+    reasons = []
+    for name in order:
+        fn, why = _load(impls, name)
+        if fn is not None:
+            if reasons:
+                _log_once(logging.INFO, "%s auto on %s: using %r (skipped: %s)", op, backend, name, "; ".join(reasons))
+            return name, fn
+        reasons.append(f"{name}: {why}")
+    raise RuntimeError(f"{op}: no implementation available on backend {backend} ({'; '.join(reasons)})")

@@ -1,22 +1,70 @@
-"""Public TTT-attention entry point; `implementation=` picks the backend (see reference.py for the math)."""
+"""Public TTT-attention entry point; `implementation=` picks the backend (see reference.py for the math).
+
+  reference   plain jnp, O(T^2) memory; the definition
+  xla         blockwise causal online softmax in lax loops + LSE merge of the diagonal, custom VJP
+  pallas_tpu  Pallas TPU flash kernels (fwd, dq, dk/dv); on CPU it runs in interpret mode
+  pallas_gpu  Pallas GPU kernels through the Triton lowering (fwd, dq, dk/dv); interpret mode on CPU
+  triton      native @triton.jit kernels called through jax_triton (GPU only; import guarded)
+None / "auto" = the first available of PREFERENCE[jax.default_backend()].
+"""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
-from specjax_kernels._select import select
+import jax
+
+from specjax_kernels._select import Unavailable, select
 
 
 def _reference():
     from specjax_kernels.ttt_attention.reference import ttt_attention as fn
+
+    def call(q, k0, v0, kd, vd, seg, scale, block_size=None):
+        return fn(q, k0, v0, kd, vd, seg, scale)
+    return call
+
+
+def _xla():
+    from specjax_kernels.ttt_attention.xla import ttt_attention as fn
     return fn
 
 
-IMPLEMENTATIONS = {"reference": _reference}
-# best-first per backend; faster backends are added here as they land
-PREFERENCE = {"cpu": ["reference"], "gpu": ["reference"], "tpu": ["reference"]}
+def _pallas_tpu():
+    backend = jax.default_backend()
+    if backend not in ("tpu", "cpu"):
+        raise Unavailable(f"Pallas TPU kernels need a TPU (or CPU interpret mode), not {backend}")
+    from specjax_kernels.ttt_attention.pallas_tpu import ttt_attention as fn
+    return functools.partial(fn, interpret=backend == "cpu")
+
+
+def _pallas_gpu():
+    backend = jax.default_backend()
+    if backend not in ("gpu", "cpu"):
+        raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
+    from specjax_kernels.ttt_attention.pallas_gpu import ttt_attention as fn
+    return functools.partial(fn, interpret=backend == "cpu")
+
+
+def _triton():
+    if jax.default_backend() != "gpu":
+        raise Unavailable("Triton kernels need an NVIDIA GPU")
+    from specjax_kernels.ttt_attention.triton_gpu import ttt_attention as fn  # imports jax_triton
+    return fn
+
+
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "pallas_tpu": _pallas_tpu,
+                   "pallas_gpu": _pallas_gpu, "triton": _triton}
+# best-first per backend (benchmarks/results/kernels.md has the H200 numbers behind the GPU order).
+# TPU: xla until pallas_tpu has been compiled and checked on a TPU (so far: CPU interpret mode only).
+PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["triton", "pallas_gpu", "xla", "reference"],
+              "tpu": ["xla", "pallas_tpu", "reference"]}
 
 
 def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, *, scale=None,
-                  implementation: Optional[str] = None):
+                  implementation: Optional[str] = None, block_size: Optional[int] = None):
+    """q [B,T,Hq,D] (step k), k0/v0 [B,T,Hkv,D] (step 0), k_diag/v_diag [k,B,T,Hkv,D] (steps 1..k) or None,
+    segment_ids [B,T] or None -> [B,T,Hq,D] in q's dtype. `block_size` overrides the tile along T
+    (the kernels' default otherwise; the reference ignores it)."""
     _, fn = select("ttt_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
-    return fn(q, k0, v0, k_diag, v_diag, segment_ids, scale)
+    return fn(q, k0, v0, k_diag, v_diag, segment_ids, scale, block_size=block_size)

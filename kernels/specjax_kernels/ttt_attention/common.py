@@ -1,0 +1,164 @@
+"""What every fast TTT-attention backend shares: the LSE merge of the diagonal terms and the custom VJP.
+
+A backend only supplies the step-0 block ("block 0"): causal, segment-masked GQA attention over the
+step-0 keys, as
+  fwd0(q, k0, v0, seg, scale)                      -> o0 [B,T,Hq,D] f32, lse0 [B,T,Hq] f32
+  bwd0(q, k0, v0, seg, do, lse, delta, scale)      -> dq, dk0, dv0 (f32)
+on inputs whose T is a multiple of `Backend.multiple` (padding is done here).
+
+Why the split is exact (FlashAttention-2 backward, arXiv:2307.08691 §3.1.2): with the *final*
+log-sum-exp `lse` over all keys (block 0 and the k diagonal keys) and delta = rowsum(dO * O),
+every score's gradient is dS = P * (dP - delta) with P = exp(S - lse). The block-0 scores therefore
+take exactly the flash backward with the merged lse/delta, and the k diagonal scores (one per row)
+are elementwise. Memory is O(B*T*H*D): the residuals are q, k, v, the output and lse.
+
+The forward merge: lse = logaddexp(lse0, s_1..s_k) with s_i = q[t]·K_i[t]*scale, and
+out = o0 * exp(lse0 - lse) + sum_i exp(s_i - lse) V_i[t].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    fwd0: Callable  # (q, k, v, seg, scale) -> (o0 f32, lse0 f32)
+    bwd0: Callable  # (q, k, v, seg, do, lse, delta, scale) -> (dq, dk, dv) f32
+    multiple: int  # T is padded to a multiple of this before fwd0/bwd0
+
+
+def check_inputs(q, k0, v0, kd, vd, seg):
+    if q.ndim != 4 or k0.ndim != 4 or v0.shape != k0.shape:
+        raise ValueError(
+            f"ttt_attention wants q [B,T,Hq,D] and k0/v0 [B,T,Hkv,D]; got q {q.shape}, k0 {k0.shape}, "
+            f"v0 {v0.shape}.")
+    B, T, Hq, D = q.shape
+    if k0.shape[0] != B or k0.shape[1] != T or k0.shape[3] != D:
+        raise ValueError(f"k0 {k0.shape} does not match q {q.shape} in batch, length or head_dim.")
+    if Hq % k0.shape[2]:
+        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {k0.shape[2]} (GQA).")
+    if (kd is None) != (vd is None):
+        raise ValueError("pass both k_diag and v_diag, or neither.")
+    if kd is not None and (kd.ndim != 5 or kd.shape[1:] != k0.shape or vd.shape != kd.shape):
+        raise ValueError(f"k_diag/v_diag must be [k,B,T,Hkv,D] with [B,T,Hkv,D] = {k0.shape}; "
+                         f"got {kd.shape} and {vd.shape}.")
+    if seg is not None and seg.shape != (B, T):
+        raise ValueError(f"segment_ids must be [B,T] = {(B, T)}; got {seg.shape}.")
+
+
+def _pad_t(x, Tp, axis=1, value=0):
+    T = x.shape[axis]
+    if T == Tp:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, Tp - T)
+    return jnp.pad(x, pads, constant_values=value)
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _diag_scores(q, kd, scale):
+    """s[n,b,t,h] = q[b,t,h]·kd[n,b,t,h//G] * scale, in f32 ([n,B,T,Hkv,G])."""
+    B, T, Hq, D = q.shape
+    Hkv = kd.shape[3]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    return jnp.einsum("btkgd,nbtkd->nbtkg", qg, kd, preferred_element_type=f32) * scale
+
+
+def _merge(q, kd, vd, o0, lse0, scale):
+    """(out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
+    B, T, Hq, D = q.shape
+    if kd is None or kd.shape[0] == 0:
+        return o0, lse0
+    Hkv = kd.shape[3]
+    G = Hq // Hkv
+    sd = _diag_scores(q, kd, scale)  # [n,B,T,Hkv,G]
+    l0 = lse0.reshape(B, T, Hkv, G)
+    m = jnp.maximum(l0, jnp.max(sd, axis=0))
+    lse = m + jnp.log(jnp.exp(l0 - m) + jnp.sum(jnp.exp(sd - m), axis=0))
+    w0 = jnp.exp(l0 - lse)
+    wd = jnp.exp(sd - lse)
+    out = o0.reshape(B, T, Hkv, G, D) * w0[..., None] + jnp.einsum(
+        "nbtkg,nbtkd->btkgd", wd, vd.astype(f32))
+    return out.reshape(B, T, Hq, D), lse.reshape(B, T, Hq)
+
+
+def _diag_backward(q, kd, vd, do, lse, delta, scale):
+    B, T, Hq, D = q.shape
+    Hkv = kd.shape[3]
+    G = Hq // Hkv
+    p = jnp.exp(_diag_scores(q, kd, scale) - lse.reshape(B, T, Hkv, G))  # [n,B,T,Hkv,G]
+    dog = do.reshape(B, T, Hkv, G, D).astype(f32)
+    dp = jnp.einsum("btkgd,nbtkd->nbtkg", dog, vd.astype(f32))
+    ds = p * (dp - delta.reshape(B, T, Hkv, G)) * scale
+    dq = jnp.einsum("nbtkg,nbtkd->btkgd", ds, kd.astype(f32)).reshape(B, T, Hq, D)
+    dkd = jnp.einsum("nbtkg,btkgd->nbtkd", ds, q.reshape(B, T, Hkv, G, D).astype(f32))
+    dvd = jnp.einsum("nbtkg,btkgd->nbtkd", p, dog)
+    return dq, dkd, dvd
+
+
+def _block0_fwd(be: Backend, q, k0, v0, seg, scale):
+    T = q.shape[1]
+    Tp = _round_up(T, be.multiple)
+    o0, lse0 = be.fwd0(_pad_t(q, Tp), _pad_t(k0, Tp), _pad_t(v0, Tp), _pad_t(seg, Tp, value=-1), scale)
+    return o0[:, :T], lse0[:, :T]
+
+
+def _block0_bwd(be: Backend, q, k0, v0, seg, do, lse, delta, scale):
+    T = q.shape[1]
+    Tp = _round_up(T, be.multiple)
+    p = functools.partial(_pad_t, Tp=Tp)
+    # padded rows get a huge lse so that their probabilities are exactly 0 (and do = 0 there)
+    dq, dk, dv = be.bwd0(p(q), p(k0), p(v0), p(seg, value=-1), p(do), p(lse, value=1e30), p(delta), scale)
+    return dq[:, :T], dk[:, :T], dv[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7))
+def _ttt(be, q, k0, v0, kd, vd, seg, scale):
+    out, _ = _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale)
+    return out
+
+
+def _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale):
+    o0, lse0 = _block0_fwd(be, q, k0, v0, seg, scale)
+    out, lse = _merge(q, kd, vd, o0, lse0, scale)
+    out = out.astype(q.dtype)
+    return out, (q, k0, v0, kd, vd, seg, out, lse)
+
+
+def _ttt_bwd(be, scale, res, do):
+    q, k0, v0, kd, vd, seg, out, lse = res
+    # delta uses the output as returned (rounded to q.dtype), like FlashAttention-2
+    delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)
+    dq, dk0, dv0 = _block0_bwd(be, q, k0, v0, seg, do, lse, delta, scale)
+    if kd is not None and kd.shape[0] > 0:
+        dq_d, dkd, dvd = _diag_backward(q, kd, vd, do, lse, delta, scale)
+        dq = dq + dq_d
+        dkd, dvd = dkd.astype(kd.dtype), dvd.astype(vd.dtype)
+    else:
+        dkd = None if kd is None else jnp.zeros_like(kd)
+        dvd = None if vd is None else jnp.zeros_like(vd)
+    return dq.astype(q.dtype), dk0.astype(k0.dtype), dv0.astype(v0.dtype), dkd, dvd, None
+
+
+_ttt.defvjp(_ttt_fwd, _ttt_bwd)
+
+
+def ttt_attention_with(be: Backend, q, k0, v0, kd=None, vd=None, seg=None, scale=None):
+    """The full TTT attention (block 0 by `be`, diagonal merged here) with its custom VJP."""
+    check_inputs(q, k0, v0, kd, vd, seg)
+    B, T, _, D = q.shape
+    scale = float(D**-0.5 if scale is None else scale)
+    if seg is None:
+        seg = jnp.zeros((B, T), jnp.int32)
+    return _ttt(be, q, k0, v0, kd, vd, seg.astype(jnp.int32), scale)

@@ -1,0 +1,88 @@
+"""GPU-only kernel checks (pallas_gpu, triton) against the jnp reference; run on the H200:
+
+    JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python -m pytest tests/kernels/test_kernels_gpu.py -m gpu
+
+The reference runs in f32 on the same (upcast) inputs. Errors are ||out - ref|| / ||ref|| over the whole
+tensor: f32 inputs must land under 1e-4 (the kernels use IEEE f32 dots then), bf16 inputs under 2e-2
+(bf16 operands, f32 accumulation). Skipped when there is no GPU (CPU CI)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax_kernels.soft_ce import fused_linear_soft_ce
+from specjax_kernels.ttt_attention import ttt_attention
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")]
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), "non-finite values in the kernel output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def ttt_inputs(seed, B, T, Hq, Hkv, D, k, dtype):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    n = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(dtype)
+    kd = n(ks[3], (k, B, T, Hkv, D)) if k else None
+    vd = n(ks[4], (k, B, T, Hkv, D)) if k else None
+    return n(ks[0], (B, T, Hq, D)), n(ks[1], (B, T, Hkv, D)), n(ks[2], (B, T, Hkv, D)), kd, vd, \
+        n(ks[5], (B, T, Hq, D))
+
+
+def up(x):
+    return None if x is None else x.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("impl", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,Hq,Hkv,D,packed", [(0, 4, 4, 64, False), (3, 8, 2, 128, True), (6, 4, 1, 64, True)])
+def test_ttt_attention_gpu(impl, dtype, k, Hq, Hkv, D, packed):
+    B, T = 2, 300  # T not a multiple of any kernel block
+    q, k0, v0, kd, vd, do = ttt_inputs(k + D, B, T, Hq, Hkv, D, k, dtype)
+    seg = jnp.asarray(np.repeat([[1, 2, 3, 0]], B, 0).repeat([90, 120, 80, 10], 1), jnp.int32) if packed else None
+
+    def f(impl, *a):
+        return ttt_attention(*a, seg, implementation=impl)
+
+    out, vjp = jax.vjp(jax.jit(lambda *a: f(impl, *a)), q, k0, v0, kd, vd)
+    assert out.dtype == dtype
+    ref, ref_vjp = jax.vjp(jax.jit(lambda *a: f("reference", *a)), *map(up, (q, k0, v0, kd, vd)))
+    assert rel(out, ref) < TOL[dtype]
+    for name, g, r in zip(["dq", "dk0", "dv0", "dk_diag", "dv_diag"], vjp(do), ref_vjp(up(do))):
+        if r is not None:
+            assert rel(g, r) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("teacher", ["logits", "hidden"])
+def test_fused_soft_ce_triton(dtype, teacher):
+    N, H, V, Ht = 300, 256, 1000, 192  # N, V not multiples of the 128 tiles
+    ks = jax.random.split(jax.random.key(1), 6)
+    h = jax.random.normal(ks[0], (N, H)).astype(dtype)
+    w = (0.1 * jax.random.normal(ks[1], (V, H))).astype(dtype)
+    mask = (jax.random.uniform(ks[5], (N,)) > 0.2).astype(jnp.float32)
+    if teacher == "logits":
+        kw = dict(teacher_logits=3 * jax.random.normal(ks[2], (N, V)))
+        kw_ref = kw
+    else:
+        th = jax.random.normal(ks[3], (N, Ht)).astype(dtype)
+        tw = (0.1 * jax.random.normal(ks[4], (V, Ht))).astype(dtype)
+        kw, kw_ref = dict(teacher_hidden=th, teacher_head=tw), dict(teacher_hidden=up(th), teacher_head=up(tw))
+    g = jax.random.normal(ks[5], (N,))
+
+    def run(impl, h, w, kw):
+        f = jax.jit(lambda h, w: fused_linear_soft_ce(h, w, mask=mask, return_argmax=True, implementation=impl, **kw))
+        (loss, amax), vjp = jax.vjp(f, h, w)
+        return loss, amax, vjp((g, np.zeros(amax.shape, jax.dtypes.float0)))
+
+    loss, amax, (dh, dw) = run("triton", h, w, kw)
+    rloss, ramax, (rdh, rdw) = run("reference", up(h), up(w), kw_ref)
+    assert rel(loss, rloss) < TOL[dtype]
+    assert rel(dh, rdh) < TOL[dtype] and rel(dw, rdw) < TOL[dtype]
+    if dtype == jnp.float32:  # bf16 logits can legitimately reorder near-ties
+        assert float(jnp.mean(amax == ramax)) > 0.99
