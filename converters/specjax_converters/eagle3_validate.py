@@ -246,7 +246,14 @@ def target_virtual_depth(target_config: Mapping) -> int:
     runs num_loops times (specjax.targets.looped; the Nanbeige card: 22 layers x 2 loops = 44):
     L + (num_loops - 1) * (loop_end - loop_start); otherwise num_hidden_layers."""
     tc = target_text_config(target_config)
-    L = int(tc["num_hidden_layers"])
+    if "num_hidden_layers" in tc:
+        L = int(tc["num_hidden_layers"])
+    else:  # hybrids saved by transformers 5 describe their depth by the block pattern only
+        pattern = tc.get("layers_block_type") or tc.get("hybrid_override_pattern")
+        if not pattern:
+            raise ValueError("target config has neither num_hidden_layers nor a block pattern "
+                             "(layers_block_type / hybrid_override_pattern); cannot tell its depth")
+        L = len(pattern)
     loops = max(int(tc.get("num_loops") or 1), 1)
     start = int(tc.get("loop_start") or 0)
     end = L if tc.get("loop_end") is None else int(tc["loop_end"])

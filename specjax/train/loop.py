@@ -191,6 +191,11 @@ def resolve_aux_ids(cfg: Config, target) -> tuple[int, ...]:
 
 def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
     d = cfg.draft
+    # e.g. hybrid Mamba targets: the draft's KV heads must equal the target's (vLLM KV-cache pages);
+    # checked before training, not at export
+    check = getattr(type(target), "check_draft_compat", None)
+    if check is not None:
+        check(target.config, d.num_key_value_heads)
     return eagle3.config_from_target(
         target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,

@@ -294,7 +294,8 @@ def test_unsupported_architecture_error(tmp_mod):
         load_target(str(path))
     with pytest.raises(ValueError, match="supported"):
         get_target_class("GPT2LMHeadModel")
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
+    assert list(SUPPORTED_ARCHITECTURES) == sorted(SUPPORTED_ARCHITECTURES)
 
 
 def test_config_errors_and_rope_layouts():
