@@ -69,16 +69,50 @@ class WeightSpec:
     transpose: bool
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    # Optional extras for non-dense layouts (defaults keep the plain per-layer stacking above):
+    # layer_ids: the layers a stacked row holds, in order (None = all num_hidden_layers). Used when
+    #   only some layers carry the tensor, e.g. the MoE layers of an interleaved MoE/MLP stack.
+    # "{e}" in hf_name: one tensor per expert on disk, stacked on a second axis [L, E, ...].
+    # hf_chunk=(k, n): the leaf is chunk k of n equal chunks along axis 0 of the on-disk tensor
+    #   (a fused projection such as [gate; q; k; v]); only that chunk is read.
+    layer_ids: tuple[int, ...] | None = None
+    hf_chunk: tuple[int, int] | None = None
+    # dtype: keep this leaf in a fixed dtype whatever the load dtype (e.g. fp32 MoE routers, whose
+    #   bf16 rounding changes which experts are picked)
+    dtype: str | None = None
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf_name
 
     @property
+    def expert_stacked(self) -> bool:
+        return "{e}" in self.hf_name
+
+    @property
     def hf_shape(self) -> tuple[int, ...]:
-        """Shape of one tensor on disk (one layer's slice when stacked)."""
-        shape = self.shape[1:] if self.stacked else self.shape
+        """Shape of one tensor on disk (one layer's / expert's slice when stacked; one chunk when chunked)."""
+        lead = int(self.stacked) + int(self.expert_stacked)
+        shape = self.shape[lead:]
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+    @property
+    def hf_file_shape(self) -> tuple[int, ...]:
+        """Shape of the whole tensor in the file (the fused tensor when chunked)."""
+        shape = self.hf_shape
+        if self.hf_chunk is None:
+            return shape
+        return (shape[0] * self.hf_chunk[1],) + tuple(shape[1:])
+
+    def hf_tensors(self, num_layers: int) -> list[tuple[tuple[int, ...], str]]:
+        """(index into the stacked leaf, on-disk tensor name) for every tensor this row reads."""
+        if not self.stacked:
+            return [((), self.hf_name)]
+        layers = range(num_layers) if self.layer_ids is None else self.layer_ids
+        if not self.expert_stacked:
+            return [((j,), self.hf_name.format(i=i)) for j, i in enumerate(layers)]
+        n_experts = self.shape[1]
+        return [((j, e), self.hf_name.format(i=i, e=e)) for j, i in enumerate(layers) for e in range(n_experts)]
 
 
 def tree_get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
@@ -143,7 +177,9 @@ class Target:
     # ---- generic API --------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        """Depth that aux ids address: the decoder layers, or for looped (weight-shared) targets the
+        unrolled virtual depth (their config's ``num_virtual_layers``)."""
+        return getattr(self.config, "num_virtual_layers", self.config.num_hidden_layers)
 
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
         return default_aux_layer_ids(self.num_layers)

@@ -91,7 +91,7 @@ class _Reader:
         self._stack = stack
         self._handles: dict[str, Any] = {}
 
-    def get(self, name: str) -> np.ndarray:
+    def _handle(self, name: str):
         path = self._files[name]
         if path not in self._handles:
             handle = self._stack.enter_context(safe_open(path, framework="numpy"))
@@ -99,10 +99,26 @@ class _Reader:
         handle, names = self._handles[path]
         if name not in names:
             raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but missing from {os.path.basename(path)}")
+        return path, handle
+
+    def get(self, name: str) -> np.ndarray:
+        path, handle = self._handle(name)
         try:
             return handle.get_tensor(name)
         except TypeError:  # dtype numpy does not know (older safetensors without ml_dtypes)
             return _read_raw_tensor(path, name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        _, handle = self._handle(name)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) along axis 0, without reading the rest of the tensor."""
+        path, handle = self._handle(name)
+        try:
+            return handle.get_slice(name)[start:stop]
+        except TypeError:
+            return np.array(_read_raw_tensor(path, name)[start:stop])
 
 
 def write_safetensors(
@@ -159,8 +175,8 @@ def load_params(
 
     expected = {}
     for spec in specs:
-        for i in range(L) if spec.stacked else [None]:
-            expected[spec.hf_name.format(i=i) if spec.stacked else spec.hf_name] = spec
+        for _, name in spec.hf_tensors(L):
+            expected[name] = spec
     unknown = [n for n in files if n not in expected and not target_cls.ignored_hf_names(config, n)]
     missing = [n for n in expected if n not in files]
     if unknown or missing:
@@ -175,17 +191,20 @@ def load_params(
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
         for spec in specs:
-            buf = np.empty(spec.shape, np_dtype)
-            for i in range(L) if spec.stacked else [None]:
-                name = spec.hf_name.format(i=i) if spec.stacked else spec.hf_name
-                t = reader.get(name)
-                if tuple(t.shape) != spec.hf_shape:
-                    raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {spec.hf_shape}")
+            buf = np.empty(spec.shape, np.dtype(spec.dtype) if spec.dtype else np_dtype)
+            for index, name in spec.hf_tensors(L):
+                if spec.hf_chunk is None:
+                    t = reader.get(name)
+                    if tuple(t.shape) != spec.hf_shape:
+                        raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {spec.hf_shape}")
+                else:  # one chunk of a fused tensor: check the whole shape, read only the rows needed
+                    file_shape = reader.shape(name)
+                    if file_shape != spec.hf_file_shape:
+                        raise ValueError(f"tensor {name} has shape {file_shape}, expected {spec.hf_file_shape}")
+                    rows = spec.hf_shape[0]
+                    t = reader.get_rows(name, spec.hf_chunk[0] * rows, (spec.hf_chunk[0] + 1) * rows)
                 t = t.T if spec.transpose else t
-                if spec.stacked:
-                    buf[i] = t  # numpy casts to the target dtype (round-to-nearest-even for bf16)
-                else:
-                    buf[...] = t
+                buf[index] = t  # numpy casts to the target dtype (round-to-nearest-even for bf16)
             sharding = tree_get(shardings, spec.path) if shardings is not None else None
             if sharding is None:
                 leaf = jax.device_put(buf)

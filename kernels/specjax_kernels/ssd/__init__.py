@@ -1,0 +1,1 @@
+from specjax_kernels.ssd.api import ssd  # noqa: F401

@@ -1,0 +1,670 @@
+"""Nemotron-H frozen target (``NemotronHForCausalLM``): hybrid Mamba-2 / attention / MoE / MLP stack.
+
+Read top to bottom: block types -> config -> HF weight map -> init -> forward -> draft check ->
+Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
+
+  block i (type from ``layers_block_type``):  x = x + mixer_i(RMSNorm_i(x))
+    linear_attention  Mamba-2 mixer (layers/mamba2.py; SSD scan in specjax_kernels.ssd)
+    full_attention    GQA self-attention, causal, **no positional encoding** (Nemotron-H attention
+                      applies no RoPE; order comes from the Mamba layers), scale head_dim**-0.5
+    moe               sigmoid router (+ e_score_correction_bias for the choice only, DeepSeek-V3
+                      style group-limited top-k), weights = sigmoid scores of the chosen experts,
+                      renormalised (norm_topk_prob) and times routed_scaling_factor; non-gated
+                      experts down(act(up(x))) (optionally inside a latent projection); plus one
+                      always-on shared expert MLP on the block input
+    mlp               down(act(up(x))), act = mlp_hidden_act (relu2 = squared ReLU)
+  final norm ``norm_f``, untied ``lm_head``. RMSNorms multiply the weight in fp32 before the cast
+  back (unlike Llama's RMSNorm).
+
+Parameters are nested dicts, one stack per block type (``params["mamba"]`` holds every Mamba
+layer stacked on a leading axis, in layer order; likewise ``attention``, ``moe``, ``mlp``). The
+forward scans over layer indices and dispatches each layer to its type with ``lax.switch``, reading
+that type's stack at the layer's slot in place; the scan is split at the aux taps so only the
+three tapped states are kept (taps may sit on any block type).
+
+On disk (transformers' save_pretrained and NVIDIA's checkpoints alike) names start with
+``backbone.`` and routed experts are stored one tensor per expert
+(``backbone.layers.{i}.mixer.experts.{e}.up_proj.weight``); those are stacked into [E, ...]
+leaves. ``mtp.*`` tensors (the multi-token-prediction head) are ignored, as transformers does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.targets.base import Target, WeightSpec, tree_set, validate_aux_layer_ids
+from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
+from specjax.targets.layers.mamba2 import Mamba2Dims, mamba2_mixer
+from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax_kernels.moe import moe_experts
+
+ARCHITECTURE = "NemotronHForCausalLM"
+MODEL_TYPE = "nemotron_h"
+
+# =============================================================================================
+# Block types (transformers 5.24 names) and the older spellings configs still carry
+# =============================================================================================
+MAMBA, ATTENTION, MOE, MLP = "linear_attention", "full_attention", "moe", "mlp"
+BLOCK_TYPES = (MAMBA, ATTENTION, MOE, MLP)
+_PARAM_KEY = {MAMBA: "mamba", ATTENTION: "attention", MOE: "moe", MLP: "mlp"}
+_LEGACY_NAMES = {"mamba": MAMBA, "attention": ATTENTION}  # transformers' remap_legacy_layer_types
+_PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "E": MOE, "-": MLP}  # hybrid_override_pattern
+# Older config keys transformers renames in NemotronHConfig.__post_init__ (old name -> new name).
+_KEY_ALIASES = {
+    "mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+    "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
+}
+
+_ACTIVATIONS = {
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # transformers' ReLUSquaredActivation
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+def parse_block_types(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    """Block types from ``layers_block_type`` / ``layer_types`` (list) or ``hybrid_override_pattern``
+    (string of M * E -); legacy names mapped; unknown names raise listing the supported ones."""
+    raw = hf.get("layers_block_type") or hf.get("layer_types")
+    if raw is None and hf.get("hybrid_override_pattern"):
+        pattern = str(hf["hybrid_override_pattern"])
+        bad = sorted(set(pattern) - set(_PATTERN_CHARS))
+        if bad:
+            raise ValueError(
+                f"hybrid_override_pattern has unknown block symbols {bad}; supported: "
+                + ", ".join(f"{c!r}={t}" for c, t in _PATTERN_CHARS.items())
+            )
+        raw = [_PATTERN_CHARS[c] for c in pattern]
+    if not raw:
+        raise ValueError("Nemotron-H config needs layers_block_type (or hybrid_override_pattern)")
+    types = tuple(_LEGACY_NAMES.get(t, t) for t in raw)
+    bad = sorted(set(types) - set(BLOCK_TYPES))
+    if bad:
+        raise ValueError(f"unsupported Nemotron-H block type(s) {bad}; supported: {', '.join(BLOCK_TYPES)}")
+    return types
+
+
+def _finite_or_inf(v) -> float:
+    # transformers writes float('inf') into config.json as {"__float__": "Infinity"}
+    if isinstance(v, Mapping) and "__float__" in v:
+        v = v["__float__"]
+    return float(v)
+
+
+# =============================================================================================
+# Config
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class NemotronHTargetConfig:
+    """Hashable subset of ``NemotronHConfig`` that the forward needs, plus runtime knobs.
+
+    ``rope`` / ``rms_norm_eps`` / ``intermediate_size`` are also what the EAGLE-3 draft copies from
+    its target (drafts.eagle3.config_from_target). The target itself uses no RoPE; ``rope`` is the
+    draft's, read from the HF config the same way the export validator reads it (theta 10000 when
+    the config names none).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # MLP blocks
+    mlp_hidden_act: str
+    # Mamba-2
+    mamba_num_heads: int
+    mamba_head_dim: int
+    n_groups: int
+    ssm_state_size: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool
+    # transformers 5.24 clamps dt to (time_step_min, inf) and ignores config.time_step_limit
+    dt_limit: tuple[float, float]
+    # MoE
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    layer_norm_epsilon: float = 1e-5
+    max_position_embeddings: int = 4096
+    rope: RopeSpec = RopeSpec()
+    # ---- runtime options, not part of the HF config ----
+    attention_q_block: int = 0  # >0: queries in blocks of this size (bounds the score buffer)
+    ssd_implementation: str | None = None  # specjax_kernels.ssd: None/"auto" | "xla" | "reference"
+    moe_implementation: str | None = None  # specjax_kernels.moe: None/"auto" | "xla" | "reference"
+    weight_prefix: str = "backbone"  # on-disk name prefix (transformers writes "backbone.")
+
+    # ---- derived ----
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return self.layer_norm_epsilon
+
+    @property
+    def model_type(self) -> str:
+        return MODEL_TYPE
+
+    @property
+    def mamba_dims(self) -> Mamba2Dims:
+        return Mamba2Dims(
+            num_heads=self.mamba_num_heads, head_dim=self.mamba_head_dim, n_groups=self.n_groups,
+            state_size=self.ssm_state_size, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size,
+            eps=self.layer_norm_epsilon, dt_limit=self.dt_limit, ssd_implementation=self.ssd_implementation,
+        )
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Global indices of the blocks of one type, in order (= slots of that type's param stack)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    @property
+    def layer_slots(self) -> tuple[int, ...]:
+        """slot[i] = position of block i inside its type's stack."""
+        seen: dict[str, int] = {}
+        out = []
+        for t in self.layer_types:
+            out.append(seen.get(t, 0))
+            seen[t] = out[-1] + 1
+        return tuple(out)
+
+    @property
+    def has_mamba(self) -> bool:
+        return MAMBA in self.layer_types
+
+    # ---- construction ----
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "NemotronHTargetConfig":
+        """From an HF config dict (config.json contents or ``NemotronHConfig.to_dict()``)."""
+        if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
+            hf = hf.to_dict()
+        hf = dict(hf)
+        for old, new in _KEY_ALIASES.items():
+            if old in hf and new not in hf:
+                hf[new] = hf[old]
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else ARCHITECTURE if hf.get("model_type") == MODEL_TYPE else hf.get("model_type")
+        if arch != ARCHITECTURE:
+            raise ValueError(f"NemotronHTargetConfig handles {ARCHITECTURE}, got architecture {arch!r}")
+        types = parse_block_types(hf)
+        n_declared = hf.get("num_hidden_layers")
+        if n_declared is not None and int(n_declared) != len(types):
+            raise ValueError(
+                f"num_hidden_layers={n_declared} but the block pattern lists {len(types)} blocks; "
+                "fix the config so both agree"
+            )
+        # Reject what transformers' NemotronH would silently treat differently from the config's intent.
+        if hf.get("use_bias"):
+            raise ValueError("Nemotron-H with use_bias=true (Mamba in/out_proj biases) is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError("Nemotron-H with mlp_bias=true is not supported")
+        if hf.get("tie_word_embeddings"):
+            raise ValueError(
+                "Nemotron-H with tie_word_embeddings=true is not supported (transformers' "
+                "NemotronHForCausalLM never ties lm_head to the embeddings)"
+            )
+        if hf.get("mamba_hidden_act", "silu") != "silu":
+            raise ValueError(f"mamba_hidden_act={hf['mamba_hidden_act']!r} is not supported (only 'silu')")
+        act = hf.get("mlp_hidden_act", "relu2")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"mlp_hidden_act={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        heads = int(hf.get("num_attention_heads", 32))
+        latent = hf.get("moe_latent_size")
+        kw = dict(
+            architecture=ARCHITECTURE,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            layer_types=types,
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            intermediate_size=int(hf.get("intermediate_size", 21504)),
+            mlp_hidden_act=act,
+            mamba_num_heads=int(hf.get("mamba_num_heads", 128)),
+            mamba_head_dim=int(hf.get("mamba_head_dim", 64)),
+            n_groups=int(hf.get("n_groups", 8)),
+            ssm_state_size=int(hf.get("ssm_state_size", 128)),
+            conv_kernel=int(hf.get("conv_kernel", 4)),
+            chunk_size=int(hf.get("chunk_size", 128)),
+            use_conv_bias=bool(hf.get("use_conv_bias", True)),
+            dt_limit=(_finite_or_inf(hf.get("time_step_min", 0.001)), float("inf")),
+            n_routed_experts=int(hf.get("n_routed_experts", hf.get("num_local_experts", 8))),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size", 7688)),
+            moe_shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688)),
+            moe_latent_size=None if latent is None else int(latent),
+            n_group=int(hf.get("n_group", 1)),
+            topk_group=int(hf.get("topk_group", 1)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rope=rope_spec_from_hf(hf),
+        )
+        kw.update(overrides)
+        if "dt_limit" in overrides:
+            kw["dt_limit"] = tuple(float(v) for v in overrides["dt_limit"])
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.has_mamba:
+            self.mamba_dims.validate()
+        if MOE in self.layer_types:
+            e, g = self.n_routed_experts, self.n_group
+            if e % g or not 1 <= self.topk_group <= g:
+                raise ValueError(
+                    f"MoE routing: n_routed_experts={e} must split into n_group={g} equal groups and "
+                    f"1 <= topk_group={self.topk_group} <= n_group"
+                )
+            if g > 1 and e // g < 2:
+                raise ValueError(f"MoE routing scores groups by their top-2 experts: need >= 2 experts per group, got {e // g}")
+            if not 1 <= self.num_experts_per_tok <= self.topk_group * (e // g):
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..{self.topk_group * (e // g)} "
+                    f"(experts in the topk_group={self.topk_group} selected groups)"
+                )
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict (transformers-5.24 layout) that transformers and ``from_hf`` both read."""
+        d = {
+            "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "dtype": dtype,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "layers_block_type": list(self.layer_types),
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "mlp_hidden_act": self.mlp_hidden_act, "mamba_hidden_act": "silu",
+            "mamba_num_heads": self.mamba_num_heads, "mamba_head_dim": self.mamba_head_dim,
+            "n_groups": self.n_groups, "ssm_state_size": self.ssm_state_size, "conv_kernel": self.conv_kernel,
+            "chunk_size": self.chunk_size, "use_conv_bias": self.use_conv_bias, "time_step_min": self.dt_limit[0],
+            "n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+            "moe_latent_size": self.moe_latent_size, "n_group": self.n_group, "topk_group": self.topk_group,
+            "norm_topk_prob": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor,
+            "layer_norm_epsilon": self.layer_norm_epsilon, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False, "use_bias": False, "mlp_bias": False, "attention_bias": False,
+        }
+        if self.rope != RopeSpec():
+            d["rope_parameters"] = self.rope.to_hf()
+        return d
+
+
+# The published shape of NVIDIA Nemotron 3 Nano 30B-A3B, which Nemotron 3.5 Lightning 30B-A3B shares
+# (NeMo Customizer model docs). Figures: Megatron-Bridge `Nemotron3NanoProvider` (pattern, widths,
+# 128 experts / top-6 / scaling 2.5, 2 KV heads, Mamba 64 heads x 64, 8 groups, state 128) and
+# transformers' NemotronHConfig defaults (conv 4, chunk 128, eps 1e-5). Attention blocks sit at
+# 5, 12, 19, 26, 33, 42, as the Lightning EAGLE-3 card states. ~31.6B parameters.
+NEMOTRON_3_NANO_30B_A3B_HF_CONFIG: dict[str, Any] = {
+    "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+    "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_hidden_layers": 52,
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "intermediate_size": 1856, "mlp_hidden_act": "relu2",
+    "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+    "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "time_step_min": 0.001,
+    "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "layer_norm_epsilon": 1e-5, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+}
+
+
+# transformers keeps the MoE router weight and its correction bias in fp32 inside a bf16 model
+# (_keep_in_fp32_modules_strict), and bf16-rounded router weights flip expert choices: on the tiny
+# parity model a bf16 load with a bf16 router is 0.34 rel. off transformers' bf16 logits, with an
+# fp32 router 0.02 (transformers' own bf16-vs-fp32 gap). Router rows therefore ask for fp32 leaves
+# through WeightSpec.dtype, which the loader honours.
+ROUTER_DTYPE = "float32"
+_FP32_LEAF = {"dtype": ROUTER_DTYPE}
+
+
+# =============================================================================================
+# HF weight map: one row per tensor kind and block type. "{i}" rows are stacked over the layers of
+# that type (WeightSpec.layer_ids); "{e}" rows additionally over the experts: leaf [n_layers, E, ...].
+# transpose=True: HF nn.Linear weight [out, in] <-> kernel [in, out]; conv1d [C, 1, K] <-> [K, 1, C].
+# =============================================================================================
+def weight_specs(cfg: NemotronHTargetConfig) -> list[WeightSpec]:
+    D, V, pre = cfg.hidden_size, cfg.vocab_size, cfg.weight_prefix
+    specs = [WeightSpec(f"{pre}.embeddings.weight", ("embeddings", "embedding"), False, (V, D), ("vocab", "embed"))]
+    for kind in BLOCK_TYPES:
+        ids = cfg.layers_of(kind)
+        if not ids:
+            continue
+        key = _PARAM_KEY[kind]
+
+        def row(name, path, transpose, shape, axes, ids=ids, key=key, **extra):
+            specs.append(WeightSpec(f"{pre}.layers.{{i}}.{name}", (key,) + path, transpose,
+                                    (len(ids),) + shape, ("layers",) + axes, layer_ids=ids, **extra))
+
+        row("norm.weight", ("norm", "scale"), False, (D,), ("norm",))
+        if kind == MAMBA:
+            m = cfg.mamba_dims
+            H, I, C = m.num_heads, m.intermediate_size, m.conv_dim
+            # in_proj packs [z | x B C | dt] on one output axis: kept whole and replicated over
+            # `tensor` (sharding it would cut across the three parts); FSDP shards the embed axis.
+            row("mixer.in_proj.weight", ("mixer", "in_proj", "kernel"), True, (D, m.in_proj_size), ("embed", None))
+            row("mixer.conv1d.weight", ("mixer", "conv1d", "kernel"), True, (m.conv_kernel, 1, C), (None, None, None))
+            if cfg.use_conv_bias:
+                row("mixer.conv1d.bias", ("mixer", "conv1d", "bias"), False, (C,), (None,))
+            row("mixer.dt_bias", ("mixer", "dt_bias"), False, (H,), (None,))
+            row("mixer.A_log", ("mixer", "A_log"), False, (H,), (None,))
+            row("mixer.D", ("mixer", "D"), False, (H,), (None,))
+            row("mixer.norm.weight", ("mixer", "norm", "scale"), False, (I,), ("norm",))
+            row("mixer.out_proj.weight", ("mixer", "out_proj", "kernel"), True, (I, D), (None, "embed"))
+        elif kind == ATTENTION:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            row("mixer.q_proj.weight", ("mixer", "q_proj", "kernel"), True, (D, q), ("embed", "heads"))
+            row("mixer.k_proj.weight", ("mixer", "k_proj", "kernel"), True, (D, kv), ("embed", "kv_heads"))
+            row("mixer.v_proj.weight", ("mixer", "v_proj", "kernel"), True, (D, kv), ("embed", "kv_heads"))
+            row("mixer.o_proj.weight", ("mixer", "o_proj", "kernel"), True, (q, D), ("heads", "embed"))
+        elif kind == MOE:
+            E, F, Fs = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
+            Din = cfg.moe_latent_size or D
+            din_axis = "embed" if cfg.moe_latent_size is None else None
+            # router: fp32 leaves (ROUTER_DTYPE above); the forward routes in fp32 (see route)
+            row("mixer.gate.weight", ("mixer", "gate", "kernel"), True, (D, E), ("embed", None), **_FP32_LEAF)
+            row("mixer.gate.e_score_correction_bias", ("mixer", "gate", "e_score_correction_bias"), False, (E,),
+                (None,), **_FP32_LEAF)
+            row("mixer.experts.{e}.up_proj.weight", ("mixer", "experts", "up_proj", "kernel"), True,
+                (E, Din, F), ("experts", din_axis, "expert_mlp"))
+            row("mixer.experts.{e}.down_proj.weight", ("mixer", "experts", "down_proj", "kernel"), True,
+                (E, F, Din), ("experts", "expert_mlp", din_axis))
+            row("mixer.shared_experts.up_proj.weight", ("mixer", "shared_experts", "up_proj", "kernel"), True,
+                (D, Fs), ("embed", "mlp"))
+            row("mixer.shared_experts.down_proj.weight", ("mixer", "shared_experts", "down_proj", "kernel"), True,
+                (Fs, D), ("mlp", "embed"))
+            if cfg.moe_latent_size is not None:
+                row("mixer.fc1_latent_proj.weight", ("mixer", "fc1_latent_proj", "kernel"), True, (D, Din), ("embed", None))
+                row("mixer.fc2_latent_proj.weight", ("mixer", "fc2_latent_proj", "kernel"), True, (Din, D), (None, "embed"))
+        else:  # MLP
+            F = cfg.intermediate_size
+            row("mixer.up_proj.weight", ("mixer", "up_proj", "kernel"), True, (D, F), ("embed", "mlp"))
+            row("mixer.down_proj.weight", ("mixer", "down_proj", "kernel"), True, (F, D), ("mlp", "embed"))
+    specs.append(WeightSpec(f"{pre}.norm_f.weight", ("norm_f", "scale"), False, (D,), ("norm",)))
+    specs.append(WeightSpec("lm_head.weight", ("lm_head", "kernel"), True, (D, V), ("embed", "vocab")))
+    return specs
+
+
+# =============================================================================================
+# Init (toy targets for tests; abstract shapes for the full-size config via jax.eval_shape)
+# =============================================================================================
+def init_params(cfg: NemotronHTargetConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random params: normal(0, std) matrices, unit norm scales, and Mamba's A_log = log(1..H),
+    D = 1, dt_bias = softplus^-1 of steps spread over [time_step_min, 0.1] (HF's init ranges).
+
+    All random leaves are cut from one normal draw (one RNG kernel to compile instead of one per
+    leaf); jitted, and usable under ``jax.eval_shape`` for the full-size shapes.
+    """
+    return _init_params_jit(cfg, key, np.dtype(dtype).name, float(std))
+
+
+def _init_params(cfg: NemotronHTargetConfig, key, dtype: str, std: float) -> dict:
+    specs = weight_specs(cfg)
+    fixed = ("scale", "D", "A_log", "dt_bias", "e_score_correction_bias", "bias")
+    sizes = [0 if spec.path[-1] in fixed else math.prod(spec.shape) for spec in specs]
+    noise = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    params: dict = {}
+    H, offset = cfg.mamba_num_heads, 0
+    for spec, size in zip(specs, sizes):
+        name = spec.path[-1]
+        leaf_dtype = getattr(spec, "dtype", None) or dtype  # router rows: fp32
+        if name == "scale" or name == "D":
+            value = jnp.ones(spec.shape, leaf_dtype)
+        elif name == "A_log":
+            value = jnp.broadcast_to(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)), spec.shape).astype(leaf_dtype)
+        elif name == "dt_bias":
+            lo = max(cfg.dt_limit[0], 1e-4)
+            dt = jnp.exp(jnp.linspace(math.log(lo), math.log(0.1), H, dtype=jnp.float32))
+            value = jnp.broadcast_to(dt + jnp.log(-jnp.expm1(-dt)), spec.shape).astype(leaf_dtype)
+        elif name in fixed:
+            value = jnp.zeros(spec.shape, leaf_dtype)
+        else:
+            value = noise[offset:offset + size].reshape(spec.shape).astype(leaf_dtype)
+            offset += size
+        tree_set(params, spec.path, value)
+    return params
+
+
+_init_params_jit = jax.jit(_init_params, static_argnums=(0, 2, 3))
+
+
+# =============================================================================================
+# Forward
+# =============================================================================================
+def rms_norm_fp32_weight(x, scale, eps):
+    """NemotronHRMSNorm: normalise in fp32, multiply by the weight in fp32, then cast to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def _ffn(p, act: str, x):
+    return _ACTIVATIONS[act](x @ p["up_proj"]["kernel"]) @ p["down_proj"]["kernel"]
+
+
+def _attention(p, cfg: NemotronHTargetConfig, x_btd, mask_btt):
+    b, t, _ = x_btd.shape
+    q = (x_btd @ p["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = (x_btd @ p["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = (x_btd @ p["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    return o.reshape(b, t, -1) @ p["o_proj"]["kernel"]
+
+
+def route(x_nd, gate: dict, cfg: NemotronHTargetConfig):
+    """Nemotron-H / DeepSeek-V3 router, in fp32 at full matmul precision (expert choice is discrete,
+    so a low-precision logit could flip it). Returns (expert ids int32 [N, k], weights fp32 [N, k])."""
+    logits = jnp.dot(x_nd.astype(jnp.float32), gate["kernel"].astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + gate["e_score_correction_bias"].astype(jnp.float32)  # bias steers the choice only
+    if cfg.n_group > 1:
+        n, e = choice.shape
+        per = e // cfg.n_group
+        group_score = jax.lax.top_k(choice.reshape(n, cfg.n_group, per), 2)[0].sum(-1)  # top-2 sum per group
+        _, groups = jax.lax.top_k(group_score, cfg.topk_group)
+        keep = jax.nn.one_hot(groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)
+        choice = jnp.where(jnp.repeat(keep, per, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * jnp.float32(cfg.routed_scaling_factor)
+
+
+def _moe(p, cfg: NemotronHTargetConfig, x_btd):
+    b, t, d = x_btd.shape
+    x = x_btd.reshape(b * t, d)
+    ids, weights = route(x, p["gate"], cfg)
+    if cfg.moe_latent_size is not None:
+        x = x @ p["fc1_latent_proj"]["kernel"]
+    routed = moe_experts(
+        x, ids, weights, up_edf=p["experts"]["up_proj"]["kernel"], down_efd=p["experts"]["down_proj"]["kernel"],
+        activation=cfg.mlp_hidden_act, implementation=cfg.moe_implementation,
+    )
+    if cfg.moe_latent_size is not None:
+        routed = routed @ p["fc2_latent_proj"]["kernel"]
+    return routed.reshape(b, t, d) + _ffn(p["shared_experts"], cfg.mlp_hidden_act, x_btd)
+
+
+def _block(kind: str, lp: dict, cfg: NemotronHTargetConfig, x_btd, segment_ids, mask):
+    h = rms_norm_fp32_weight(x_btd, lp["norm"]["scale"], cfg.layer_norm_epsilon)
+    mixer = lp["mixer"]
+    if kind == MAMBA:
+        out = mamba2_mixer(mixer, cfg.mamba_dims, h, segment_ids)
+    elif kind == ATTENTION:
+        out = _attention(mixer, cfg, h, mask)
+    elif kind == MOE:
+        out = _moe(mixer, cfg, h)
+    else:
+        out = _ffn(mixer, cfg.mlp_hidden_act, h)
+    return x_btd + out.astype(x_btd.dtype)
+
+
+def _run_layers(params, cfg: NemotronHTargetConfig, x_btd, start: int, stop: int, segment_ids, mask):
+    """Blocks [start, stop): one lax.scan over layer indices; each step picks its block type with
+    lax.switch (one branch per type present) and reads that type's stack at the layer's slot with a
+    dynamic index (in place, no weight copies). The carry is only the residual stream."""
+    if stop <= start:
+        return x_btd
+    kinds = cfg.layer_types[start:stop]
+    present = [k for k in BLOCK_TYPES if k in kinds]
+    slots = cfg.layer_slots
+
+    def branch(kind):
+        stack = params[_PARAM_KEY[kind]]
+
+        def apply(x, slot):
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=0, keepdims=False), stack)
+            return _block(kind, lp, cfg, x, segment_ids, mask)
+        return apply
+
+    branches = [branch(k) for k in present]
+    if stop - start == 1:
+        return branches[0](x_btd, slots[start])
+    kind_idx = jnp.asarray([present.index(k) for k in kinds], jnp.int32)
+    slot_idx = jnp.asarray(slots[start:stop], jnp.int32)
+
+    def body(x, ks):
+        kind, slot = ks
+        if len(branches) == 1:
+            return branches[0](x, slot), None
+        return jax.lax.switch(kind, branches, x, slot), None
+
+    x_btd, _ = jax.lax.scan(body, x_btd, (kind_idx, slot_idx))
+    return x_btd
+
+
+def forward(
+    params: dict,
+    cfg: NemotronHTargetConfig,
+    input_ids_bt: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, tuple]:
+    """Pure forward. Returns (final hidden [B,T,D] after norm_f, aux tuple of [B,T,D] block outputs).
+
+    ``aux_layer_ids``: output-of-block-k ids over ALL blocks (Mamba, attention, MoE or MLP).
+    ``positions`` is accepted for the common target API and unused: Nemotron-H has no positional
+    encoding. ``segment_ids`` [B,T] (0 = padding): attention is causal within a segment, and the Mamba
+    conv window and SSM state restart at every segment start.
+    """
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
+    del positions
+    x = jnp.take(params["embeddings"]["embedding"], input_ids_bt, axis=0)
+    b, t = input_ids_bt.shape
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    mask = segment_causal_mask(segment_ids) if ATTENTION in cfg.layer_types else None
+    aux = []
+    start = 0
+    for k in aux_ids:
+        x = _run_layers(params, cfg, x, start, k + 1, segment_ids, mask)
+        aux.append(x)
+        start = k + 1
+    x = _run_layers(params, cfg, x, start, cfg.num_hidden_layers, segment_ids, mask)
+    return rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon), tuple(aux)
+
+
+def embed_table(params: dict, cfg: NemotronHTargetConfig | None = None) -> jax.Array:
+    """[V, D] token embedding table."""
+    return params["embeddings"]["embedding"]
+
+
+def lm_head_weight(params: dict, cfg: NemotronHTargetConfig | None = None) -> jax.Array:
+    """[V, D] output projection in HF layout (always untied for Nemotron-H)."""
+    return params["lm_head"]["kernel"].T
+
+
+# =============================================================================================
+# Draft compatibility
+# =============================================================================================
+def check_draft_compat(target_config: NemotronHTargetConfig | Mapping[str, Any], draft_num_kv_heads: int | None) -> None:
+    """Raise unless an EAGLE-3 draft with ``draft_num_kv_heads`` KV heads can be served with this target.
+
+    vLLM sizes one KV-cache page for the whole hybrid model; for a target with Mamba layers it cannot
+    reconcile a draft whose KV-head count differs from the target's (it fails in
+    ``unify_kv_cache_spec_page_size``, and no runtime flag fixes it: the Nemotron 3.5 Lightning
+    EAGLE-3 card, §8). ``None`` means "copy the target's", which is always fine.
+    """
+    if isinstance(target_config, Mapping):
+        target_config = NemotronHTargetConfig.from_hf(target_config)
+    if draft_num_kv_heads is None or not target_config.has_mamba:
+        return
+    want = target_config.num_key_value_heads
+    if int(draft_num_kv_heads) != want:
+        raise ValueError(
+            f"draft num_key_value_heads={draft_num_kv_heads} does not match the target's "
+            f"num_key_value_heads={want}. For a hybrid Mamba target (Nemotron-H) vLLM cannot unify the "
+            f"KV-cache page size of a draft with a different KV-head count, and serving fails. "
+            f"Fix: set draft.num_key_value_heads={want} (or leave it unset to copy the target's)."
+        )
+
+
+# =============================================================================================
+# Target wrapper
+# =============================================================================================
+class NemotronHTarget(Target):
+    """Frozen Nemotron-H target (see module docstring)."""
+
+    config_class = NemotronHTargetConfig
+    forward_fn = staticmethod(forward)
+    embed_fn = staticmethod(embed_table)
+    lm_head_fn = staticmethod(lm_head_weight)
+
+    @classmethod
+    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> NemotronHTargetConfig:
+        return NemotronHTargetConfig.from_hf(hf_config, **overrides)
+
+    @classmethod
+    def weight_specs(cls, config: NemotronHTargetConfig) -> list[WeightSpec]:
+        return weight_specs(config)
+
+    @classmethod
+    def ignored_hf_names(cls, config: NemotronHTargetConfig, name: str) -> bool:
+        return name.startswith("mtp.")  # multi-token-prediction head; transformers ignores it too
+
+    @classmethod
+    def check_draft_compat(cls, config: NemotronHTargetConfig, draft_num_kv_heads: int | None) -> None:
+        check_draft_compat(config, draft_num_kv_heads)
+
+    def active_params_per_token(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to (embeddings
+        included; Nemotron 3 Nano 30B-A3B: 3.6 B of 31.6 B)."""
+        total = 0
+        for spec in self.weight_specs(self.config):
+            n = math.prod(spec.shape)
+            if spec.path[:3] == ("moe", "mixer", "experts"):
+                n = n * self.config.num_experts_per_tok // self.config.n_routed_experts
+            total += n
+        return int(total)
+
+    @classmethod
+    def init(cls, config: NemotronHTargetConfig, key: jax.Array, dtype=jnp.float32) -> "NemotronHTarget":
+        """A random toy target (hf_config = ``config.to_hf()``)."""
+        return cls(config, config.to_hf(np.dtype(dtype).name), init_params(config, key, dtype))

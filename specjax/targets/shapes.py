@@ -1,0 +1,259 @@
+"""Full-size parameter shapes and a memory estimate for a run config, without allocating weights.
+
+    python -m specjax.targets.shapes --config configs/qwen3_30b_a3b_eagle3.yaml [--batch 1]
+        [--seq N] [--no-compile] [--json out.json] [--show-leaves] [section.key=value ...]
+
+Reads the run config, then ``config.json`` from ``target.path`` (weights are not needed: the
+folders under configs/targets/ hold only a config.json). It prints the target's architecture,
+(virtual) depth, aux taps, parameter count and every parameter leaf's full-size shape, built as
+``jax.ShapeDtypeStruct`` from the architecture's weight map, so nothing is allocated.
+
+The memory estimate adds, per device holding a full replica (no sharding):
+  target params (target.dtype) + draft params, gradients and AdamW moments (fp32)
+  + the temporaries of one train step for ``--batch`` sequences of ``--seq`` tokens, taken from
+    XLA's buffer assignment of the real jitted step compiled from abstract inputs (``--no-compile``
+    skips this part). On the CPU the step is compiled with an fp32 target: XLA:CPU has no bf16
+    matmul and hoists an fp32 copy of every bf16 weight stack out of the layer loop, which would
+    count the weights twice; fp32 activations make the CPU figure an upper bound for bf16. On a GPU
+    or TPU the step compiles in target.dtype. XLA backends fuse differently: it is an estimate.
+
+Also here, for tests and smoke runs at reduced size: ``reduced_hf_config`` (same structure, tiny
+widths) and ``random_params`` (random weights for any registered architecture).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.targets.base import Target, tree_set, validate_aux_layer_ids
+from specjax.targets.loading import read_hf_config
+from specjax.targets.registry import get_target_class
+
+GIB = 1024**3
+
+
+# ---------------------------------------------------------------------------------------------
+# abstract / random params from the weight map
+# ---------------------------------------------------------------------------------------------
+def abstract_params(cls: type[Target], config: Any, dtype: Any = "bfloat16") -> dict:
+    """The param tree as ShapeDtypeStructs (full size, nothing allocated)."""
+    tree: dict = {}
+    dt = jnp.dtype(dtype)
+    for spec in cls.weight_specs(config):
+        tree_set(tree, spec.path, jax.ShapeDtypeStruct(spec.shape, dt))
+    return tree
+
+
+def random_params(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jnp.float32, std: float = 0.02) -> dict:
+    """Random params for any architecture: normal(0, std) matrices and embeddings, ones for norm
+    scales. Drawn with numpy (one jax op per leaf would compile once per distinct shape)."""
+    rng = np.random.default_rng(seed)
+    tree: dict = {}
+    for spec in cls.weight_specs(config):
+        if spec.path[-1] == "scale":
+            value = np.ones(spec.shape, np.float32)
+        else:
+            value = std * rng.standard_normal(spec.shape, dtype=np.float32)
+        tree_set(tree, spec.path, jnp.asarray(value, dtype))
+    return tree
+
+
+def make_target(hf_config: Mapping[str, Any], params: Any = None, **overrides) -> Target:
+    """A Target for an HF config dict; ``params`` may be real arrays, ShapeDtypeStructs or None."""
+    cls = get_target_class(hf_config)
+    return cls(cls.config_from_hf(hf_config, **overrides), hf_config, params)
+
+
+# Widths shrunk by reduced_hf_config; depth, loop spans, sparsity schedules and vocab are kept unless
+# given, so aux ids written for the full model stay valid.
+_REDUCED = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+
+
+def reduced_hf_config(hf: Mapping[str, Any], **overrides) -> dict:
+    """The same architecture with tiny widths (for CPU build/compile checks at reduced size)."""
+    out = dict(hf)
+    for key, value in _REDUCED.items():
+        if key in out:
+            out[key] = value
+    if "num_key_value_heads" in out:
+        out["num_key_value_heads"] = min(int(hf["num_key_value_heads"]), _REDUCED["num_key_value_heads"])
+    out.update(overrides)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _nbytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _count(tree) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def resolve_target_dir(path: str, config_file: str | None = None) -> str:
+    """``target.path`` as given (relative to the working directory), else relative to the YAML file."""
+    candidates = [path]
+    if config_file and not os.path.isabs(path):
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(config_file)), path))
+    for c in candidates:
+        if os.path.isfile(os.path.join(c, "config.json")):
+            return c
+    raise FileNotFoundError(
+        f"target.path {path!r}: no config.json in {' or '.join(repr(c) for c in candidates)}. Point target.path "
+        f"at an HF folder (only config.json is needed here), e.g. configs/targets/qwen3_30b_a3b."
+    )
+
+
+def draft_config_for(run_cfg, target: Target, aux_ids):
+    from specjax.drafts import eagle3
+
+    d = run_cfg.draft
+    return eagle3.config_from_target(
+        target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
+        intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+    )
+
+
+def compiled_step_memory(run_cfg, target: Target, target_params, draft_cfg, batch: int, seq: int) -> dict:
+    """XLA:CPU buffer assignment of the real train step on a 1-device mesh, from abstract inputs."""
+    from specjax import mesh as meshlib
+    from specjax.drafts import eagle3
+    from specjax.drafts.ttt import TTTConfig
+    from specjax.train.optim import make_optimizer
+    from specjax.train.step import BATCH_KEYS, build_step_fns, init_state
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(meshlib.MESH_AXES)), meshlib.MESH_AXES)
+    optimizer = make_optimizer(run_cfg.optim, run_cfg.train.steps)
+    draft_params = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    ttt = TTTConfig(ttt_steps=run_cfg.draft.ttt_steps, step_decay=run_cfg.draft.step_decay)
+    dtype = jnp.dtype(jax.tree.leaves(target_params)[0].dtype)
+    compute_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    fns = build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimizer, mesh, compute_dtype)
+    state = jax.eval_shape(lambda p: init_state(p, optimizer, 0), draft_params)
+    vd, v = draft_cfg.draft_vocab_size, target.config.vocab_size
+    vocab = {"draft_ids": jax.ShapeDtypeStruct((vd,), jnp.int32), "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_),
+             "d2t": jax.ShapeDtypeStruct((vd,), jnp.int32)}
+    batch_abs = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in BATCH_KEYS}
+    compiled = fns.train_step.lower(state, target_params, vocab, batch_abs).compile()
+    stats = compiled.memory_analysis()
+    return {
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "alias_bytes": int(getattr(stats, "alias_size_in_bytes", 0)),
+    }
+
+
+def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1, seq: int | None = None,
+                 compile_step: bool = True) -> dict:
+    """Everything the CLI prints, as a dict (see module docstring)."""
+    from specjax.config import load_config
+    from specjax.drafts import eagle3
+
+    run_cfg = load_config(config_path, list(overrides))
+    folder = resolve_target_dir(run_cfg.target.path, config_path)
+    hf = read_hf_config(folder)
+    target = make_target(hf)
+    cls, cfg = type(target), target.config
+    params = abstract_params(cls, cfg, run_cfg.target.dtype)
+    target.params = params
+    aux = run_cfg.target.aux_layer_ids or target.default_aux_layer_ids()
+    aux = validate_aux_layer_ids(aux, target.num_layers)
+    draft_cfg = draft_config_for(run_cfg, target, aux)
+    draft_params = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    seq = int(seq or run_cfg.data.seq_length)
+
+    n_draft = _count(draft_params)
+    report: dict[str, Any] = {
+        "config": os.path.abspath(config_path),
+        "target_dir": os.path.abspath(folder),
+        "architecture": target.arch,
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "num_layers": int(target.num_layers),  # virtual depth for looped targets
+        "aux_layer_ids": list(aux),
+        "target_dtype": run_cfg.target.dtype,
+        "target_params": _count(params),
+        "target_param_bytes": _nbytes(params),
+        "leaves": {"/".join(s.path): list(s.shape) for s in cls.weight_specs(cfg)},
+        "draft_params": n_draft,
+        # fp32 params + grads + AdamW mu and nu
+        "draft_train_state_bytes": 4 * n_draft * 4,
+        "batch": int(batch),
+        "seq": seq,
+    }
+    if hasattr(target, "active_params_per_token"):
+        report["target_active_params_per_token"] = int(target.active_params_per_token())
+    if compile_step:
+        # see the module docstring: XLA:CPU would count bf16 weights twice, so compile fp32 there
+        step_dtype = "float32" if jax.default_backend() == "cpu" else run_cfg.target.dtype
+        step_params = abstract_params(cls, cfg, step_dtype)
+        mem = compiled_step_memory(run_cfg, target, step_params, draft_cfg, batch, seq)
+        mem["compiled_dtype"] = step_dtype
+        mem["backend"] = jax.default_backend()
+        report["compiled_step"] = mem
+        report["estimate_bytes"] = report["target_param_bytes"] + report["draft_train_state_bytes"] + mem["temp_bytes"]
+    else:
+        report["estimate_bytes"] = report["target_param_bytes"] + report["draft_train_state_bytes"]
+    return report
+
+
+def format_report(r: Mapping[str, Any], show_leaves: bool = False) -> str:
+    lines = [
+        f"config        {r['config']}",
+        f"target        {r['architecture']} from {r['target_dir']}",
+        f"depth         {r['num_hidden_layers']} layers" + (
+            f", {r['num_layers']} virtual" if r["num_layers"] != r["num_hidden_layers"] else ""),
+        f"aux taps      {r['aux_layer_ids']} (output of layer k)",
+        f"target params {r['target_params'] / 1e9:.3f} B ({r['target_dtype']}: {r['target_param_bytes'] / GIB:.2f} GiB)"
+        + (f", {r['target_active_params_per_token'] / 1e9:.3f} B active per token"
+           if "target_active_params_per_token" in r else ""),
+        f"draft params  {r['draft_params'] / 1e6:.1f} M (params + grads + AdamW, fp32: "
+        f"{r['draft_train_state_bytes'] / GIB:.2f} GiB)",
+    ]
+    if "compiled_step" in r:
+        c = r["compiled_step"]
+        lines.append(f"step temps    {c['temp_bytes'] / GIB:.2f} GiB for {r['batch']} x {r['seq']} tokens (XLA:"
+                     f"{c['backend'].upper()} buffer assignment of the jitted train step, {c['compiled_dtype']} target)")
+    lines.append(f"estimate      {r['estimate_bytes'] / GIB:.2f} GiB on one device holding everything unsharded")
+    if show_leaves:
+        lines.append("leaves:")
+        lines += [f"  {name:60s} {tuple(shape)}" for name, shape in r["leaves"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.targets.shapes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="run config YAML (its target.path must hold a config.json)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per device for the step estimate (default 1)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default data.seq_length)")
+    ap.add_argument("--no-compile", action="store_true", help="skip compiling the train step (params only)")
+    ap.add_argument("--show-leaves", action="store_true", help="print every parameter leaf's shape")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.seq_length=4096")
+    args = ap.parse_args(argv)
+    try:
+        r = shape_report(args.config, args.overrides, batch=args.batch, seq=args.seq, compile_step=not args.no_compile)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(r, show_leaves=args.show_leaves))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
