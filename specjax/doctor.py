@@ -150,19 +150,23 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         rep.ok("data sample", detail)
 
 
-def _check_draft(rep: Report, draft_dir: str) -> None:
+def _check_draft(rep: Report, draft_dir: str, target_path: str | None) -> None:
+    from specjax_converters.eagle3_validate import errors, validate_folder
+
+    target = target_path if target_path and os.path.exists(os.path.join(target_path, "config.json")) else None
     try:
-        from specjax_converters.eagle3_validate import validate_folder
-    except ImportError:
-        validate_folder = None
-    try:
-        if validate_folder is not None:
-            validate_folder(draft_dir)
-        else:
-            from specjax_converters.eagle3_export import validate_export  # noqa: F401
-        rep.ok("draft export contract", draft_dir)
+        findings, info = validate_folder(draft_dir, target=target)
     except (ValueError, FileNotFoundError) as e:
         rep.fail("draft export contract", str(e))
+        return
+    bad = errors(findings)
+    for f in bad:
+        rep.fail(f"draft {f.field}", f"{f.problem}. Fix: {f.fix}")
+    for f in findings:
+        if f.level != "error":
+            rep.warn(f"draft {f.field}", f.problem)
+    if not bad:
+        rep.ok("draft export contract", f"{draft_dir} ({info.get('layout')}, target from {info.get('target_source')})")
 
 
 def run_doctor(config_path: str, overrides=(), draft: str | None = None, rows: int = 200) -> Report:
@@ -178,7 +182,7 @@ def run_doctor(config_path: str, overrides=(), draft: str | None = None, rows: i
     else:
         rep.warn("tokenizer", f"no tokenizer files in {cfg.data.tokenizer or cfg.target.path!r} yet")
     if draft:
-        _check_draft(rep, draft)
+        _check_draft(rep, draft, cfg.target.path)
     return rep
 
 

@@ -2,6 +2,8 @@ import json
 import os
 import shutil
 
+import numpy as np
+
 from specjax.doctor import main
 
 
@@ -34,3 +36,29 @@ def test_doctor_reports_each_problem(tiny_target, tmp_path, capsys):
     assert "[FAIL] target weights: no safetensors weights (found pickle files ['pytorch_model.bin']" in out
     assert "[FAIL] target config / aux ids" in out
     assert "[FAIL] mesh fit: data.batch_size=3" in out
+
+
+def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
+    """A valid export passes; the same export with d2t removed fails naming the field."""
+    import jax
+    from safetensors.numpy import load_file, save_file
+
+    from specjax.drafts import eagle3
+    from specjax.drafts.vocab import build_draft_vocab
+    from specjax.export import export_from_state
+    from specjax.targets import load_target
+
+    target = load_target(tiny_target, dtype="float32")
+    dcfg = eagle3.config_from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.default_aux_layer_ids())
+    vocab = build_draft_vocab(np.arange(target.config.vocab_size)[::-1].copy(), 64)
+    out = tmp_path / "head"
+    export_from_state(jax.device_get(eagle3.init_draft_params(dcfg, jax.random.key(0))), dcfg, vocab,
+                      target.hf_config, str(out), dtype="bfloat16", extra_manifest={})
+    cfg = _yaml(tmp_path, tiny_target)
+    assert main(["--config", cfg, "--rows", "10", "--draft", str(out)]) == 0
+    assert "[OK  ] draft export contract" in capsys.readouterr().out
+    w = load_file(str(out / "model.safetensors"))
+    del w["d2t"]
+    save_file(w, str(out / "model.safetensors"))
+    assert main(["--config", cfg, "--rows", "10", "--draft", str(out)]) == 1
+    assert "[FAIL] draft" in capsys.readouterr().out
