@@ -161,9 +161,11 @@ class Target:
         self.arch = arch or config.architecture
 
     # ---- architecture hooks -------------------------------------------------------------------
+    config_class: Any  # a frozen dataclass with from_hf(hf_config, **overrides)
+
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Any:  # pragma: no cover
-        raise NotImplementedError
+    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Any:
+        return cls.config_class.from_hf(hf_config, **overrides)
 
     @classmethod
     def weight_specs(cls, config: Any) -> list[WeightSpec]:  # pragma: no cover
@@ -171,8 +173,10 @@ class Target:
 
     @classmethod
     def ignored_hf_names(cls, config: Any, name: str) -> bool:
-        """True for tensors that may be on disk but are not parameters (e.g. rotary buffers)."""
-        return False
+        """True for tensors that may be on disk but are not parameters: old checkpoints' rotary
+        buffers, and the lm_head copy some tied checkpoints still carry."""
+        return name.endswith("rotary_emb.inv_freq") or (
+            bool(getattr(config, "tie_word_embeddings", False)) and name == "lm_head.weight")
 
     # ---- generic API --------------------------------------------------------------------------
     @property

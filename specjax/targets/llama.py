@@ -402,17 +402,8 @@ class LlamaTarget(Target):
     lm_head_fn = staticmethod(lm_head_weight)
 
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> LlamaTargetConfig:
-        return LlamaTargetConfig.from_hf(hf_config, **overrides)
-
-    @classmethod
     def weight_specs(cls, config: LlamaTargetConfig) -> list[WeightSpec]:
         return weight_specs(config)
-
-    @classmethod
-    def ignored_hf_names(cls, config: LlamaTargetConfig, name: str) -> bool:
-        # Old checkpoints saved the rotary buffer; some tied checkpoints still carry a copy of lm_head.
-        return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
     @classmethod
     def init(cls, config: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> "LlamaTarget":

@@ -196,16 +196,8 @@ class LoopedLlamaTarget(Target):
     lm_head_fn = staticmethod(llama.lm_head_weight)
 
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> LoopedLlamaConfig:
-        return LoopedLlamaConfig.from_hf(hf_config, **overrides)
-
-    @classmethod
     def weight_specs(cls, config: LoopedLlamaConfig) -> list[WeightSpec]:
         return looped_llama_weight_specs(config)
-
-    @classmethod
-    def ignored_hf_names(cls, config: LoopedLlamaConfig, name: str) -> bool:
-        return llama.LlamaTarget.ignored_hf_names(config, name)
 
 
 # =============================================================================================
@@ -410,13 +402,6 @@ class HrmTextTarget(Target):
     lm_head_fn = staticmethod(hrm_lm_head_weight)
 
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> HrmTextTargetConfig:
-        return HrmTextTargetConfig.from_hf(hf_config, **overrides)
-
-    @classmethod
     def weight_specs(cls, config: HrmTextTargetConfig) -> list[WeightSpec]:
         return hrm_weight_specs(config)
 
-    @classmethod
-    def ignored_hf_names(cls, config: HrmTextTargetConfig, name: str) -> bool:
-        return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")

@@ -638,10 +638,6 @@ class NemotronHTarget(Target):
     lm_head_fn = staticmethod(lm_head_weight)
 
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> NemotronHTargetConfig:
-        return NemotronHTargetConfig.from_hf(hf_config, **overrides)
-
-    @classmethod
     def weight_specs(cls, config: NemotronHTargetConfig) -> list[WeightSpec]:
         return weight_specs(config)
 

@@ -338,16 +338,8 @@ class Qwen3MoeTarget(Target):
     lm_head_fn = staticmethod(lm_head_weight)
 
     @classmethod
-    def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Qwen3MoeTargetConfig:
-        return Qwen3MoeTargetConfig.from_hf(hf_config, **overrides)
-
-    @classmethod
     def weight_specs(cls, config: Qwen3MoeTargetConfig) -> list[WeightSpec]:
         return weight_specs(config)
-
-    @classmethod
-    def ignored_hf_names(cls, config: Qwen3MoeTargetConfig, name: str) -> bool:
-        return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
     def active_params_per_token(self) -> int:
         """Parameters one token uses: everything but the E - k experts it is not routed to (the
