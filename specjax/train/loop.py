@@ -116,7 +116,7 @@ def _resolve_path(p: str) -> str:
 def _check_writable(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write_probe")
+        probe = os.path.join(path, f".write_probe.{os.getpid()}")  # per process: hosts may share the folder
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
