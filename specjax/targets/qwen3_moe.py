@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from specjax_kernels.moe import moe_experts
 
+from specjax.targets import llama
 from specjax.targets.base import Target, WeightSpec, validate_aux_layer_ids
 from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
 from specjax.targets.layers.mlp import swiglu_mlp
@@ -316,14 +317,9 @@ def forward(
     return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
 
 
-def embed_table(params: dict, cfg: Qwen3MoeTargetConfig | None = None) -> jax.Array:
-    return params["embed_tokens"]["embedding"]
-
-
-def lm_head_weight(params: dict, cfg: Qwen3MoeTargetConfig) -> jax.Array:
-    if cfg.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"]
-    return params["lm_head"]["kernel"].T
+# same embedding / lm_head layout as the dense family
+embed_table = llama.embed_table
+lm_head_weight = llama.lm_head_weight
 
 
 # =============================================================================================
