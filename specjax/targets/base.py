@@ -115,6 +115,19 @@ class WeightSpec:
         return [((j, e), self.hf_name.format(i=i, e=e)) for j, i in enumerate(layers) for e in range(n_experts)]
 
 
+def split_at_taps(start: int, stop: int, taps: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """Layer range [start, stop) cut after every tap inside it: (a, b, ends_at_tap) pieces. Each
+    piece becomes one layer scan, so only the tapped states are kept, never every layer's output."""
+    pieces, a = [], start
+    for k in taps:
+        if start <= k < stop:
+            pieces.append((a, k + 1, True))
+            a = k + 1
+    if a < stop:
+        pieces.append((a, stop, False))
+    return pieces
+
+
 def tree_get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
     for key in path:
         tree = tree[key]

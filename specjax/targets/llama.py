@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, tree_get, tree_set, validate_aux_layer_ids
+from specjax.targets.base import Target, WeightSpec, tree_get, tree_set, validate_aux_layer_ids, split_at_taps
 from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
@@ -308,24 +308,26 @@ def forward(
     Compute runs in the params dtype; RMSNorm statistics and the softmax run in fp32.
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    b, t = input_ids_bt.shape
-    embed = params["embed_tokens"]["embedding"]
-    x = jnp.take(embed, input_ids_bt, axis=0)
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
+    mask, cos, sin = attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
+    aux = []
+    for a, b, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
+        x = _run_layers(params["layers"], cfg, x, a, b, cos, sin, mask)
+        if tapped:
+            aux.append(x)
+    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
+
+
+def attention_inputs(cfg, shape_bt, positions, segment_ids, dtype):
+    """(segment-causal mask, RoPE cos, sin) shared by every layer; positions default to arange and
+    segment ids to one segment per row. Used by all RoPE targets of the Llama family."""
+    b, t = shape_bt
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
-    mask = segment_causal_mask(segment_ids)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-
-    aux = []
-    start = 0
-    for k in aux_ids:
-        x = _run_layers(params["layers"], cfg, x, start, k + 1, cos, sin, mask)
-        aux.append(x)
-        start = k + 1
-    x = _run_layers(params["layers"], cfg, x, start, cfg.num_hidden_layers, cos, sin, mask)
-    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), dtype)
+    return segment_causal_mask(segment_ids), cos, sin
 
 
 def embed_table(params: dict, cfg: LlamaTargetConfig | None = None) -> jax.Array:

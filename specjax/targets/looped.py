@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax.targets import llama
-from specjax.targets.base import Target, WeightSpec, validate_aux_layer_ids
-from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
+from specjax.targets.base import split_at_taps, Target, WeightSpec, validate_aux_layer_ids
+from specjax.targets.layers.attention import dot_product_attention
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, apply_rope, rope_spec_from_hf
 
 # looped architecture name -> the dense architecture whose layers it loops
 LOOPED_LLAMA_ARCHS = {"LoopedLlamaForCausalLM": "LlamaForCausalLM", "LoopedQwen3ForCausalLM": "Qwen3ForCausalLM"}
@@ -57,18 +57,6 @@ HRM_ARCH = "HrmTextForCausalLM"
 def _index(tree, i):
     """Layer i of a stacked subtree, read in place (dynamic index, no copy of the stack)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
-
-
-def _split_at_taps(start: int, stop: int, taps: Sequence[int]) -> list[tuple[int, int, bool]]:
-    """Virtual range [start, stop) cut after every tap inside it: (a, b, ends_at_tap) pieces."""
-    pieces, a = [], start
-    for k in taps:
-        if start <= k < stop:
-            pieces.append((a, k + 1, True))
-            a = k + 1
-    if a < stop:
-        pieces.append((a, stop, False))
-    return pieces
 
 
 # =============================================================================================
@@ -169,18 +157,12 @@ def looped_llama_forward(
 ) -> tuple[jax.Array, tuple]:
     """Pure forward: (final_hidden after the last virtual layer and the final norm, aux tuple)."""
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    b, t = input_ids_bt.shape
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
-    mask = segment_causal_mask(segment_ids)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+    mask, cos, sin = llama.attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
 
     unroll = cfg.virtual_layers()
     aux = []
-    for a, b_, tapped in _split_at_taps(0, len(unroll), aux_ids):
+    for a, b_, tapped in split_at_taps(0, len(unroll), aux_ids):
         x = _run_virtual(params["layers"], cfg, x, unroll[a:b_], cos, sin, mask)
         if tapped:
             aux.append(x)
@@ -364,14 +346,8 @@ def hrm_forward(
 ) -> tuple[jax.Array, tuple]:
     """Pure forward: (final z_H after the last H stack's norm, aux tuple over virtual depth)."""
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    b, t = input_ids_bt.shape
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
-    mask = segment_causal_mask(segment_ids)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+    mask, cos, sin = llama.attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
 
     n = cfg.num_layers_per_stack
     z = {"H_module": x, "L_module": jnp.broadcast_to(params["z_L_init"].astype(x.dtype), x.shape)}
@@ -379,18 +355,12 @@ def hrm_forward(
     aux = []
     for j, stack in enumerate(cfg.invocations()):
         h = z[stack] + z[other[stack]]  # input injection: the other state is added on entry
-        for a, b_, tapped in _split_at_taps(j * n, (j + 1) * n, aux_ids):
+        for a, b_, tapped in split_at_taps(j * n, (j + 1) * n, aux_ids):
             h = _run_stack_layers(params[stack]["layers"], cfg, h, a - j * n, b_ - j * n, cos, sin, mask)
             if tapped:
                 aux.append(h)
         z[stack] = _unit_rms_norm(h, cfg.rms_norm_eps)
     return z["H_module"], tuple(aux)
-
-
-def hrm_lm_head_weight(params: dict, cfg: HrmTextTargetConfig) -> jax.Array:
-    if cfg.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"]
-    return params["lm_head"]["kernel"].T
 
 
 class HrmTextTarget(Target):
@@ -399,7 +369,7 @@ class HrmTextTarget(Target):
     config_class = HrmTextTargetConfig
     forward_fn = staticmethod(hrm_forward)
     embed_fn = staticmethod(llama.embed_table)
-    lm_head_fn = staticmethod(hrm_lm_head_weight)
+    lm_head_fn = staticmethod(llama.lm_head_weight)
 
     @classmethod
     def weight_specs(cls, config: HrmTextTargetConfig) -> list[WeightSpec]:

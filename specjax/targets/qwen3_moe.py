@@ -30,11 +30,11 @@ import numpy as np
 from specjax_kernels.moe import moe_experts
 
 from specjax.targets import llama
-from specjax.targets.base import Target, WeightSpec, validate_aux_layer_ids
-from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
+from specjax.targets.base import Target, WeightSpec, split_at_taps, validate_aux_layer_ids
+from specjax.targets.layers.attention import dot_product_attention
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, apply_rope, rope_spec_from_hf
 
 ARCH = "Qwen3MoeForCausalLM"
 
@@ -299,21 +299,13 @@ def forward(
     are kept, never every layer's output.
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    b, t = input_ids_bt.shape
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
-    mask = segment_causal_mask(segment_ids)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-
-    aux, start = [], 0
-    for k in aux_ids:
-        x = _run_layers(params, cfg, x, range(start, k + 1), cos, sin, mask)
-        aux.append(x)
-        start = k + 1
-    x = _run_layers(params, cfg, x, range(start, cfg.num_hidden_layers), cos, sin, mask)
+    mask, cos, sin = llama.attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
+    aux = []
+    for a, b, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
+        x = _run_layers(params, cfg, x, range(a, b), cos, sin, mask)
+        if tapped:
+            aux.append(x)
     return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
 
 
