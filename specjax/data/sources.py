@@ -1,19 +1,30 @@
-"""Read chat conversations from JSONL / JSON / parquet files.
+"""Read chat conversations from JSONL / JSON / parquet files, folders of parquet shards and
+dataset presets (``preset://sharegpt``; see `specjax.data.presets`).
 
 Every row comes back as a `Row`. A row that cannot be used carries an error string saying what is
 wrong and where (``file:line`` for JSONL, ``file[row]`` for JSON lists and parquet) instead of
 raising, so one bad line never stops a long preprocessing run. Files that cannot be opened at all
 are an exception: that is a configuration mistake, not a data problem.
+
+JSON lists are decoded one element at a time, so a huge list costs one element of memory and a
+list cut short (a truncated download, e.g. the ShareGPT dump) yields its complete rows followed by
+one error row of kind ``truncated file`` instead of failing as a whole.
 """
 from __future__ import annotations
 
+import glob
 import gzip
+import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["Row", "RowError", "read_conversations", "normalize_messages", "ROLES"]
+__all__ = ["Row", "RowError", "read_conversations", "read_records", "iter_json_list", "normalize_messages",
+           "resolve_data_paths", "ROLES", "PRESET_SCHEME"]
+
+PRESET_SCHEME = "preset://"
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -102,7 +113,12 @@ def _open_binary(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _read_jsonl(path: str) -> Iterator[Row]:
+# A record is (index, where, obj) where obj is the decoded JSON value, or a RowError when the
+# record itself could not be decoded. Conversation rows and evaluation prompts are both built on it.
+Record = tuple[int, str, Any]
+
+
+def _records_jsonl(path: str) -> Iterator[Record]:
     with _open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path}:{line_no}"
@@ -110,41 +126,125 @@ def _read_jsonl(path: str) -> Iterator[Row]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield Row(path, index, None, RowError("invalid UTF-8", where, f"byte offset {e.start}"))
+                yield index, where, RowError("invalid UTF-8", where, f"byte offset {e.start}")
                 continue
             if not line.strip():
                 continue  # blank lines are not rows
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                yield Row(path, index, None, RowError("malformed JSON", where, e.msg + f" at column {e.colno}"))
+                yield index, where, RowError("malformed JSON", where, e.msg + f" at column {e.colno}")
                 continue
-            yield _row_from_obj(path, index, where, obj)
+            yield index, where, obj
 
 
-def _read_json(path: str) -> Iterator[Row]:
-    with _open_binary(path) as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        yield Row(path, 0, None, RowError("invalid UTF-8", f"{path}:byte {e.start}", "whole file unreadable"))
-        return
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        yield Row(path, 0, None, RowError("malformed JSON", f"{path}:{e.lineno}", e.msg + " (whole file unreadable)"))
-        return
-    if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
-        obj = [obj]  # a single conversation stored as one object
-    if not isinstance(obj, list):
-        yield Row(path, 0, None, RowError("no messages", path, "a .json file must hold a list of rows"))
-        return
-    for i, item in enumerate(obj):
-        yield _row_from_obj(path, i, f"{path}[{i}]", item)
+_SEPARATORS = re.compile(r"[\s,]*")
+_WHITESPACE = re.compile(r"\s*")
+_CHUNK_CHARS = 1 << 20  # characters read per step of the incremental decoder
 
 
-def _read_parquet(path: str) -> Iterator[Row]:
+def iter_json_list(path: str, *, label: str | None = None) -> Iterator[Record]:
+    """Records of a JSON file holding a list, decoded element by element from a stream (the file is
+    never held whole). A file that ends inside the list -- a truncated download -- yields its
+    complete elements and then one ``truncated file`` error; a malformed element yields a
+    ``malformed JSON`` error and ends the file (there is no reliable place to resume).
+    A top-level object (one conversation) is yielded as record 0. ``label`` names the rows in
+    error messages (default: the path)."""
+    label = path if label is None else label
+    decoder = json.JSONDecoder()
+    state = {"buf": "", "pos": 0, "dropped": 0, "eof": False}
+
+    with io.TextIOWrapper(_open_binary(path), encoding="utf-8") as f:
+
+        def more() -> bool:  # append a chunk; False at end of file
+            if state["eof"]:
+                return False
+            try:
+                chunk = f.read(_CHUNK_CHARS)
+            except UnicodeDecodeError as e:
+                raise _BadUtf8(e) from None
+            if not chunk:
+                state["eof"] = True
+                return False
+            if state["pos"] > _CHUNK_CHARS:  # forget what was consumed (keeps memory at ~a chunk)
+                state["dropped"] += state["pos"]
+                state["buf"], state["pos"] = state["buf"][state["pos"]:], 0
+            state["buf"] += chunk
+            return True
+
+        index = 0
+        try:
+            while True:  # skip leading whitespace
+                state["pos"] = _WHITESPACE.match(state["buf"], state["pos"]).end()
+                if state["pos"] < len(state["buf"]) or not more():
+                    break
+            buf, pos = state["buf"], state["pos"]
+            if pos >= len(buf):
+                yield 0, f"{label}", RowError("no messages", label, "the file is empty")
+                return
+            if buf[pos] != "[":
+                while more():
+                    pass
+                try:
+                    obj = json.loads(state["buf"][state["pos"]:])
+                except json.JSONDecodeError as e:
+                    yield 0, label, RowError("malformed JSON", f"{label}:{e.lineno}", e.msg + " (whole file unreadable)")
+                    return
+                if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
+                    yield 0, f"{label}[0]", obj  # a single conversation stored as one object
+                else:
+                    yield 0, label, RowError("no messages", label, "a .json file must hold a list of rows")
+                return
+            state["pos"] += 1
+            while True:
+                buf = state["buf"]
+                state["pos"] = pos = _SEPARATORS.match(buf, state["pos"]).end()
+                if pos >= len(buf):
+                    if more():
+                        continue
+                    yield index, f"{label}[{index}]", RowError(
+                        "truncated file", f"{label}[{index}]",
+                        f"the file ends before the list's closing ']'; the {index} complete rows before are used")
+                    return
+                if buf[pos] == "]":
+                    return
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    # Out of input (the error sits at the end of what was read, or a string runs
+                    # off the end): read more and retry. Anything else is a real syntax error.
+                    near_end = e.pos >= len(buf) - 8 or e.msg.startswith("Unterminated string")
+                    if near_end and more():
+                        continue
+                    where = f"{label}[{index}]"
+                    offset = state["dropped"] + pos
+                    if near_end:
+                        yield index, where, RowError(
+                            "truncated file", where,
+                            f"the file ends inside this row ({len(buf) - pos} characters from character offset "
+                            f"{offset} do not parse: {e.msg}); the {index} complete rows before it are used")
+                    else:
+                        yield index, where, RowError(
+                            "malformed JSON", where,
+                            f"{e.msg} at character offset {state['dropped'] + e.pos}; the rest of the file is skipped")
+                    return
+                if end >= len(buf) and more():
+                    continue  # a bare number may go on in the next chunk: decode it again
+                yield index, f"{label}[{index}]", obj
+                index += 1
+                state["pos"] = end
+        except _BadUtf8 as e:
+            where = f"{label}[{index}]"
+            yield index, where, RowError("invalid UTF-8", where, f"{e.error.reason}; the rest of the file is skipped")
+
+
+class _BadUtf8(Exception):
+    def __init__(self, error: UnicodeDecodeError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _records_parquet(path: str) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
@@ -156,35 +256,96 @@ def _read_parquet(path: str) -> Iterator[Row]:
     index = 0
     for batch in pf.iter_batches(batch_size=1024):
         for obj in batch.to_pylist():
-            yield _row_from_obj(path, index, f"{path}[{index}]", obj)
+            yield index, f"{path}[{index}]", obj
             index += 1
 
 
 def _reader_for(path: str):
     name = path[:-3] if path.endswith(".gz") else path
     if name.endswith(".jsonl") or name.endswith(".ndjson"):
-        return _read_jsonl
+        return _records_jsonl
     if name.endswith(".json"):
-        return _read_json
+        return iter_json_list
     if name.endswith(".parquet"):
-        return _read_parquet
+        return _records_parquet
     raise ValueError(f"unsupported data file {path!r}: expected .jsonl, .json or .parquet (optionally .gz for json)")
 
 
-def read_conversations(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> Iterator[Row]:
-    """Yield a `Row` for every conversation in ``paths`` (files read in the given order).
+def _parquet_shards(folder: str) -> list[str]:
+    """The ``*.parquet`` files of a folder (e.g. `specjax.regenerate` output), in sorted order;
+    temporary files of an interrupted writer (``*.parquet.*.tmp``) do not match."""
+    shards = sorted(glob.glob(os.path.join(glob.escape(folder), "*.parquet")))
+    if not shards:
+        raise ValueError(
+            f"data folder {folder} holds no *.parquet shards; point at a finished `python -m specjax.regenerate` "
+            "output folder, or list the data files themselves"
+        )
+    return shards
 
-    Raises FileNotFoundError (naming the path) for a missing file, ValueError for an unknown
-    extension -- at call time, before any row is read, so a typo in the last path fails before
-    minutes of tokenizing. Bad rows are yielded with ``error`` set."""
+
+def resolve_data_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
+                       allow_eval_presets: bool = False) -> list[str]:
+    """Expand ``paths`` into the list of files / ``preset://NAME`` entries to read, checking each
+    one now (missing file, unknown extension, empty shard folder, unknown preset, missing asset
+    package, evaluation preset while training) so a typo fails before any row is read."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = [os.fspath(p) for p in paths]
     if not paths:
         raise ValueError("no data files given")
-    readers = []
+    out: list[str] = []
     for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"data file not found: {p}")
-        readers.append((_reader_for(p), p))
-    return (row for reader, p in readers for row in reader(p))
+        if p.startswith(PRESET_SCHEME):
+            from specjax.data import presets
+
+            name = presets.check_preset(p, allow_eval=allow_eval_presets)
+            presets.preset_file(name)  # asset package installed? (the error names the pip command)
+            out.append(PRESET_SCHEME + name)
+        elif os.path.isdir(p):
+            out.extend(_parquet_shards(p))
+        elif os.path.isfile(p):
+            _reader_for(p)  # unknown extension -> ValueError now
+            out.append(p)
+        else:
+            hint = ""
+            from specjax.data.presets import PRESETS
+
+            if p in PRESETS:
+                hint = f" (for the dataset preset write {PRESET_SCHEME}{p})"
+            raise FileNotFoundError(f"data file not found: {p}{hint}")
+    return out
+
+
+def read_records(path: str) -> Iterator[Record]:
+    """(index, where, decoded object | RowError) for every record of one data file."""
+    return _reader_for(path)(path)
+
+
+def _rows_of(entry: str) -> Iterator[Row]:
+    if entry.startswith(PRESET_SCHEME):
+        from specjax.data.presets import preset_rows
+
+        yield from preset_rows(entry)
+        return
+    for index, where, obj in read_records(entry):
+        if isinstance(obj, RowError):
+            yield Row(entry, index, None, obj)
+        else:
+            yield _row_from_obj(entry, index, where, obj)
+
+
+def read_conversations(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
+                       allow_eval_presets: bool = False) -> Iterator[Row]:
+    """Yield a `Row` for every conversation in ``paths``, read in the given order.
+
+    An entry is a data file (.jsonl / .json / .parquet, json optionally .gz), a folder of
+    ``*.parquet`` shards (read in sorted order) or a dataset preset ``preset://NAME``.
+    Evaluation presets (MT-bench, HumanEval) are refused unless ``allow_eval_presets``: this is the
+    training-data reader, and a draft trained on its benchmark prompts reports inflated acceptance.
+
+    Raises FileNotFoundError (naming the path) for a missing file, ValueError for an unknown
+    extension, an empty shard folder or a refused preset -- at call time, before any row is read,
+    so a typo in the last path fails before minutes of tokenizing. Bad rows are yielded with
+    ``error`` set."""
+    entries = resolve_data_paths(paths, allow_eval_presets=allow_eval_presets)
+    return (row for entry in entries for row in _rows_of(entry))
