@@ -166,6 +166,12 @@ class Target:
     forward_fn: Callable[..., Any]
     embed_fn: Callable[..., Any]
     lm_head_fn: Callable[..., Any]
+    # Cached decoding (generation / speculative decoding), optional per architecture:
+    # decode_fn(params, config, cache, input_ids, positions, start, *, aux_layer_ids, chunk_mask_btt,
+    #           valid_from_b, logits_index) -> (logits, aux, final_hidden, cache)   (see llama.decode_chunk)
+    # init_cache_fn(config, batch_size, max_len, dtype) -> cache pytree
+    decode_fn: Callable[..., Any] | None = None
+    init_cache_fn: Callable[..., Any] | None = None
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
         self.config = config
@@ -226,6 +232,41 @@ class Target:
         """fp32 logits: final_hidden @ lm_head^T with fp32 accumulation."""
         w_vd = self.lm_head_weight(params)
         return jnp.einsum("btd,vd->btv", final_hidden_btd, w_vd, preferred_element_type=jnp.float32)
+
+    # ---- cached decoding ------------------------------------------------------------------------
+    @property
+    def supports_decoding(self) -> bool:
+        return type(self).decode_fn is not None
+
+    def require_decoding(self) -> None:
+        """Raise NotImplementedError naming the architectures with cached decoding."""
+        if self.supports_decoding:
+            return
+        from specjax.targets.registry import ARCHITECTURES  # lazy: the registry imports this module
+
+        ok = sorted(a for a, cls in ARCHITECTURES.items() if cls.decode_fn is not None)
+        raise NotImplementedError(
+            f"speculative decoding/regeneration supports {', '.join(ok)}; got {self.arch}. Use one of "
+            f"those targets, or regenerate through an OpenAI-compatible endpoint (regenerate.backend=openai)."
+        )
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None):
+        """A zeroed KV cache for `max_len` slots per row (static size, rounded up); dtype defaults
+        to the params dtype."""
+        self.require_decoding()
+        if dtype is None:
+            dtype = self.embed_table(self.params).dtype
+        return type(self).init_cache_fn(self.config, batch_size, max_len, dtype)
+
+    def decode(self, params, cache, input_ids, positions, start, *, aux_layer_ids=(), chunk_mask=None,
+               valid_from=None, logits_index=None):
+        """PURE cached forward of a chunk [B,T] written at slots start[b].. (usable inside jit):
+        (fp32 logits, aux tuple, final hidden, new cache). See specjax.targets.llama.decode_chunk."""
+        self.require_decoding()
+        return type(self).decode_fn(
+            params, self.config, cache, input_ids, positions, start, aux_layer_ids=aux_layer_ids,
+            chunk_mask_btt=chunk_mask, valid_from_b=valid_from, logits_index=logits_index,
+        )
 
     def __call__(self, input_ids, aux_layer_ids=None, positions=None, segment_ids=None) -> TargetOutput:
         """Jitted forward + logits on ``self.params``; aux_layer_ids=None uses the default triple."""

@@ -393,6 +393,124 @@ def save_hf_checkpoint(
 
 
 # =============================================================================================
+# Cached decoding (generation, regeneration, speculative decoding)
+# =============================================================================================
+# The cache is a fixed-size buffer {"k", "v"}: [L, B, S, Hkv, D] each, S static. A call runs a
+# chunk of T new tokens per row, writes their K/V at slots start[b] .. start[b]+T-1 and attends to
+# every slot < start[b] (the row's valid prefix) plus the chunk itself under `chunk_mask`
+# (causal by default; a tree mask for tree verification). Slots >= start + T are never read, so
+# rolling back rejected draft tokens is just passing a smaller `start` next time: the stale
+# entries are masked, then overwritten. Writes past S are dropped (never clamped onto live slots).
+CACHE_MULTIPLE = 256  # static cache sizes are rounded up to this, so few distinct shapes compile
+
+
+def cache_size_for(max_len: int, multiple: int = CACHE_MULTIPLE) -> int:
+    """The static cache length for `max_len` slots (rounded up to a multiple, at least one)."""
+    if max_len < 1:
+        raise ValueError(f"cache max_len must be >= 1, got {max_len}")
+    return -(-int(max_len) // multiple) * multiple
+
+
+def init_kv_cache(cfg: LlamaTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Zeroed KV cache for `max_len` slots per row (rounded up by :func:`cache_size_for`)."""
+    shape = (cfg.num_hidden_layers, int(batch_size), cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cache_attention_mask(start_b: jax.Array, num_slots: int, chunk_mask_btt: jax.Array,
+                         valid_from_b: jax.Array | None = None) -> jax.Array:
+    """bool [B, T, S]: slot j is visible to chunk query i iff valid_from[b] <= j < start[b], or j is
+    chunk slot start[b]+c with chunk_mask[b, i, c]. (valid_from > 0 skips left padding.)"""
+    b, t, _ = chunk_mask_btt.shape
+    rel = jnp.arange(num_slots, dtype=jnp.int32)[None, :] - start_b[:, None]  # [B, S] slot - start
+    prefix = rel < 0
+    if valid_from_b is not None:
+        prefix = prefix & (jnp.arange(num_slots, dtype=jnp.int32)[None, :] >= valid_from_b[:, None])
+    in_chunk = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, num_slots))
+    chunk = jnp.take_along_axis(chunk_mask_btt, idx, axis=2)
+    return prefix[:, None, :] | (in_chunk[:, None, :] & chunk)
+
+
+def _cached_decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, cos_bth, sin_bth, cache, layer, slots_bt, mask_bts):
+    """`_decoder_layer` with the new K/V written into the cache at `slots` and attention over the
+    whole cache row (same math and op order as the uncached layer)."""
+    b, t, _ = x_btd.shape
+    eps = cfg.rms_norm_eps
+    attn = lp["self_attn"]
+    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
+    q = (h @ attn["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = (h @ attn["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = (h @ attn["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, attn["q_norm"]["scale"], eps)
+        k = rms_norm(k, attn["k_norm"]["scale"], eps)
+    q = apply_rope(q, cos_bth, sin_bth)
+    k = apply_rope(k, cos_bth, sin_bth)
+    rows = jnp.arange(b)[:, None]
+    # scatter into the carried full cache (in place inside the layer loop); out-of-range slots drop
+    kc = cache["k"].at[layer, rows, slots_bt].set(k.astype(cache["k"].dtype), mode="drop")
+    vc = cache["v"].at[layer, rows, slots_bt].set(v.astype(cache["v"].dtype), mode="drop")
+    k_all = jax.lax.dynamic_index_in_dim(kc, layer, axis=0, keepdims=False).astype(q.dtype)
+    v_all = jax.lax.dynamic_index_in_dim(vc, layer, axis=0, keepdims=False).astype(q.dtype)
+    o = dot_product_attention(q, k_all, v_all, mask_bts, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    x_btd = x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
+    h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
+    mlp = lp["mlp"]
+    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+    return x_btd, {"k": kc, "v": vc}
+
+
+def decode_chunk(
+    params: dict,
+    cfg: LlamaTargetConfig,
+    cache: dict,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    chunk_mask_btt: jax.Array | None = None,
+    valid_from_b: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+) -> tuple[jax.Array, tuple, jax.Array, dict]:
+    """PURE cached forward of a chunk of new tokens. Returns (fp32 logits, aux tuple [B,T,D] at
+    `aux_layer_ids`, final hidden [B,T,D] after the final norm, new cache).
+
+    input_ids/positions [B,T] int (positions are the RoPE positions, independent of slots);
+    start [B]: the row's valid cache length, where the chunk is written. chunk_mask [B,T,T] bool
+    (default causal). logits [B,T,V], or [B,n,V] at chunk indices `logits_index` [B,n] (a prefill
+    then never forms [B,T,V]).
+    """
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
+    b, t = input_ids_bt.shape
+    num_slots = cache["k"].shape[2]
+    start_b = jnp.asarray(start_b, jnp.int32).reshape(b)
+    if chunk_mask_btt is None:
+        chunk_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    mask = cache_attention_mask(start_b, num_slots, chunk_mask_btt, valid_from_b)
+    slots = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
+    cos, sin = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+    layers = params["layers"]
+
+    def body(carry, i):
+        x, c = carry
+        lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), layers)
+        return _cached_decoder_layer(lp, cfg, x, cos, sin, c, i, slots, mask), None
+
+    aux = []
+    for a, bnd, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
+        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(a, bnd, dtype=jnp.int32))
+        if tapped:
+            aux.append(x)
+    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
+    picked = final if logits_index is None else jnp.take_along_axis(final, logits_index[:, :, None], axis=1)
+    logits_btv = logits(params, cfg, picked)
+    return logits_btv, tuple(aux), final, cache
+
+
+# =============================================================================================
 # Target wrapper
 # =============================================================================================
 class LlamaTarget(Target):
@@ -402,6 +520,7 @@ class LlamaTarget(Target):
     forward_fn = staticmethod(forward)
     embed_fn = staticmethod(embed_table)
     lm_head_fn = staticmethod(lm_head_weight)
+    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_kv_cache)  # cached decoding
 
     @classmethod
     def weight_specs(cls, config: LlamaTargetConfig) -> list[WeightSpec]:

@@ -1,0 +1,176 @@
+"""Batched autoregressive generation with the JAX target and a KV cache.
+
+Used by regeneration (the target answers the prompts it will be trained against) and as a plain
+decoding reference. One jitted program per (batch, prompt bucket, output bucket, greedy/sampling):
+a prefill of the right-padded prompts, then a `lax.while_loop` of one-token steps that stops when
+every row has produced an EOS or `max_new_tokens` is reached. Prompt lengths are padded to powers of
+two (>= 16) and the output buffer to a multiple of 32, so the number of compilations stays small.
+
+Row layout in the cache: prompt b occupies slots 0..len_b-1 at positions 0..len_b-1; generated token
+k sits at slot/position len_b+k. Padding after a short prompt is written by the prefill, but it lies
+at or after the row's valid length, so it is masked and later overwritten (targets.llama.decode_chunk).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_PROMPT_BUCKET_MIN = 16
+_OUT_MULTIPLE = 32
+_EOS_SLOTS = 8  # the EOS list is padded to a multiple of this (one compile for 1..8 EOS ids)
+
+
+def prompt_bucket(n: int) -> int:
+    """Static chunk length for a prompt of n tokens: the next power of two, at least 16."""
+    return max(_PROMPT_BUCKET_MIN, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-int(n) // m) * m
+
+
+def sample_token(logits_bv: jax.Array, key: jax.Array, temperature, top_p, *, sample: bool) -> jax.Array:
+    """[B] int32: argmax when not `sample`; else a draw from softmax(logits / temperature) restricted
+    to the smallest top set of tokens whose mass reaches top_p (nucleus; the top token always stays)."""
+    if not sample:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv.astype(jnp.float32) / temperature
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly better tokens
+    keep = mass_before < top_p
+    keep = keep.at[:, 0].set(True)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _is_eos(tok_b, eos_e):
+    return jnp.any(tok_b[:, None] == eos_e[None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "cache_len", "n_out", "sample"))
+def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eos_e, *,
+                    target_cls, config, cache_len, n_out, sample):
+    b, t = ids_bt.shape
+    dtype = target_cls.embed_fn(params, config).dtype
+    cache = target_cls.init_cache_fn(config, b, cache_len, dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _, _, cache = target_cls.decode_fn(
+        params, config, cache, ids_bt, positions, jnp.zeros((b,), jnp.int32), logits_index=(lens_b - 1)[:, None])
+    key, sub = jax.random.split(key)
+    tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
+    out = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok)
+    done = _is_eos(tok, eos_e)
+
+    def cond(state):
+        step, _, _, done, _ = state
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, out, done, key = state
+        prev = jax.lax.dynamic_index_in_dim(out, step - 1, axis=1, keepdims=True)  # [B, 1]
+        pos = lens_b + step - 1  # slot == position of the previous token
+        logits, _, _, cache = target_cls.decode_fn(params, config, cache, prev, pos[:, None], pos)
+        key, sub = jax.random.split(key)
+        tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
+        tok = jnp.where(done, 0, tok)
+        out = jax.lax.dynamic_update_slice_in_dim(out, tok[:, None], step, axis=1)
+        return step + 1, cache, out, done | _is_eos(tok, eos_e), key
+
+    state = (jnp.int32(1), cache, out, done, key)
+    _, _, out, _, _ = jax.lax.while_loop(cond, body, state)
+    return out
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(prompts):
+        ids = [int(x) for x in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        bad = [x for x in ids if not 0 <= x < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the target vocab [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if int(max_new_tokens) < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not float(temperature) >= 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def cut_at_eos(tokens: Sequence[int], eos_token_ids: Sequence[int]) -> list[int]:
+    """Tokens before the first EOS (the EOS itself dropped)."""
+    eos = set(int(e) for e in eos_token_ids)
+    out = []
+    for tok in tokens:
+        if int(tok) in eos:
+            break
+        out.append(int(tok))
+    return out
+
+
+def generate(
+    target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    batch_size: int = 16,
+) -> list[list[int]]:
+    """Continue each prompt with the target; returns the new tokens only, per prompt in input
+    order, cut before the first EOS (EOS not included), at most `max_new_tokens`.
+
+    Greedy when temperature == 0 (batch-independent). With temperature > 0 tokens are drawn with
+    nucleus (top_p) sampling from a jax PRNG seeded by `seed`; prompts are grouped by length into
+    batches of `batch_size`, and the draws depend on that grouping.
+    """
+    target.require_decoding()
+    check_sampling(max_new_tokens, temperature, top_p)
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    prompts = _check_prompts(prompts, int(target.config.vocab_size))
+    results: list[list[int]] = [[] for _ in prompts]
+    if not prompts or int(max_new_tokens) == 0:
+        return results
+    max_new = int(max_new_tokens)
+    n_out = _round_up(max_new, _OUT_MULTIPLE)
+    eos = [int(e) for e in eos_token_ids]
+    eos_arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
+    eos_arr[: len(eos)] = eos
+    sample = float(temperature) > 0.0
+    b = min(int(batch_size), len(prompts))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
+    root = jax.random.PRNGKey(int(seed))
+    for batch_no, lo in enumerate(range(0, len(order), b)):
+        idx = order[lo: lo + b]
+        rows = [prompts[i] for i in idx]
+        rows += [rows[0]] * (b - len(rows))  # pad the last batch: one compiled shape
+        t = prompt_bucket(max(len(r) for r in rows))
+        ids = np.zeros((b, t), np.int32)
+        for r, p in enumerate(rows):
+            ids[r, : len(p)] = p
+        lens = np.array([len(p) for p in rows], np.int32)
+        out = _generate_batch(
+            target.params, jnp.asarray(ids), jnp.asarray(lens), jnp.int32(max_new),
+            jax.random.fold_in(root, batch_no), jnp.float32(max(float(temperature), 1e-6)),
+            jnp.float32(top_p), jnp.asarray(eos_arr),
+            target_cls=type(target), config=target.config, cache_len=t + n_out, n_out=n_out, sample=sample,
+        )
+        out = np.asarray(jax.device_get(out))
+        for r, i in enumerate(idx):
+            results[i] = cut_at_eos(out[r, :max_new].tolist(), eos)
+    return results

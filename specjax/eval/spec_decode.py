@@ -1,0 +1,542 @@
+"""Lossless speculative decoding with an EAGLE-3 draft and the JAX target (batch size 1).
+
+How one step runs (as vLLM / SGLang run EAGLE-3; contract §2.1, drafts/eagle3.py, drafts/ttt.py):
+
+  sequence x_0 .. x_{N-1}; the target cache holds slots 0..N-2, x_{N-1} is the newest token.
+  draft row t (slot t, RoPE position t) reads [embed(x_{t+1}), fc(target aux at t)]. The rows the
+    last target call produced ("pending": the accepted tokens and the bonus) are written into the
+    draft's own KV cache from the TARGET's aux states; the last one predicts d_1.
+  chain: draft step j >= 2 reads [embed(d_{j-1}), next_step_hidden(h of step j-1)] at the next slot
+    (its own hidden; norm(h) with norm_output), so K tokens take K draft calls inside one jit.
+  verify: the target runs [x_{N-1}, d_1..d_K] at positions N-1..N-1+K in one call; greedy accepts
+    the longest prefix equal to the target's argmax, then the target's token after it (the bonus);
+    temperature > 0 uses speculative rejection sampling (accept d_i with prob min(1, p/q), else draw
+    from norm(max(p - q, 0))), so outputs are distributed exactly as the target's samples.
+  rollback: both caches just treat the slots past the accepted length as stale (masked, then
+    overwritten: targets.llama.decode_chunk).
+  tree (greedy only): the root's top-k children, then level by level each node's top-k children,
+    keeping the `tree_max_width` best by cumulative draft log-probability (depth num_spec_tokens).
+    Draft tree rows attend to the prefix and their own ancestors; the target verifies all nodes in
+    one call with an ancestor mask; the longest path that matches the target's argmax is accepted
+    and its KV entries are moved to the slots of a linear sequence.
+
+Draft ids map to target ids with d2t: target id = i + d2t[i]. Draft math runs in fp32.
+
+"Lossless" is exact in fp32 (tested, CPU and H200). With a bf16 target on a GPU, verifying a chunk of
+K+1 tokens and decoding one token at a time round differently, so a near-tie argmax can flip and the
+output can leave the one-token greedy output (measured on H200: a random bf16 1.1B-shaped target
+diverged at its 4th token); serving engines have the same property.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafts.eagle3 import Eagle3Config, draft_logits, inv_freq, next_step_hidden, project_aux
+from specjax.drafts.vocab import DraftVocab
+from specjax.eval.generate import check_sampling, prompt_bucket
+from specjax.targets.layers.attention import dot_product_attention
+from specjax.targets.layers.norms import rms_norm
+from specjax.targets.layers.rope import apply_rope, rope_cos_sin
+from specjax.targets.llama import cache_attention_mask, cache_size_for
+
+MODES = ("chain", "tree")
+
+
+# =============================================================================================
+# Public types
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """An EAGLE-3 head: params pytree (docs/INTERFACES.md layout), its config and draft vocab."""
+
+    params: Any
+    config: Eagle3Config
+    vocab: DraftVocab
+
+
+def load_draft(draft_dir: str) -> Draft:
+    """Read an exported head folder (specjax export, SpecForge or speculators layout)."""
+    from specjax_converters.eagle3_import import read_head
+
+    head = read_head(draft_dir)
+    params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), head.params)
+    return Draft(params=params, config=head.config, vocab=head.vocab)
+
+
+@dataclasses.dataclass
+class SpecResult:
+    tokens: list[int]  # new tokens, cut before the first EOS
+    accept_lengths: list[int]  # tokens emitted per verification step incl. the bonus (tau = mean)
+    accepted_per_position: list[int]  # [num_spec_tokens]: steps whose draft token i was accepted
+    num_steps: int  # verification steps (target calls after the prefill)
+    draft_time_s: float
+    target_time_s: float
+    wall_s: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification step, bonus included (nan with no step)."""
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+# =============================================================================================
+# Draft layer with a KV cache (the same math as drafts.eagle3.decoder_layer)
+# =============================================================================================
+def _mm(x, p):
+    return jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype))
+
+
+def init_draft_cache(cfg: Eagle3Config, max_len: int) -> dict:
+    shape = (1, cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+
+
+def draft_layer_cached(params, cfg: Eagle3Config, cache, emb_btd, hidden_btd, positions_bt, slots_bt, mask_bts):
+    """One draft decoder layer for rows written at `slots` and attending per `mask` [B,T,S] over
+    the whole draft cache. Returns (pre-norm h [B,T,H], new cache)."""
+    m = params["midlayer"]
+    eps = cfg.rms_norm_eps
+    b, t, _ = hidden_btd.shape
+    x = jnp.concatenate(
+        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
+        axis=-1,
+    )
+    a = m["self_attn"]
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = _mm(x, a["q_proj"]).reshape(b, t, nh, hd)
+    k = _mm(x, a["k_proj"]).reshape(b, t, nkv, hd)
+    v = _mm(x, a["v_proj"]).reshape(b, t, nkv, hd)
+    cos, sin = rope_cos_sin(positions_bt, inv_freq(cfg), q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = jnp.arange(b)[:, None]
+    kc = cache["k"].at[rows, slots_bt].set(k, mode="drop")
+    vc = cache["v"].at[rows, slots_bt].set(v, mode="drop")
+    o = dot_product_attention(q, kc, vc, mask_bts, scale=hd**-0.5)
+    h = hidden_btd + _mm(o.reshape(b, t, nh * hd), a["o_proj"])
+    mlp = m["mlp"]
+    xn = rms_norm(h, m["post_attention_layernorm"]["scale"], eps)
+    h = h + _mm(jax.nn.silu(_mm(xn, mlp["gate_proj"])) * _mm(xn, mlp["up_proj"]), mlp["down_proj"])
+    return h, {"k": kc, "v": vc}
+
+
+def _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start):
+    """Write the pending rows (tokens x_{t+1}, target aux at t) from slot `start`; return the last
+    pending row's pre-norm hidden [1,1,H] and the cache."""
+    tp = pend_tok.shape[1]
+    num_slots = dcache["k"].shape[1]
+    pos = start + jnp.arange(tp, dtype=jnp.int32)[None, :]
+    emb = jnp.take(embed, pend_tok, axis=0).astype(jnp.float32)
+    h0 = project_aux(dp, pend_aux, dcfg, jnp.float32)
+    causal = jnp.tril(jnp.ones((tp, tp), bool))[None]
+    mask = cache_attention_mask(jnp.reshape(start, (1,)), num_slots, causal)
+    h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, h0, pos, pos, mask)
+    return jax.lax.dynamic_index_in_dim(h, pend_count - 1, axis=1, keepdims=True), dcache
+
+
+def _f32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "k", "sample"), donate_argnames=("dcache",))
+def _draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, key, temperature, *, dcfg, k, sample):
+    """Chain drafting: returns (K target ids [K], draft probs over the draft vocab [K, Vd] (sampling)
+    or [K, 1] zeros (greedy), cache)."""
+    dp = _f32(dp)
+    num_slots = dcache["k"].shape[1]
+    h, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
+    toks, qs = [], []
+    for j in range(k):
+        logits = draft_logits(dp, dcfg, h)[:, 0]  # [1, Vd]
+        if sample:
+            key, sub = jax.random.split(key)
+            scaled = logits / temperature
+            d = jax.random.categorical(sub, scaled, axis=-1)
+            qs.append(jax.nn.softmax(scaled, axis=-1)[0])
+        else:
+            d = jnp.argmax(logits, axis=-1)
+        tok = (d + d2t[d]).astype(jnp.int32)  # [1] target id
+        toks.append(tok[0])
+        if j == k - 1:
+            break
+        slot = start + pend_count + j  # the row that reads d_{j+1}
+        emb = jnp.take(embed, tok, axis=0).astype(jnp.float32)[None]  # [1, 1, H]
+        mask = (jnp.arange(num_slots) <= slot)[None, None, :]
+        h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, h),
+                                       jnp.reshape(slot, (1, 1)), jnp.reshape(slot, (1, 1)), mask)
+    q = jnp.stack(qs) if sample else jnp.zeros((k, 1), jnp.float32)
+    return jnp.stack(toks), q, dcache
+
+
+def tree_widths(depth: int, top_k: int, max_width: int) -> tuple[int, ...]:
+    """Nodes per tree level: top_k at level 1, then at most top_k per parent, capped at max_width."""
+    widths, w = [], 1
+    for _ in range(depth):
+        w = min(w * top_k, max(max_width, top_k))
+        widths.append(w)
+    return tuple(widths)
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k"), donate_argnames=("dcache",))
+def _draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
+    """Tree drafting. Returns (node target ids [Nn], parent node index [Nn] (-1 = root), cache);
+    nodes are ordered level by level, each level by descending cumulative draft log-prob."""
+    dp = _f32(dp)
+    num_slots = dcache["k"].shape[1]
+    h_root, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
+    base = start + pend_count  # first free slot; the root row sits at base - 1
+    lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h_root)[0, 0])  # [Vd]
+    scores, ids = jax.lax.top_k(lp, widths[0])
+    toks = (ids + d2t[ids]).astype(jnp.int32)
+    all_toks, all_parents = [toks], [jnp.full((widths[0],), -1, jnp.int32)]
+    hid = jnp.broadcast_to(h_root[0], (widths[0], h_root.shape[-1]))  # parent's h per node
+    anc = (base + jnp.arange(widths[0], dtype=jnp.int32))[:, None]  # slots of ancestors + self
+    offset = 0
+    for d in range(1, len(widths)):
+        w, w_next = widths[d - 1], widths[d]
+        slots = base + offset + jnp.arange(w, dtype=jnp.int32)
+        pos = jnp.full((1, w), base - 1 + d, jnp.int32)  # level-d rows sit d after the root row
+        j = jnp.arange(num_slots, dtype=jnp.int32)
+        mask = (j[None, :] < base) | jnp.any(j[None, None, :] == anc[:, :, None], axis=1)  # [w, S]
+        emb = jnp.take(embed, toks, axis=0).astype(jnp.float32)[None]
+        h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, hid[None]),
+                                       pos, slots[None], mask[None])
+        lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h)[0], axis=-1)  # [w, Vd]
+        child_lp, child_ids = jax.lax.top_k(lp, top_k)  # [w, k]
+        cum = (scores[:, None] + child_lp).reshape(-1)
+        scores, sel = jax.lax.top_k(cum, w_next)
+        parent_local = (sel // top_k).astype(jnp.int32)
+        ids = child_ids.reshape(-1)[sel]
+        toks = (ids + d2t[ids]).astype(jnp.int32)
+        all_toks.append(toks)
+        all_parents.append(offset + parent_local)
+        own = base + offset + w + jnp.arange(w_next, dtype=jnp.int32)
+        anc = jnp.concatenate([anc[parent_local], own[:, None]], axis=1)
+        hid = h[0, parent_local]
+        offset += w
+    return jnp.concatenate(all_toks), jnp.concatenate(all_parents), dcache
+
+
+# =============================================================================================
+# Target side: prefill, verification, acceptance
+# =============================================================================================
+def greedy_accept(logits_tv: jax.Array, drafts_k: jax.Array):
+    """(accepted count a, bonus token): longest draft prefix equal to the target argmax."""
+    tgt = jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
+    k = drafts_k.shape[0]
+    a = jnp.sum(jnp.cumprod((tgt[:k] == drafts_k).astype(jnp.int32)))
+    return a, tgt[a]
+
+
+def speculative_sample(p_tv: jax.Array, q_kv: jax.Array, drafts_k: jax.Array, key: jax.Array):
+    """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    p [K+1, V]: target probabilities at the K draft positions and after them; q [K, V]: the draft
+    probabilities the drafts were sampled from. Draft i is accepted with prob min(1, p_i/q_i); at the
+    first rejection a token is drawn from norm(max(p_i - q_i, 0)); if all K are accepted the bonus
+    is drawn from p_K. Returns (accepted count a, the token emitted after them)."""
+    k = drafts_k.shape[0]
+    k_acc, k_res = jax.random.split(key)
+    rows = jnp.arange(k)
+    pd = p_tv[rows, drafts_k]
+    qd = q_kv[rows, drafts_k]
+    u = jax.random.uniform(k_acc, (k,))
+    acc = u * qd < pd  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+    a = jnp.sum(jnp.cumprod(acc.astype(jnp.int32)))
+    q_ext = jnp.concatenate([q_kv, jnp.zeros_like(p_tv[:1])], axis=0)  # row K: nothing to subtract
+    resid = jnp.maximum(p_tv[a] - q_ext[a], 0.0)
+    resid = jnp.where(jnp.sum(resid) > 0, resid, p_tv[a])  # p == q exactly: p itself
+    tok = jax.random.categorical(k_res, jnp.log(resid))
+    return a, tok.astype(jnp.int32)
+
+
+def _sample_first(logits_v, key, temperature, sample):
+    if not sample:
+        return jnp.argmax(logits_v).astype(jnp.int32)
+    return jax.random.categorical(key, logits_v / temperature).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
+def _prefill(params, cache, ids_bt, length, key, temperature, *, target_cls, config, aux_ids, sample):
+    t = ids_bt.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    logits, aux, _, cache = target_cls.decode_fn(
+        params, config, cache, ids_bt, pos, jnp.zeros((1,), jnp.int32), aux_layer_ids=aux_ids,
+        logits_index=jnp.reshape(length - 1, (1, 1)))
+    return _sample_first(logits[0, 0], key, temperature, sample), aux, cache
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config"), donate_argnames=("cache",))
+def _greedy_step(params, cache, tok, pos, *, target_cls, config):
+    p = jnp.reshape(pos, (1,))
+    logits, _, _, cache = target_cls.decode_fn(params, config, cache, jnp.reshape(tok, (1, 1)), p[:, None], p)
+    return jnp.argmax(logits[0, 0]).astype(jnp.int32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
+def _verify_chain(params, cache, last_tok, drafts, start, q_kvd, draft_ids, key, temperature, *,
+                  target_cls, config, aux_ids, sample):
+    chunk = jnp.concatenate([jnp.reshape(last_tok, (1,)), drafts])[None]  # [1, K+1]
+    pos = start + jnp.arange(chunk.shape[1], dtype=jnp.int32)[None]
+    logits, aux, _, cache = target_cls.decode_fn(
+        params, config, cache, chunk, pos, jnp.reshape(start, (1,)), aux_layer_ids=aux_ids)
+    if sample:
+        p = jax.nn.softmax(logits[0] / temperature, axis=-1)
+        q = jnp.zeros((drafts.shape[0], p.shape[-1]), jnp.float32).at[:, draft_ids].set(q_kvd)
+        a, bonus = speculative_sample(p, q, drafts, key)
+    else:
+        a, bonus = greedy_accept(logits[0], drafts)
+    return a, bonus, _pending(drafts, a, bonus), aux, cache
+
+
+def _pending(path_toks_k, a, bonus):
+    """[1, K+1]: the accepted draft tokens then the bonus (the next draft rows' input tokens)."""
+    return jnp.concatenate([path_toks_k, jnp.zeros((1,), jnp.int32)]).at[a].set(bonus)[None]
+
+
+def tree_ancestor_mask(parent_chunk: jax.Array, depth: int) -> jax.Array:
+    """bool [T, T]: chunk row i sees row j iff j is i or an ancestor (row 0 = the root)."""
+    t = parent_chunk.shape[0]
+    cur = jnp.arange(t)
+    mask = jnp.eye(t, dtype=bool)
+    for _ in range(depth):
+        cur = parent_chunk[cur]
+        mask = mask.at[jnp.arange(t), cur].set(True)
+    return mask
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth"), donate_argnames=("cache",))
+def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth):
+    n = node_toks.shape[0]
+    toks = jnp.concatenate([jnp.reshape(last_tok, (1,)), node_toks])  # chunk row 0 = root
+    parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), node_parents + 1])  # root's parent: itself
+    node_depth = jnp.zeros((n + 1,), jnp.int32)
+    cur = jnp.arange(n + 1)
+    for _ in range(depth):  # depth = number of steps to reach the root
+        node_depth = node_depth + (cur != 0)
+        cur = parent[cur]
+    mask = tree_ancestor_mask(parent, depth)
+    pos = (start + node_depth)[None]
+    logits, aux, _, cache = target_cls.decode_fn(
+        params, config, cache, toks[None], pos, jnp.reshape(start, (1,)), aux_layer_ids=aux_ids,
+        chunk_mask_btt=mask[None])
+    tgt = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+    rows = jnp.arange(n + 1)
+    cur, a, alive, path = jnp.int32(0), jnp.int32(0), jnp.bool_(True), [jnp.int32(0)]
+    for _ in range(depth):  # walk down the tree while a child carries the target's argmax
+        cand = (parent == cur) & (rows > 0) & (toks == tgt[cur])
+        found = alive & jnp.any(cand)
+        nxt = jnp.argmax(cand).astype(jnp.int32)
+        cur = jnp.where(found, nxt, cur)
+        a = a + found.astype(jnp.int32)
+        alive = found
+        path.append(jnp.where(found, nxt, 0))
+    path = jnp.stack(path)  # [depth+1] chunk rows of the accepted path (0 past the end)
+    bonus = tgt[cur]
+    # Move the accepted nodes' K/V to the slots of a linear sequence (start+i); other slots are stale.
+    num_slots = jax.tree.leaves(cache)[0].shape[2]
+    i = jnp.arange(1, depth + 1)
+    dst = jnp.where(i <= a, start + i, num_slots)  # past-the-end = dropped
+    src = start + path[1:]
+    cache = jax.tree.map(lambda c: c.at[:, 0, dst].set(c[:, 0, src], mode="drop"), cache)
+    aux_path = tuple(jnp.take(x, path, axis=1) for x in aux)
+    return a, bonus, _pending(toks[path[1:]], a, bonus), aux_path, cache
+
+
+# =============================================================================================
+# The decoder
+# =============================================================================================
+class SpecDecoder:
+    """Speculative decoding of one prompt at a time with `target` and an EAGLE-3 `draft`.
+
+    mode "chain": K = num_spec_tokens drafted autoregressively, verified in one call of K+1 tokens.
+    mode "tree": depth K, tree_top_k children per node, at most tree_max_width nodes per level
+    (default tree_top_k**2); temperature 0 only.
+    """
+
+    def __init__(self, target, draft: Draft, *, num_spec_tokens: int = 5, mode: str = "chain",
+                 tree_top_k: int = 2, tree_max_width: int | None = None):
+        target.require_decoding()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if int(num_spec_tokens) < 1:
+            raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
+        cfg, vocab = draft.config, draft.vocab
+        tcfg = target.config
+        if cfg.hidden_size != tcfg.hidden_size or cfg.target_hidden_size != tcfg.hidden_size:
+            raise ValueError(
+                f"draft hidden_size {cfg.hidden_size} / target_hidden_size {cfg.target_hidden_size} must equal the "
+                f"target's hidden_size {tcfg.hidden_size}: this head was trained for another target")
+        if vocab.vocab_size != tcfg.vocab_size or cfg.vocab_size != tcfg.vocab_size:
+            raise ValueError(
+                f"draft vocab maps into {vocab.vocab_size} target ids (config vocab_size {cfg.vocab_size}) but the "
+                f"target has {tcfg.vocab_size}: this head was trained for another target")
+        if vocab.draft_vocab_size != cfg.draft_vocab_size:
+            raise ValueError(f"draft vocab has {vocab.draft_vocab_size} ids but the config says "
+                             f"draft_vocab_size={cfg.draft_vocab_size}")
+        if int(tree_top_k) < 1 or int(tree_top_k) > cfg.draft_vocab_size:
+            raise ValueError(f"tree_top_k must be in [1, {cfg.draft_vocab_size}], got {tree_top_k}")
+        from specjax.targets.base import validate_aux_layer_ids
+
+        self.aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, target.num_layers)
+        self.target, self.draft = target, draft
+        self.k = int(num_spec_tokens)
+        self.mode = mode
+        self.top_k = int(tree_top_k)
+        self.widths = tree_widths(self.k, self.top_k, int(tree_max_width or self.top_k**2))
+        self.embed = target.embed_table(target.params)
+        # on the device once, in fp32 (a trainer may hand host numpy arrays; re-sent every call otherwise)
+        self.draft_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), draft.params)
+        self.d2t = jnp.asarray(vocab.d2t, jnp.int32)
+        self.draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens per target verification call."""
+        return 1 + (self.k if self.mode == "chain" else sum(self.widths))
+
+    def _tkw(self):
+        return dict(target_cls=type(self.target), config=self.target.config)
+
+    def _setup(self, prompt_ids, max_new_tokens, temperature):
+        check_sampling(max_new_tokens, temperature, 1.0)
+        prompt = [int(x) for x in prompt_ids]
+        vsize = int(self.target.config.vocab_size)
+        if not prompt:
+            raise ValueError("prompt_ids is empty; the prompt needs at least one token (e.g. BOS)")
+        if any(not 0 <= x < vsize for x in prompt):
+            raise ValueError(f"prompt_ids has token ids outside the target vocab [0, {vsize})")
+        bucket = prompt_bucket(len(prompt))
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, : len(prompt)] = prompt
+        # > bucket: a cache never has the prefill chunk's length (attention.py treats S == T as self-attention)
+        max_len = max(bucket + 1, len(prompt) + int(max_new_tokens) + self.verify_len + 2)
+        return prompt, jnp.asarray(ids), max_len
+
+    def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, eos_token_ids=()) -> SpecResult:
+        """Plain greedy decoding through the same cache code: the speedup baseline."""
+        t0 = time.perf_counter()
+        prompt, ids, max_len = self._setup(prompt_ids, max_new_tokens, 0.0)
+        eos = set(int(e) for e in eos_token_ids)
+        out: list[int] = []
+        steps = 0
+        if max_new_tokens > 0:
+            cache = self.target.init_cache(1, max_len)
+            tok, _, cache = _prefill(self.target.params, cache, ids, jnp.int32(len(prompt)), jax.random.PRNGKey(0),
+                                     jnp.float32(1.0), aux_ids=(), sample=False, **self._tkw())
+            tok = int(tok)
+            while True:
+                if tok in eos:
+                    break
+                out.append(tok)
+                if len(out) >= max_new_tokens:
+                    break
+                tok, cache = _greedy_step(self.target.params, cache, jnp.int32(tok),
+                                          jnp.int32(len(prompt) + len(out) - 1), **self._tkw())
+                tok = int(tok)
+                steps += 1
+        wall = time.perf_counter() - t0
+        return SpecResult(out, [1] * steps, [0] * self.k, steps, 0.0, wall, wall)
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                 eos_token_ids=(), seed: int = 0) -> SpecResult:
+        t0 = time.perf_counter()
+        prompt, ids, max_len = self._setup(prompt_ids, max_new_tokens, temperature)
+        sample = float(temperature) > 0.0
+        if sample and self.mode == "tree":
+            raise ValueError("tree mode verifies greedily; use mode='chain' for temperature > 0")
+        eos = set(int(e) for e in eos_token_ids)
+        k, dcfg = self.k, self.draft.config
+        temp = jnp.float32(max(float(temperature), 1e-6))
+        root = jax.random.PRNGKey(int(seed))
+        res = SpecResult([], [], [0] * k, 0, 0.0, 0.0, 0.0)
+        if max_new_tokens == 0:
+            res.wall_s = time.perf_counter() - t0
+            return res
+        params = self.target.params
+
+        tt = time.perf_counter()
+        tcache = self.target.init_cache(1, max_len)
+        first, aux, tcache = _prefill(params, tcache, ids, jnp.int32(len(prompt)), jax.random.fold_in(root, 0), temp,
+                                      aux_ids=self.aux_ids, sample=sample, **self._tkw())
+        first = int(first)
+        res.target_time_s += time.perf_counter() - tt
+        if first in eos:
+            res.wall_s = time.perf_counter() - t0
+            return res
+        res.tokens.append(first)
+        # pending draft rows 0..P-1 read tokens x_1..x_P (x_P = first) and the prefill's aux states
+        pend = np.zeros((1, ids.shape[1]), np.int32)
+        pend[0, : len(prompt)] = prompt[1:] + [first]
+        pend_tok, pend_aux, pend_count, dstart = jnp.asarray(pend), aux, len(prompt), 0
+        n = len(prompt) + 1  # sequence length; target cache valid for slots 0..n-2
+        dcache = init_draft_cache(dcfg, max_len)
+        step = 0
+        while len(res.tokens) < max_new_tokens:
+            step += 1
+            last = jnp.int32(res.tokens[-1])
+            td = time.perf_counter()
+            if self.mode == "chain":
+                drafts, q, dcache = _draft_chain(
+                    self.draft_params, self.embed, self.d2t, dcache, pend_tok, pend_aux, jnp.int32(pend_count),
+                    jnp.int32(dstart), jax.random.fold_in(root, 2 * step), temp, dcfg=dcfg, k=k, sample=sample)
+            else:
+                nodes, parents, dcache = _draft_tree(
+                    self.draft_params, self.embed, self.d2t, dcache, pend_tok, pend_aux, jnp.int32(pend_count),
+                    jnp.int32(dstart), dcfg=dcfg, widths=self.widths, top_k=self.top_k)
+                drafts = nodes
+            jax.block_until_ready(drafts)
+            res.draft_time_s += time.perf_counter() - td
+            tt = time.perf_counter()
+            if self.mode == "chain":
+                drafts, q = self._override_chain(drafts, q, res.tokens, prompt)
+                a, bonus, pend_dev, aux, tcache = _verify_chain(
+                    params, tcache, last, drafts, jnp.int32(n - 1), q, self.draft_ids,
+                    jax.random.fold_in(root, 2 * step + 1), temp, aux_ids=self.aux_ids, sample=sample, **self._tkw())
+            else:
+                nodes, parents = self._override_tree(nodes, parents, res.tokens, prompt)
+                a, bonus, pend_dev, aux, tcache = _verify_tree(
+                    params, tcache, last, nodes, parents, jnp.int32(n - 1), aux_ids=self.aux_ids, depth=k,
+                    **self._tkw())
+            a, pend_host = jax.device_get((a, pend_dev))  # the step's one device -> host read
+            a = int(a)
+            res.target_time_s += time.perf_counter() - tt
+            new = [int(x) for x in pend_host[0, : a + 1]]
+            # emit, stopping at EOS (counted, not kept) and at max_new_tokens
+            emitted, stop = 0, False
+            for tok in new:
+                emitted += 1
+                if tok in eos:
+                    stop = True
+                    break
+                res.tokens.append(tok)
+                if len(res.tokens) >= max_new_tokens:
+                    stop = True
+                    break
+            res.accept_lengths.append(emitted)
+            for i in range(min(a, emitted)):
+                res.accepted_per_position[i] += 1
+            res.num_steps = step
+            if stop:
+                break
+            pend_tok, pend_aux, pend_count, dstart = pend_dev, aux, a + 1, n - 1
+            n += a + 1
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+    # Test seams: a subclass may replace the proposals before verification (e.g. an oracle draft).
+    def _override_chain(self, drafts, q, tokens, prompt):
+        return drafts, q
+
+    def _override_tree(self, nodes, parents, tokens, prompt):
+        return nodes, parents
