@@ -136,7 +136,9 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         return
     try:
         prep = prepare_examples(files, tok, cfg.data.seq_length, 0.0, 0, max_rows=n_rows,
-                                truncate=cfg.data.truncate, chat_template=cfg.data.chat_template)
+                                truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
+                                mask_reasoning_content=cfg.data.mask_reasoning_content,
+                                mask_generation_prompt=cfg.data.mask_generation_prompt)
     except (ValueError, FileNotFoundError) as e:
         rep.fail("data sample", str(e))
         return

@@ -1,4 +1,4 @@
-"""Chat-template a conversation and mark the assistant tokens (the draft is trained only there).
+r"""Chat-template a conversation and mark the assistant tokens (the draft is trained only there).
 
 How the assistant spans are found: for assistant turn i, render ``messages[:i]`` with the
 generation prompt and ``messages[:i+1]`` without it. When the first is a prefix of the second and
@@ -8,6 +8,17 @@ for that turn; the span runs from there to the end of the first special token af
 model never generates, is not trained on. Some templates break the prefix property (they render
 history differently from the last turn); for those turns we fall back to locating the content
 string in the full text and extending the span over a special token that follows it.
+
+Two optional masks (config `data.mask_reasoning_content`, `data.mask_generation_prompt`; the idea
+is from the NeMo AutoModel README) narrow the spans further:
+- reasoning: every rendered `<think>...</think>` block inside an assistant span (and the line breaks
+  after it) leaves the loss; a `</think>` with no opening tag in the span (templates whose
+  generation prompt already opened the block) masks from the span start to it.
+- generation prompt: the span of a turn starts after the longest generation prompt the template
+  can supply at inference (its default one, or the `enable_thinking=False` one, which for Qwen3 is
+  the role header plus an empty `<think>\n\n</think>\n\n` block). Only when that prompt extends
+  the unchanged rendering of the conversation so far and the full rendering reproduces it in full;
+  otherwise the turn stays supervised as without the flag.
 """
 from __future__ import annotations
 
@@ -16,7 +27,15 @@ import os
 
 import numpy as np
 
-__all__ = ["Example", "SkipRow", "tokenize_conversation", "resolve_chat_template", "CHAT_TEMPLATE_HINT"]
+__all__ = [
+    "Example", "SkipRow", "tokenize_conversation", "resolve_chat_template", "CHAT_TEMPLATE_HINT",
+    "REASONING_OPEN", "REASONING_CLOSE",
+]
+
+# The reasoning-trace convention of Qwen3 / DeepSeek-R1 / vLLM reasoning parsers.
+REASONING_OPEN, REASONING_CLOSE = "<think>", "</think>"
+# Template variables that select a non-thinking generation prompt (Qwen3's name for it).
+_NO_THINKING_KWARGS = ({"enable_thinking": False},)
 
 CHAT_TEMPLATE_HINT = (
     "set one with the config key `data.chat_template` (a Jinja template string or a path to a "
@@ -61,9 +80,10 @@ def resolve_chat_template(tokenizer, chat_template: str | None = None) -> str:
     return tmpl
 
 
-def _render(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
     text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+        **kwargs,
     )
     if not isinstance(text, str):  # defensive: some versions return a list for batched input
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
@@ -92,7 +112,33 @@ def _first_marker_end(text: str, start: int, stop: int, specials: list[str]) -> 
     return None if best is None else best[1]
 
 
-def _assistant_spans(tokenizer, template: str, messages: list[dict], full: str) -> list[tuple[int, int]]:
+def _generation_prompt_end(tokenizer, template: str, history: list[dict], full: str) -> int | None:
+    """End (in ``full``) of the longest generation prompt the template supplies after ``history``
+    that the full rendering reproduces in full, or None when no variant qualifies.
+
+    A variant qualifies only when it is the unchanged rendering of ``history`` plus a non-empty
+    suffix; the variants are the default prompt and the non-thinking one (Qwen3 appends an empty
+    reasoning block there), since either may be what a server sends at inference."""
+    try:
+        base = _render(tokenizer, template, history, add_generation_prompt=False)
+    except Exception:  # a template that rejects this history
+        return None
+    if not full.startswith(base):
+        return None
+    best = None
+    for kwargs in ({},) + _NO_THINKING_KWARGS:
+        try:
+            prompt = _render(tokenizer, template, history, add_generation_prompt=True, **kwargs)
+        except Exception:
+            continue
+        if len(prompt) > len(base) and prompt.startswith(base) and full.startswith(prompt):
+            best = len(prompt) if best is None else max(best, len(prompt))
+    return best
+
+
+def _assistant_spans(
+    tokenizer, template: str, messages: list[dict], full: str, mask_generation_prompt: bool = False
+) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     cursor = 0  # spans are found left to right and must not overlap
     specials = _special_strings(tokenizer)
@@ -120,13 +166,28 @@ def _assistant_spans(tokenizer, template: str, messages: list[dict], full: str) 
             end = _first_marker_end(full, cpos + len(content), s1, specials) if cpos >= 0 else None
             if end is None:  # no marker (or content rewritten by the template): whole turn text
                 end = s0 + len(full[s0:s1].rstrip())
+            if mask_generation_prompt:
+                g = _generation_prompt_end(tokenizer, template, messages[:i], full)
+                if g is not None and s0 <= g < end:
+                    s0 = g
             if end > s0:
                 span = (s0, end)
         if span is None:
-            idx = full.find(content, cursor)
+            # Templates that re-render reasoning (Qwen3 drops it from earlier turns) keep only the
+            # answer after the closing tag, so look for that too.
+            candidates = [content]
+            if REASONING_CLOSE in content:
+                candidates.append(content.split(REASONING_CLOSE)[-1].strip())
+            idx, found = -1, ""
+            for c in candidates:
+                if c:
+                    idx = full.find(c, cursor)
+                    if idx >= 0:
+                        found = c
+                        break
             if idx < 0:
                 raise SkipRow("assistant turn not found in templated text", f"turn {i}")
-            end = idx + len(content)
+            end = idx + len(found)
             # Take the end-of-turn marker too when it follows the content (whitespace allowed).
             at = end
             while at < len(full) and full[at].isspace():
@@ -141,14 +202,44 @@ def _assistant_spans(tokenizer, template: str, messages: list[dict], full: str) 
     return spans
 
 
+def _reasoning_ranges(full: str, s: int, e: int) -> list[tuple[int, int]]:
+    """Character ranges of rendered reasoning blocks inside the span [s, e): `<think>...</think>`
+    plus the line breaks after it (the answer's first token never starts with a line break in
+    byte-level BPE pre-tokenizers, so no answer token is lost). An unclosed block runs to the end
+    of the span; a closing tag with no opening one masks from the current position (templates
+    whose generation prompt opened the block, e.g. DeepSeek-R1's)."""
+    out = []
+    pos = s
+    while pos < e:
+        o = full.find(REASONING_OPEN, pos, e)
+        c = full.find(REASONING_CLOSE, pos, e)
+        if o < 0 and c < 0:
+            break
+        if c < 0:  # opened, never closed (the answer ran out of tokens while reasoning)
+            out.append((o, e))
+            break
+        a = o if 0 <= o < c else pos
+        b = c + len(REASONING_CLOSE)
+        while b < e and full[b] in "\r\n":
+            b += 1
+        out.append((a, b))
+        pos = b
+    return out
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],
     seq_length: int,
     truncate: bool = True,
     chat_template: str | None = None,
+    *,
+    mask_reasoning_content: bool = False,
+    mask_generation_prompt: bool = False,
 ) -> Example:
-    """Template + tokenize one conversation; loss_mask marks the assistant tokens.
+    """Template + tokenize one conversation; loss_mask marks the assistant tokens (minus reasoning
+    blocks with ``mask_reasoning_content``, minus the generation prompt's part of each turn with
+    ``mask_generation_prompt``; see the module docstring).
 
     Raises SkipRow for a conversation that cannot be used, ValueError for a tokenizer that
     cannot do the job (no chat template, no offsets)."""
@@ -168,7 +259,14 @@ def tokenize_conversation(
     if not full.strip():
         raise SkipRow("empty after templating")
 
-    spans = _assistant_spans(tokenizer, template, messages, full)
+    spans = _assistant_spans(tokenizer, template, messages, full, mask_generation_prompt)
+    keep = np.zeros(len(full) + 1, dtype=bool)  # per character: inside a supervised span
+    for s, e in spans:
+        keep[s:e] = True
+    if mask_reasoning_content:
+        for s, e in spans:
+            for a, b in _reasoning_ranges(full, s, e):
+                keep[a:b] = False
 
     try:
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -184,11 +282,11 @@ def tokenize_conversation(
 
     # A token belongs to a span when it starts inside it (a token never straddles a special
     # token, and the content boundary is normally a pre-tokenizer split point).
-    starts = offsets[:, 0]
-    mask = np.zeros(ids.shape[0], dtype=bool)
-    for s, e in spans:
-        mask |= (starts >= s) & (starts < e)
+    starts = np.clip(offsets[:, 0], 0, len(full))
+    mask = keep[starts]
     if not mask.any():
+        if mask_reasoning_content and spans:
+            raise SkipRow("no assistant token outside reasoning")
         raise SkipRow("no assistant token")
 
     if ids.shape[0] > seq_length:

@@ -59,9 +59,14 @@ def prepare_examples(
     max_rows: int | None = None,
     truncate: bool = True,
     chat_template: str | None = None,
+    *,
+    mask_reasoning_content: bool = False,
+    mask_generation_prompt: bool = False,
 ) -> Prepared:
     """Read, template, tokenize and split. Bad rows are counted in ``skipped``, never raised;
-    a missing file, a tokenizer without a chat template, or no usable example at all raise."""
+    a missing file, a tokenizer without a chat template, or no usable example at all raise.
+    The two mask flags are `data.mask_reasoning_content` / `data.mask_generation_prompt`
+    (see `specjax.data.chat`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_rows is not None and max_rows <= 0:
@@ -87,7 +92,10 @@ def prepare_examples(
             skip(getattr(row.error, "kind", "bad row"), str(row.error))
             continue
         try:
-            ex = tokenize_conversation(tokenizer, row.messages, seq_length, truncate=truncate, chat_template=template)
+            ex = tokenize_conversation(
+                tokenizer, row.messages, seq_length, truncate=truncate, chat_template=template,
+                mask_reasoning_content=mask_reasoning_content, mask_generation_prompt=mask_generation_prompt,
+            )
         except SkipRow as e:
             skip(e.reason, f"{row.source}[{row.index}]: {e}")
             continue

@@ -1,0 +1,148 @@
+"""In-process answers from the JAX target (`specjax.eval.generate.generate`: batched, KV cache).
+
+Prompts are rendered with the chat template (generation prompt appended) and tokenized like the
+training pipeline does (no extra special tokens: templates write their own BOS). End of turn =
+the tokenizer's eos token plus every `eos_token_id` of the target's generation_config.json."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+from specjax.regen.common import LOGGER_NAME, Answer, Item, RegenerateError, compose_answer, split_reasoning
+
+__all__ = ["JaxBackend", "eos_token_ids", "generation_defaults"]
+
+log = logging.getLogger(LOGGER_NAME)
+
+
+def _generation_config(target_dir: str) -> dict:
+    path = os.path.join(target_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+
+
+def _as_ids(v) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return [int(x) for x in v if x is not None]
+    return [int(v)]
+
+
+def eos_token_ids(tokenizer, target_dir: str) -> tuple[int, ...]:
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None)) + _as_ids(_generation_config(target_dir).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))  # ordered, unique
+
+
+def generation_defaults(target_dir: str) -> dict:
+    """Sampling defaults from generation_config.json: temperature (0 when do_sample is false or
+    absent), top_p, max_new_tokens -- only the keys it sets."""
+    g = _generation_config(target_dir)
+    out = {}
+    if "do_sample" in g or "temperature" in g:
+        out["temperature"] = float(g.get("temperature", 1.0)) if g.get("do_sample") else 0.0
+    if g.get("do_sample") and "top_p" in g:
+        out["top_p"] = float(g["top_p"])
+    if isinstance(g.get("max_new_tokens"), int):
+        out["max_new_tokens"] = g["max_new_tokens"]
+    return out
+
+
+class JaxBackend:
+    name = "jax"
+
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        *,
+        chat_template: str | None,
+        eos_ids: Sequence[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        max_prompt_tokens: int,
+        batch_size: int,
+        seed: int,
+        keep_reasoning: bool,
+        generate_fn: Callable | None = None,
+    ):
+        from specjax.data.chat import resolve_chat_template
+
+        if max_new_tokens <= 0:
+            raise RegenerateError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if max_prompt_tokens <= 0:
+            raise RegenerateError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+        if batch_size <= 0:
+            raise RegenerateError(f"batch_size must be positive, got {batch_size}")
+        if not eos_ids:
+            raise RegenerateError("no end-of-turn token: the tokenizer has no eos_token and the target folder's "
+                                  "generation_config.json no eos_token_id; add one of them")
+        self.target = target
+        self.tokenizer = tokenizer
+        try:
+            self.template = resolve_chat_template(tokenizer, chat_template)
+        except ValueError as e:
+            raise RegenerateError(str(e)) from None
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_prompt_tokens = int(max_prompt_tokens)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.keep_reasoning = keep_reasoning
+        if generate_fn is None:
+            from specjax.eval.generate import generate as generate_fn  # helper B's batched KV-cache decoder
+        self.generate_fn = generate_fn
+
+    def encode(self, prompt: Sequence[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(prompt), chat_template=self.template, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def answer(self, items: Sequence[Item]) -> list[Answer]:
+        out: list[Answer | None] = [None] * len(items)
+        todo: list[tuple[int, list[int]]] = []
+        for i, it in enumerate(items):
+            try:
+                ids = self.encode(it.prompt)
+            except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
+                log.debug("row %d: chat template error: %s", it.source_index, e)
+                out[i] = Answer(None, "chat template error")
+                continue
+            if len(ids) > self.max_prompt_tokens:
+                out[i] = Answer(None, "prompt longer than max_prompt_tokens")
+            else:
+                todo.append((i, ids))
+        if todo:
+            # one seed per shard (from its first row): a resumed shard draws what it drew before,
+            # and shards do not repeat one another's samples
+            seed = self.seed + 1_000_003 * items[0].source_index
+            gen = self.generate_fn(
+                self.target, [ids for _, ids in todo], max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature, top_p=self.top_p, eos_token_ids=self.eos_ids,
+                seed=seed % 2**31, batch_size=self.batch_size,
+            )
+            if len(gen) != len(todo):
+                raise RuntimeError(f"generate returned {len(gen)} answers for {len(todo)} prompts")
+            for (i, _), new in zip(todo, gen):
+                new = [int(t) for t in new]
+                truncated = len(new) >= self.max_new_tokens
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                reasoning, answer = split_reasoning(text)
+                if not answer:
+                    out[i] = Answer(None, "empty answer", len(new), truncated)
+                else:
+                    out[i] = Answer(compose_answer(reasoning, answer, self.keep_reasoning), None, len(new), truncated)
+        return out  # type: ignore[return-value]

@@ -1,0 +1,159 @@
+"""Output directory of a regeneration: `manifest.json` + `shard-NNNNNN.parquet` files.
+
+Each shard is written to a temporary name in the same directory and renamed into place, so a
+shard file that exists is complete; a process killed mid-write leaves only a `.tmp` file, which
+is ignored (and overwritten) by the next run. The manifest is written before any shard and holds
+the settings that decide the output; `--resume` with other settings is refused, naming them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from typing import Any
+
+from specjax.regen.common import ManifestMismatch, RegenerateError
+
+__all__ = [
+    "MANIFEST", "COMPARED_KEYS", "shard_name", "prepare_output_dir", "finished_shards",
+    "write_shard", "read_shard_stats",
+]
+
+MANIFEST = "manifest.json"
+_SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
+# Settings that change what is written. Others (concurrency, batch size, timeouts, the endpoint
+# URL, the specjax version) are recorded for information only.
+COMPARED_KEYS = (
+    "input", "limit", "backend", "model", "temperature", "top_p", "seed", "max_new_tokens",
+    "max_prompt_tokens", "shard_size", "keep_reasoning", "extra_body",
+)
+_STATS_KEY = b"specjax.regen"
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:06d}.parquet"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _fmt(v: Any) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+def prepare_output_dir(out_dir: str, manifest: dict, resume: bool) -> bool:
+    """Create ``out_dir`` and write the manifest, or check it on resume. Returns True when an
+    earlier run's manifest was found (and matches).
+
+    Refuses: an existing manifest without ``resume``; a manifest whose compared settings differ
+    (the message lists each key with both values); a non-empty directory that is not a
+    regeneration output."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise RegenerateError(f"cannot create the output directory {out_dir!r}: {e}; choose another --out") from e
+    if not os.access(out_dir, os.W_OK):
+        raise RegenerateError(f"the output directory {out_dir!r} is not writable; choose another --out")
+    path = os.path.join(out_dir, MANIFEST)
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise RegenerateError(f"{path} is unreadable ({e}); remove the directory or choose another --out") from e
+        if not resume:
+            raise RegenerateError(
+                f"{out_dir} already holds a regeneration ({MANIFEST}); pass --resume "
+                "(config: the stage always resumes) to continue it, or choose another output directory"
+            )
+        diffs = [
+            f"{k}: {_fmt(old.get(k))} in {path} != {_fmt(manifest.get(k))} now"
+            for k in COMPARED_KEYS if _fmt(old.get(k)) != _fmt(manifest.get(k))
+        ]
+        if diffs:
+            raise ManifestMismatch(
+                f"cannot resume into {out_dir}: it was written with other settings ("
+                + "; ".join(diffs)
+                + "). Use the original settings, or a new output directory for the new ones."
+            )
+        return True
+    leftovers = [n for n in os.listdir(out_dir) if not n.endswith(".tmp")]
+    if leftovers:
+        raise RegenerateError(
+            f"{out_dir} is not empty and holds no {MANIFEST} (found {sorted(leftovers)[:5]}); "
+            "choose an empty or new output directory"
+        )
+    _write_atomic(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    return False
+
+
+def finished_shards(out_dir: str) -> set[int]:
+    """Indices of complete shards (temporary files of an interrupted write do not count)."""
+    if not os.path.isdir(out_dir):
+        return set()
+    return {int(m.group(1)) for n in os.listdir(out_dir) if (m := _SHARD_RE.match(n))}
+
+
+def _schema():
+    import pyarrow as pa
+
+    turn = pa.struct([("role", pa.string()), ("content", pa.string())])
+    return pa.schema([("messages", pa.list_(turn)), ("source_index", pa.int64())])
+
+
+def write_shard(out_dir: str, k: int, rows: list[tuple[list[dict], int]], stats: dict) -> str:
+    """Write shard ``k`` atomically: rows are (messages, source_index); ``stats`` (the shard's
+    skip counts and token totals) goes into the parquet metadata so a resumed run can report
+    the whole output."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _schema().with_metadata({_STATS_KEY: json.dumps(stats).encode()})
+    table = pa.Table.from_pydict(
+        {"messages": [r[0] for r in rows], "source_index": [int(r[1]) for r in rows]}, schema=schema
+    )
+    path = os.path.join(out_dir, shard_name(k))
+    fd, tmp = tempfile.mkstemp(prefix=shard_name(k) + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    for name in os.listdir(out_dir):  # leftovers of an earlier, killed write of this shard
+        if name.startswith(shard_name(k) + ".") and name.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(out_dir, name))
+            except OSError:
+                pass
+    return path
+
+
+def read_shard_stats(path: str) -> dict:
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    try:
+        return json.loads(meta.get(_STATS_KEY, b"{}"))
+    except json.JSONDecodeError:
+        return {}

@@ -1,0 +1,212 @@
+"""Regeneration with the in-process JAX back end on the tiny target: shards + manifest, resume
+skips finished shards, a changed setting is refused by name, a leftover temporary shard is
+ignored, the output reads back as training data, and the config / launch stage."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+import specjax.eval.generate as gen_mod
+from specjax.config import config_from_dict
+from specjax.data import prepare_examples, read_conversations
+from specjax.regen.common import ManifestMismatch, RegenerateError, prompt_messages, split_reasoning
+from specjax.regenerate import regenerate, run_from_config
+
+SETTINGS = dict(backend="jax", max_new_tokens=8, batch_size=4, shard_size=4, max_prompt_tokens=100,
+                dtype="float32")
+
+
+def conv(*turns):
+    return {"messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("regen_src")
+    rows = [json.dumps(conv(("user", f"Please compute {i} plus {i + 3}."), ("assistant", "old"))) for i in range(5)]
+    rows[1] = json.dumps(conv(("system", "You are a helpful assistant."), ("user", "When was Oldmere founded?"),
+                              ("assistant", "Oldmere was founded in 1102."), ("user", "And Korvath?"),
+                              ("assistant", "old"), ("assistant", "older")))  # two trailing turns dropped
+    rows.insert(3, json.dumps(conv(("system", "no question here"))))  # nothing to answer
+    rows.insert(4, "{not json")
+    rows.append(json.dumps(conv(("user", "Spell the word garden. " * 12), ("assistant", "x"))))  # > 100 tokens
+    rows += [json.dumps(conv(("user", f"Spell the word {w} letter by letter."))) for w in ("apple", "river")]
+    p = d / "chats.jsonl"
+    p.write_text("\n".join(rows) + "\n")
+    return str(p)
+
+
+class Counting:
+    """Wraps specjax.eval.generate.generate, counting calls and prompts."""
+
+    def __init__(self, fn=gen_mod.generate):
+        self.fn = fn
+        self.calls = 0
+        self.prompts = 0
+
+    def __call__(self, target, prompts, **kw):
+        self.calls += 1
+        self.prompts += len(prompts)
+        return self.fn(target, prompts, **kw)
+
+
+def shard_rows(d):
+    names = sorted(n for n in os.listdir(d) if n.endswith(".parquet"))
+    return {n: pq.read_table(os.path.join(d, n)).to_pylist() for n in names}
+
+
+def test_prompt_and_reasoning_helpers():
+    m = conv(("system", "s"), ("user", "u"), ("assistant", "a"), ("user", "u2"), ("assistant", "b"))["messages"]
+    assert prompt_messages(m) == m[:4]
+    assert prompt_messages(conv(("system", "s"))["messages"]) is None
+    assert prompt_messages(conv(("assistant", "a"))["messages"]) is None
+    assert split_reasoning("<think>\nhm\n</think>\n\nYes.") == ("hm", "Yes.")
+    assert split_reasoning("hm\n</think>\nYes.") == ("hm", "Yes.")  # the prompt opened the block
+    assert split_reasoning("Yes.", "hm ") == ("hm", "Yes.")  # reasoning_content field
+    assert split_reasoning("<think>never closed") == ("never closed", "")
+    assert split_reasoning("plain") == (None, "plain")
+
+
+def test_regenerate_resume_and_refusals(tiny_target, source, tmp_path):
+    out = str(tmp_path / "regen")
+    count = Counting()
+    s = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, **SETTINGS)
+    # 10 rows read: 1 malformed, 1 without a user turn -> 8 conversations -> shards of 4, 4
+    assert (s.rows_in, s.conversations, s.shards_written) == (10, 8, 2)
+    assert s.skipped == {"malformed JSON": 1, "no user turn to answer": 1,
+                         "prompt longer than max_prompt_tokens": 1}, s.skipped
+    assert s.written + sum(v for k, v in s.skipped.items() if k in ("empty answer",)) == 7
+    assert count.calls == 2 and count.prompts == 7
+    assert 0 < s.tokens_generated <= 7 * 8
+    assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.parquet", "shard-000001.parquet"]
+
+    man = json.load(open(os.path.join(out, "manifest.json")))
+    assert man["input"] == os.path.abspath(source) and man["model"] == os.path.abspath(tiny_target)
+    assert (man["backend"], man["temperature"], man["top_p"], man["max_new_tokens"], man["shard_size"]) == \
+        ("jax", 0.0, 1.0, 8, 4)
+    assert man["specjax_version"] and man["limit"] is None
+
+    first = shard_rows(out)
+    rows = [r for n in sorted(first) for r in first[n]]
+    assert [r["source_index"] for r in rows] == [0, 1, 2, 5, 6, 8, 9][: len(rows)]
+    multi = next(r for r in rows if r["source_index"] == 1)["messages"]
+    # context (system, user, intermediate assistant, user) kept; both trailing turns replaced
+    assert [m["role"] for m in multi] == ["system", "user", "assistant", "user", "assistant"]
+    assert multi[2]["content"] == "Oldmere was founded in 1102." and multi[-1]["content"] not in ("old", "older")
+    # the new answer is the target's greedy continuation of the rendered prompt
+    from transformers import AutoTokenizer
+
+    from specjax.targets import load_target
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    target = load_target(tiny_target, dtype="float32")
+    ids = tok(tok.apply_chat_template(multi[:-1], tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    eos = [tok.eos_token_id] + json.load(open(os.path.join(tiny_target, "generation_config.json")))["eos_token_id"]
+    new = gen_mod.generate(target, [ids], max_new_tokens=8, eos_token_ids=eos)[0]
+    assert multi[-1]["content"] == split_reasoning(tok.decode(new, skip_special_tokens=True))[1]
+
+    # --- rerun without --resume: refused
+    with pytest.raises(RegenerateError, match="--resume"):
+        regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, **SETTINGS)
+    # --- resume with a different setting: refused, naming the key and both values
+    with pytest.raises(ManifestMismatch, match=r"max_new_tokens: 8 .* != 16 now") as e:
+        regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True,
+                   **{**SETTINGS, "max_new_tokens": 16})
+    assert "shard_size" not in str(e.value)
+    with pytest.raises(ManifestMismatch, match="temperature"):
+        regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True,
+                   temperature=0.7, **SETTINGS)
+    assert count.calls == 2  # refusals happen before any generation
+
+    # --- resume after a kill during the second shard: its temporary file is ignored
+    os.remove(os.path.join(out, "shard-000001.parquet"))
+    with open(os.path.join(out, "shard-000001.parquet.x1y2.tmp"), "wb") as f:
+        f.write(b"PAR1 half-written")
+    # a reader of the folder meanwhile sees the finished shard only
+    assert [r.error for r in read_conversations(out)] == [None] * len(first["shard-000000.parquet"])
+    s2 = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
+    assert count.calls == 3  # only the missing shard was generated
+    assert (s2.shards_resumed, s2.shards_written) == (1, 1)
+    assert s2.written == s.written and s2.skipped == s.skipped
+    assert shard_rows(out) == first  # greedy answers do not depend on batching: same output
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]  # the leftover was cleaned up
+
+    # --- a finished run resumes to nothing
+    s3 = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
+    assert count.calls == 3 and s3.shards_resumed == 2 and s3.written == s.written
+
+    # --- the output trains: it reads back as conversations and tokenizes with loss masks
+    back = list(read_conversations(out))  # the folder, as data.train_files gives it
+    assert all(r.error is None for r in back) and len(back) == s.written
+    assert [r.messages for r in back] == [r["messages"] for r in rows]
+    prep = prepare_examples([out], tok, 256, 0.0, 0)
+    assert len(prep.train) + sum(prep.skipped.values()) == s.written and prep.train
+    assert all(int(e.loss_mask.sum()) > 0 for e in prep.train)
+
+
+def test_input_errors(tiny_target, tmp_path):
+    with pytest.raises(RegenerateError, match="input not found"):
+        regenerate(input=str(tmp_path / "nope.jsonl"), out_dir=str(tmp_path / "o"), target=tiny_target)
+    with pytest.raises(RegenerateError, match="needs the target folder"):
+        regenerate(input=__file__, out_dir=str(tmp_path / "o"))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    p = tmp_path / "in.jsonl"
+    p.write_text(json.dumps(conv(("user", "hi"))) + "\n")
+    with pytest.raises(RegenerateError, match="not empty and holds no manifest.json"):
+        regenerate(input=str(p), out_dir=str(tmp_path / "busy"), target=tiny_target)
+
+
+def test_run_from_config_and_launch_stage(tiny_target, source, tmp_path, monkeypatch):
+    from specjax.launch import run_regenerate_stage
+
+    calls = Counting(gen_mod.generate)
+    monkeypatch.setattr(gen_mod, "generate", calls)  # the back end looks it up when built
+    cfg = config_from_dict({
+        "run": {"output_dir": str(tmp_path / "run")},
+        "target": {"path": tiny_target, "dtype": "float32"},
+        "regenerate": {"enabled": True, "source": source, "limit": 4, "shard_size": 4, "batch_size": 4,
+                       "max_new_tokens": 8, "max_prompt_tokens": 100},
+    })
+    out = run_from_config(cfg)
+    assert out == os.path.abspath(tmp_path / "run" / "regenerated") and calls.calls == 1
+    assert os.listdir(out) and "shard-000000.parquet" in os.listdir(out)
+    # the launch stage resumes (nothing left to do) and points training at the output
+    cfg2 = run_regenerate_stage(cfg)
+    assert calls.calls == 1 and cfg2.data.train_files == (out,)
+    assert run_regenerate_stage(config_from_dict({})) == config_from_dict({})  # disabled: unchanged
+    shutil.rmtree(out)
+
+
+def test_presets_as_input(monkeypatch):
+    """`preset://NAME` (or the bare name) goes through specjax.data.presets; evaluation presets are
+    refused. Uses a stand-in module when the presets module is not installed."""
+    import sys
+    import types
+
+    import specjax.data
+    from specjax.data.sources import Row
+    from specjax.regen.inputs import canonical_input, iter_rows
+
+    try:
+        from specjax.data import presets  # noqa: F401
+    except ImportError:
+        fake = types.ModuleType("specjax.data.presets")
+        fake.PRESETS, fake.EVAL_PRESETS = ("sharegpt", "mtbench", "humaneval"), ("mtbench", "humaneval")
+        fake.preset_rows = lambda name, limit=None: iter(
+            [Row(name, 0, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], None)])
+        monkeypatch.setitem(sys.modules, "specjax.data.presets", fake)
+        monkeypatch.setattr(specjax.data, "presets", fake, raising=False)
+    assert canonical_input("sharegpt") == canonical_input("preset://sharegpt") == "preset://sharegpt"
+    first = next(iter_rows("preset://sharegpt"))
+    assert first.error is None and prompt_messages(first.messages)[-1]["role"] == "user"
+    for name in ("mtbench", "preset://humaneval"):
+        with pytest.raises(RegenerateError, match="evaluation set"):
+            canonical_input(name)
+    with pytest.raises(RegenerateError, match="unknown dataset preset 'nope'"):
+        canonical_input("preset://nope")
