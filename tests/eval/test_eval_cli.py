@@ -1,0 +1,171 @@
+"""`python -m specjax.eval` end to end on the tiny target: a random-init draft exported to a head
+folder, MT-bench (2 prompts, two turns each: turn 2 follows the model's own answer) plus a small
+JSONL prompt file; the JSON record, the lossless check (0 mismatches at temperature 0) and a
+--compare TOST verdict against a saved run."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.eval import stats
+from specjax.eval.cli import compare_runs, main, summarize
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_target, tmp_path_factory):
+    from specjax.drafts import eagle3
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.targets import load_target
+    from specjax_converters.eagle3_export import export_eagle3
+
+    target = load_target(tiny_target, dtype="float32")
+    cfg = eagle3.config_from_target(target.config, draft_vocab_size=128,
+                                    aux_layer_ids=target.default_aux_layer_ids())
+    params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(0)))
+    vocab = DraftVocab.from_ids(np.arange(128), target.config.vocab_size)
+    out = tmp_path_factory.mktemp("draft") / "head"
+    return export_eagle3(params, cfg, vocab, target.hf_config, str(out), dtype="float32")
+
+
+@pytest.fixture
+def oracle_draft(monkeypatch):
+    """Replace the random draft's proposals (through SpecDecoder's test seam) by the target's own
+    greedy continuation, wrong at a fixed random 30% of positions, so steps accept 0..K tokens and tau,
+    per-position acceptance and their intervals are not degenerate. Verification is unchanged, so
+    the output must still equal greedy decoding."""
+    import jax.numpy as jnp
+
+    from specjax.eval import spec_decode
+
+    cont = {}
+    wrong = np.random.default_rng(0).random(256) < 0.3  # positions the oracle gets wrong
+
+    def override(self, drafts, q, tokens, prompt):
+        key = tuple(prompt)
+        if key not in cont:
+            cont[key] = self.greedy(prompt, max_new_tokens=64, eos_token_ids=()).tokens
+        c, n = cont[key], len(tokens)
+        props = [c[n + j] if n + j < len(c) and not wrong[(len(prompt) + n + j) % 256] else 0 for j in range(self.k)]
+        return jnp.asarray(props, jnp.int32), q
+
+    monkeypatch.setattr(spec_decode.SpecDecoder, "_override_chain", override)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "mini.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "Name three colours."}]},
+        {"messages": [{"role": "user", "content": "What is two plus two?"},
+                      {"role": "assistant", "content": "Four."},
+                      {"role": "user", "content": "And times three?"}]},
+        {"messages": [{"role": "user", "content": "never reached with --limit 2"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _args(tiny_target, draft_dir, prompt_file, out, *extra):
+    return ["--target", tiny_target, "--draft", draft_dir, "--prompts", f"mtbench,{prompt_file}",
+            "--limit", "2", "--num-spec-tokens", str(K), "--max-new-tokens", "10", "--out", str(out), *extra]
+
+
+def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_file, oracle_draft, tmp_path, capsys):
+    out = tmp_path / "a.json"
+    assert main(_args(tiny_target, draft_dir, prompt_file, out)) == 0
+    printed = capsys.readouterr().out
+    assert "tau [95% CI]" in printed and "speedup" in printed and "0 mismatches" in printed
+
+    res = json.loads(out.read_text())  # strict JSON (no NaN)
+    assert res["format"] == "specjax-eval" and res["config"]["num_spec_tokens"] == K
+    assert res["mismatches"] == 0 and res["equality_checked"] is True
+    assert {"jax", "numpy", "python"} <= set(res["versions"]) and res["device"]["platform"] == "cpu"
+    assert len(res["datasets"]) == 2 and "mtbench" in res["datasets"]
+    mt = res["datasets"]["mtbench"]
+    assert mt["n_prompts"] == 2 and mt["n_turns"] == 4  # MT-bench: two turns per question
+    other = next(v for k, v in res["datasets"].items() if k != "mtbench")
+    assert other["n_prompts"] == 2 and other["n_turns"] == 3  # the second row has two user turns
+    for s in res["datasets"].values():
+        assert s["tau"]["value"] >= 1.0 and s["steps"] >= 1
+        # the oracle is right at ~70% of positions: clearly above 1
+        assert 1.3 < s["tau"]["value"] <= K + 1 and s["tau"]["lo"] <= s["tau"]["value"] <= s["tau"]["hi"]
+        u = [e["value"] for e in s["acceptance"]["unconditional"]]
+        assert all(a >= b for a, b in zip(u, u[1:]))  # accepting i requires accepting i-1
+        assert sum(u) <= s["tau"]["value"] <= 1 + sum(u) + 1e-12
+        assert len(s["acceptance"]["unconditional"]) == K and len(s["acceptance"]["conditional"]) == K
+        assert s["spec_tok_s"]["value"] > 0 and s["greedy_tok_s"]["value"] > 0 and s["speedup"]["value"] > 0
+    # the raw per-prompt numbers reproduce the table: tau = sum(accept lengths) / steps over all turns
+    recs = [r for r in res["prompts"] if r["dataset"] == "mtbench"]
+    lens = [sum((t["spec"]["accept_lengths"] for t in r["turns"]), []) for r in recs]
+    assert mt["tau"]["value"] == pytest.approx(stats.tau_estimate(lens).value, rel=1e-12)
+    for r in recs:
+        assert r["turns"][1]["prompt_tokens"] > r["turns"][0]["prompt_tokens"]  # turn 2 carries turn 1
+        for t in r["turns"]:
+            assert t["match"] is True
+            # the prefill gives the first token; each step emits its accept length (an EOS is
+            # counted but not kept, and max_new_tokens may cut the last step)
+            assert t["spec"]["new_tokens"] <= 1 + sum(t["spec"]["accept_lengths"])
+            assert all(1 <= a <= K + 1 for a in t["spec"]["accept_lengths"])
+    again = summarize(res["prompts"], K)
+    assert again["mtbench"]["steps"] == mt["steps"]
+
+    # compare with the saved run: the same deterministic tau (diff 0). With 2 prompts per run the
+    # 90% interval of the difference is wide (t with ~2 df), so only a loose margin shows equivalence
+    out_b = tmp_path / "b.json"
+    assert main(_args(tiny_target, draft_dir, prompt_file, out_b, "--compare", str(out), "--margin", "2.5",
+                      "--warmup", "0")) == 0
+    printed = capsys.readouterr().out
+    assert "TOST" in printed and printed.count("-> EQUIVALENT") == 2, printed
+    res_b = json.loads(out_b.read_text())
+    cmp = res_b["comparison"]
+    assert cmp["metric"] == "tau" and set(cmp["datasets"]) == set(res["datasets"])
+    for d in cmp["datasets"].values():
+        assert d["diff"] == pytest.approx(0.0, abs=1e-12) and d["verdict"] == "equivalent"
+        assert d["p_low"] < 0.05 and d["p_high"] < 0.05
+    tight = compare_runs(res_b, res, margin=0.05)  # recomputed from the saved per-prompt numbers
+    assert all(d["verdict"] == "not shown equivalent" and d["p_low"] > 0.05 for d in tight.values())
+
+
+def test_eval_cli_rejects_bad_arguments(tiny_target, tmp_path, capsys):
+    assert main(["--target", tiny_target, "--draft", str(tmp_path), "--prompts", "mtbench"]) == 2
+    assert "--draft" in capsys.readouterr().err
+    assert main(["--target", tiny_target, "--draft", tiny_target, "--num-spec-tokens", "0"]) == 2
+    assert "--num-spec-tokens" in capsys.readouterr().err
+    assert main(["--target", tiny_target, "--draft", tiny_target, "--compare", "x.json"]) == 2
+    assert "--margin" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["--target", tiny_target, "--draft", tiny_target, "--compare", str(bad), "--margin", "1"]) == 2
+    assert "not a specjax.eval results file" in capsys.readouterr().err
+
+
+def test_eval_cli_mismatch_is_an_error(tiny_target, draft_dir, prompt_file, monkeypatch, tmp_path, capsys):
+    """A greedy baseline that differs from the speculative output (here: its last token changed)
+    must be reported and give exit code 1, with the JSON still written."""
+    from specjax.eval import spec_decode
+
+    real = spec_decode.SpecDecoder.greedy
+
+    def altered(self, *a, **kw):
+        res = real(self, *a, **kw)
+        res.tokens = res.tokens[:-1] + [(res.tokens[-1] + 1) % 300] if res.tokens else [5]
+        return res
+
+    monkeypatch.setattr(spec_decode.SpecDecoder, "greedy", altered)
+    out = tmp_path / "bad.json"
+    rc = main(["--target", tiny_target, "--draft", draft_dir, "--prompts", prompt_file, "--limit", "1",
+               "--num-spec-tokens", str(K), "--max-new-tokens", "10", "--warmup", "0", "--out", str(out)])
+    assert rc == 1
+    assert "differs from greedy output" in capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["mismatches"] == 1
+    turn = res["prompts"][0]["turns"][0]
+    assert turn["match"] is False and turn["first_divergence"] == turn["spec"]["new_tokens"] - 1
+    # a tolerated mismatch (e.g. a bf16 target) still counts in the JSON but exits 0
+    assert main(["--target", tiny_target, "--draft", draft_dir, "--prompts", prompt_file, "--limit", "1",
+                 "--num-spec-tokens", str(K), "--max-new-tokens", "10", "--warmup", "0", "--out", str(out),
+                 "--max-mismatches", "1"]) == 0
+    assert json.loads(out.read_text())["mismatches"] == 1
