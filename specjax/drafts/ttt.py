@@ -15,6 +15,13 @@ target's full-vocab argmax) over the loss mask. tau_sim = sum_k prod_{i<=k} acc_
 
 The teacher is computed here from the target's final hidden state and its lm_head rows for the
 draft vocab; the full-vocab argmax is taken in vocab chunks, so no [B,T,V] fp32 tensor exists.
+
+Loss kernel (fused_soft_ce=True, the default): each step's soft CE goes through the fused linear +
+soft-CE kernel (specjax_kernels.soft_ce), so the draft logits [B,T,Vd] are never stored in fp32 and
+nothing of size Vd is saved for the backward but the one teacher-logits buffer. The step is computed
+in the *target frame*: the draft rows are shifted right by 1+k (row t -> t+1+k) instead of shifting
+the teacher left, so all K steps read the same unshifted teacher buffer (no K shifted [B,T,Vd] copies
+kept alive as residuals). Sums over rows are unchanged by the relabelling.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, next_step_hidden, project_aux
-from specjax_kernels.soft_ce import soft_cross_entropy
+from specjax.targets.layers.norms import rms_norm
+from specjax_kernels.soft_ce import fused_linear_soft_ce, soft_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,9 @@ class TTTConfig:
     vocab_chunk: int = 8192
     attention_impl: Optional[str] = None
     soft_ce_impl: Optional[str] = None
+    # False: the previous path (fp32 draft logits per step + the logits soft-CE API); kept for
+    # timing-by-elimination and as a cross-check.
+    fused_soft_ce: bool = True
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
@@ -46,6 +57,17 @@ def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
         return jnp.full_like(x, fill)
     pad = jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)
     return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def shift_right(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
+    """x[:, t-n] at row t, `fill` before the start (axis 1); the inverse relabelling of shift_left."""
+    if n == 0:
+        return x
+    T = x.shape[1]
+    if n >= T:
+        return jnp.full_like(x, fill)
+    pad = jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([pad, x[:, : T - n]], axis=1)
 
 
 def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> jnp.ndarray:
@@ -122,13 +144,23 @@ def ttt_loss(
         emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
         h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
         kv_cache.append(kv)
-        logits = draft_logits(params, cfg, h)
+        if ttt.fused_soft_ce:
+            # target frame: draft row t sits at row t+1+k, next to its teacher row (see module doc)
+            hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
+            ce, pred = fused_linear_soft_ce(
+                shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
+                mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
+            losses.append(jnp.sum(ce) / (B * T))
+            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+            correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
+        else:
+            logits = draft_logits(params, cfg, h)
+            ce = soft_cross_entropy(logits, shift_left(teacher_logits, 1 + k), implementation=ttt.soft_ce_impl)
+            losses.append(jnp.sum(ce * pos_mask) / (B * T))
+            pred = jnp.argmax(logits, axis=-1)
+            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+            correct = jnp.sum((pred_target == tgt_ids) * step_mask)
         h = next_step_hidden(params, cfg, h)  # the same array unless cfg.norm_output (EAGLE-3.1)
-        ce = soft_cross_entropy(logits, shift_left(teacher_logits, 1 + k), implementation=ttt.soft_ce_impl)
-        losses.append(jnp.sum(ce * pos_mask) / (B * T))
-        pred = jnp.argmax(logits, axis=-1)
-        pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
-        correct = jnp.sum((pred_target == tgt_ids) * step_mask)
         denom = jnp.sum(step_mask)
         accs.append(correct / jnp.maximum(denom, 1e-6))
         lmask_sums.append(denom)

@@ -1,0 +1,910 @@
+"""EAGLE-3 training throughput: specjax's train step against SpecForge's OnlineEagle3Model, same GPU, same tokens.
+
+    # one H200 (issue 9): both systems, dense Llama-3.1-8B shape, all jobs ~9.6 minutes (measured in two
+    # parts with --jobs: fixed_4096,sharegpt_4096 took 229 s; fixed_2048,maxlen,profile_4096 347 s)
+    JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD/kernels:$PWD python3 benchmarks/train_throughput.py --out DIR
+    # CPU smoke run at tiny widths, both systems in this process (tests/unit/test_train_throughput_script.py)
+    PYTHONPATH=kernels:. python benchmarks/train_throughput.py --tiny
+
+Both systems train an EAGLE-3 draft (Vd=32000, K=7 TTT steps, 0.8^k weights, AdamW lr 1e-4, clip 0.5,
+fp32 master weights, bf16 compute) against a frozen target with random bf16 weights of a real model's
+shape; nothing is downloaded.
+  specjax   : specjax.train.step.build_step_fns (one jit: target forward + teacher + TTT unroll + AdamW).
+  SpecForge : specforge==0.2.0 OnlineEagle3Model around LlamaForCausalLMEagle3(attention_backend=
+              "flex_attention"), its Triton LogSoftmaxLoss, its compact teacher (target_hidden_for_compact =
+              the target's final hidden, target_head_weight = its lm_head), its BF16Optimizer (AdamW over
+              fp32 masters, clip 0.5); the target is transformers' model (bf16, SDPA) run under no_grad with
+              forward hooks capturing the three aux layers (no full-vocab logits, no all-layer hidden list).
+Workloads (same tokens for both): fixed-length random batches (B x T), and ShareGPT conversation
+lengths (benchmarks/data/sharegpt_lengths.json) where specjax packs documents into B rows of 4096 and
+SpecForge runs each conversation alone at batch 1, unpadded.
+
+Each system runs in its own subprocess (clean GPU memory); jobs in a worker share the target weights.
+Timing: wall clock over the timed steps after warm-up, synchronised at the end (torch.cuda.synchronize /
+block_until_ready). Memory: torch max_memory_allocated per job (reset before it); JAX: the compiled
+step's plan (arguments + outputs + temporaries - donated aliases) and the process's peak_bytes_in_use.
+
+MFU = model FLOPs / step time / 789e12 (bf16 matmul ceiling measured on the H200, device README).
+Model FLOPs per step, counted on real tokens only (padding excluded), P = matmul parameters:
+  target forward   2 * P_target_active * n  (+ lm_head V*H: both systems take the full-vocab argmax)
+                   + 4 * Hq * hd * pairs * L_target      (causal attention, pairs = sum_docs l(l+1)/2)
+  teacher          2 * Vd * H * n                           (target lm_head rows of the draft vocab)
+  draft fwd+bwd    3 * [ 2 * 3H*H * n                       (fc)
+                         + sum_k ( 2 * P_layer * n + 2 * Vd * H * n     (decoder layer, draft lm_head)
+                                   + 4 * Hq * hd * (pairs + k * n) ) ]  (TTT attention: causal + k diagonals)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+PEAK_FLOPS = 789e12  # bf16 matmul ceiling measured on this H200 (/work/.library/device KINDS.md, 2026-10-28)
+# fixed-length jobs cycle through POOL random batches, so the loss trend compares the same batches
+# (first POOL steps against the last POOL); batch-to-batch differences would hide it at tiny sizes
+POOL = 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+LENGTHS_FILE = os.path.join(HERE, "data", "sharegpt_lengths.json")
+ROOT = os.path.dirname(HERE)
+
+# --------------------------------------------------------------------------------------------------
+# model shapes (HF config dicts; no weights)
+# --------------------------------------------------------------------------------------------------
+
+
+def llama_hf(vocab, hidden, inter, layers, heads, kv, head_dim, max_pos=131072, theta=500000.0):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": max_pos, "tie_word_embeddings": False,
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16"}
+
+
+def qwen3_moe_hf(tiny=False):
+    with open(os.path.join(ROOT, "configs", "targets", "qwen3_30b_a3b", "config.json")) as f:
+        hf = json.load(f)
+    if tiny:
+        hf.update(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=8, num_experts_per_tok=2, max_window_layers=4)
+    return hf
+
+
+def model_hf(name: str, tiny: bool) -> dict:
+    if name == "llama3_8b":  # Llama-3.1-8B shape (RoPE kept default with theta 5e5: same cost as llama3 scaling)
+        return llama_hf(512, 64, 128, 4, 4, 2, 16, 4096) if tiny else llama_hf(128256, 4096, 14336, 32, 32, 8, 128)
+    if name == "qwen3_30b_a3b":
+        return qwen3_moe_hf(tiny)
+    raise ValueError(f"unknown model {name!r}; choose llama3_8b or qwen3_30b_a3b")
+
+
+def draft_shape(hf: dict, Vd: int) -> dict:
+    """The EAGLE-3 draft both systems build (specjax's config_from_target rule: the target's widths)."""
+    H = hf["hidden_size"]
+    nH = hf["num_attention_heads"]
+    return {"H": H, "I": hf["intermediate_size"], "heads": nH, "kv": hf["num_key_value_heads"],
+            "head_dim": hf.get("head_dim") or H // nH, "V": hf["vocab_size"], "Vd": Vd}
+
+
+def default_aux_ids(L: int) -> tuple[int, int, int]:
+    low = min(1, L - 3)
+    mid = max(L // 2 - 1, low + 1)
+    return (low, mid, max(L - 4, mid + 1))
+
+
+# --------------------------------------------------------------------------------------------------
+# model FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def target_active_matmul_params(hf: dict) -> int:
+    """Matmul parameters one token goes through in the target, lm_head (full vocab) included,
+    embedding lookup excluded; MoE: the routed top-k experts plus the router."""
+    H, L, V = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    nH, nKV = hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim") or H // nH
+    attn = H * nH * hd + 2 * H * nKV * hd + nH * hd * H
+    if hf.get("num_experts"):
+        mlp = hf["num_experts_per_tok"] * 3 * H * hf["moe_intermediate_size"] + H * hf["num_experts"]
+    else:
+        mlp = 3 * H * hf["intermediate_size"]
+    return L * (attn + mlp) + V * H
+
+
+def causal_pairs(doc_lengths) -> int:
+    return int(sum(int(n) * (int(n) + 1) // 2 for n in doc_lengths))
+
+
+def step_flops(hf: dict, d: dict, K: int, doc_lengths) -> dict:
+    """Model FLOPs of one train step over documents of the given lengths (see the module doc)."""
+    n = int(sum(doc_lengths))
+    pairs = causal_pairs(doc_lengths)
+    H, Vd = d["H"], d["Vd"]
+    nH_t = hf["num_attention_heads"]
+    hd_t = hf.get("head_dim") or hf["hidden_size"] // nH_t
+    target = 2 * target_active_matmul_params(hf) * n + 4 * nH_t * hd_t * pairs * hf["num_hidden_layers"]
+    teacher = 2 * Vd * H * n
+    layer = 2 * H * (d["heads"] + 2 * d["kv"]) * d["head_dim"] + d["heads"] * d["head_dim"] * H + 3 * H * d["I"]
+    fwd = 2 * 3 * H * H * n
+    for k in range(K):
+        fwd += 2 * layer * n + 2 * Vd * H * n + 4 * d["heads"] * d["head_dim"] * (pairs + k * n)
+    return {"target": target, "teacher": teacher, "draft": 3 * fwd, "total": target + teacher + 3 * fwd}
+
+
+# --------------------------------------------------------------------------------------------------
+# workloads
+# --------------------------------------------------------------------------------------------------
+
+
+def load_lengths(path: str = LENGTHS_FILE) -> np.ndarray:
+    with open(path) as f:
+        return np.asarray(json.load(f)["lengths"], np.int64)
+
+
+def sample_packed_rows(lengths, n_rows: int, seq: int, seed: int, min_len: int = 16):
+    """Documents drawn (seeded) from the length distribution, packed first-fit in arrival order into
+    rows of `seq` tokens until n_rows rows are closed. Returns the rows (lists of doc lengths)."""
+    rng = np.random.default_rng(seed)
+    rows: list[list[int]] = []
+    open_rows: list[list[int]] = []
+    while len(rows) + len(open_rows) < n_rows or open_rows:
+        n = int(max(min(int(rng.choice(lengths)), seq), min_len))
+        for r in open_rows:
+            if sum(r) + n <= seq:
+                r.append(n)
+                break
+        else:
+            if len(rows) + len(open_rows) >= n_rows:  # no new rows: close the fullest and go on
+                open_rows.sort(key=sum)
+                rows.append(open_rows.pop())
+                continue
+            open_rows.append([n])
+        # a row with no room for a short document is closed
+        for r in [r for r in open_rows if seq - sum(r) < min_len]:
+            open_rows.remove(r)
+            rows.append(r)
+    return rows[:n_rows]
+
+
+def doc_tokens(length: int, vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, length, dtype=np.int64)
+
+
+def build_plan(model: str, tiny: bool, args) -> dict:
+    hf = model_hf(model, tiny)
+    if tiny:
+        K, Vd, seqs, toks = 2, 64, (32,), 128
+        warmup, steps = 1, 4
+    else:
+        K, Vd, seqs, toks = 7, 32000, (2048, 4096), args.tokens_per_step
+        warmup, steps = args.warmup, args.steps
+    jobs = []
+    for T in sorted(seqs, reverse=True):  # the 4096 configuration first: it matters most
+        if args.only_seq and T != args.only_seq:
+            continue
+        jobs.append({"name": f"fixed_{T}", "kind": "fixed", "seq": T, "batch": max(toks // T, 1),
+                     "warmup": warmup, "steps": steps})
+    if args.sharegpt and model == "llama3_8b":
+        T = seqs[-1]
+        B = max(toks // T, 1)
+        lengths = load_lengths() if not tiny else np.array([5, 9, 17, 30, 40, 64, 12, 23])
+        rows = sample_packed_rows(np.minimum(lengths, T), B * args.sharegpt_steps, T, seed=1)
+        warm_rows = sample_packed_rows(np.minimum(lengths, T), B, T, seed=2)
+        jobs.insert(1, {"name": f"sharegpt_{T}", "kind": "docs", "seq": T, "batch": B, "rows": rows,
+                        "warm_rows": warm_rows, "warmup": 1, "steps": len(rows) // B})
+    if args.maxlen:
+        jobs.append({"name": "maxlen", "kind": "maxlen", "start": 128 if tiny else 16384,
+                     "limit": 512 if tiny else 262144, "cap_s": args.maxlen_cap_s, "quantum": 32 if tiny else 4096})
+    if args.profile and not tiny:
+        jobs.append({"name": "profile_4096", "kind": "profile", "seq": 4096, "batch": max(toks // 4096, 1)})
+    if getattr(args, "jobs", None):
+        keep = set(args.jobs.split(","))
+        jobs = [j for j in jobs if j["name"] in keep]
+    return {"model": model, "tiny": tiny, "hf": hf, "K": K, "Vd": Vd, "lr": 1e-3 if tiny else 1e-4,
+            "seed": 0, "jobs": jobs, "soft_budget_s": args.worker_budget_s}
+
+
+def fixed_batch(B: int, T: int, V: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, V, (B, T), dtype=np.int64).astype(np.int32),
+            "loss_mask": np.ones((B, T), np.int32), "segment_ids": np.ones((B, T), np.int32),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+
+
+def packed_batch(rows, T: int, V: int, seed0: int) -> dict:
+    """specjax's packed layout: documents left to right, segment ids 1.., positions restart, 0-padding."""
+    B = len(rows)
+    out = {k: np.zeros((B, T), np.int32) for k in ("input_ids", "loss_mask", "segment_ids", "positions")}
+    doc = 0
+    for b, row in enumerate(rows):
+        t = 0
+        for s, n in enumerate(row):
+            out["input_ids"][b, t:t + n] = doc_tokens(n, V, seed0 + doc)
+            out["loss_mask"][b, t:t + n] = 1
+            out["segment_ids"][b, t:t + n] = s + 1
+            out["positions"][b, t:t + n] = np.arange(n)
+            t += n
+            doc += 1
+    return out
+
+
+def vocab_arrays(V: int, Vd: int, seed: int):
+    ids = np.sort(np.random.default_rng(seed).choice(V, Vd, replace=False)).astype(np.int64)
+    t2d = np.zeros(V, bool)
+    t2d[ids] = True
+    return ids, t2d, ids - np.arange(Vd)
+
+
+def job_docs(job) -> list[list[int]]:
+    """Per timed step, the document lengths it trains on (the FLOP count's input)."""
+    if job["kind"] == "fixed":
+        return [[job["seq"]] * job["batch"]] * job["steps"]
+    B = job["batch"]
+    return [sum(job["rows"][i * B:(i + 1) * B], []) for i in range(job["steps"])]
+
+
+# --------------------------------------------------------------------------------------------------
+# specjax worker
+# --------------------------------------------------------------------------------------------------
+
+
+def _jax_random_params(target, dtype, seed):
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.targets.base import tree_set
+
+    makers = {}
+    tree: dict = {}
+    key = jax.random.key(seed)
+    rng = np.random.default_rng(seed)
+    for i, spec in enumerate(type(target).weight_specs(target.config)):
+        if spec.path[-1] == "scale":
+            value = jnp.ones(spec.shape, dtype)
+        elif math.prod(spec.shape) < 2**22:  # small leaves: drawn on the host (no compile per shape)
+            value = jnp.asarray(0.02 * rng.standard_normal(spec.shape, dtype=np.float32), dtype)
+        else:
+            shp = tuple(spec.shape)
+            if shp not in makers:  # one compiled init per distinct shape, run on the device
+                makers[shp] = jax.jit(lambda k, s=shp: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype))
+            value = makers[shp](jax.random.fold_in(key, i))
+        tree_set(tree, spec.path, value)
+    return tree
+
+
+def _jax_mem_stats():
+    import jax
+    try:
+        return jax.devices()[0].memory_stats() or {}
+    except Exception:  # CPU devices may have none
+        return {}
+
+
+def run_specjax(plan: dict, emit) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import mesh as meshlib
+    from specjax.config import OptimConfig
+    from specjax.drafts import eagle3
+    from specjax.drafts.ttt import TTTConfig, teacher_from_hidden
+    from specjax.targets.shapes import make_target
+    from specjax.train.optim import make_optimizer
+    from specjax.train.step import build_step_fns, init_state, make_loss_fn
+
+    tiny = plan["tiny"]
+    hf = plan["hf"]
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    t0 = time.perf_counter()
+    target = make_target(hf)
+    tparams = _jax_random_params(target, dtype, plan["seed"])
+    aux = default_aux_ids(hf["num_hidden_layers"])
+    dcfg = eagle3.config_from_target(target.config, draft_vocab_size=plan["Vd"], aux_layer_ids=aux)
+    V = hf["vocab_size"]
+    ids, t2d, d2t = vocab_arrays(V, plan["Vd"], plan["seed"])
+    vocab = {"draft_ids": jnp.asarray(ids, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
+    mesh = meshlib.make_mesh({})
+    opt = make_optimizer(OptimConfig(lr=plan["lr"], warmup_ratio=0.0, grad_clip=0.5), 100000)
+    draft0 = eagle3.init_draft_params(dcfg, jax.random.key(1))
+    jax.block_until_ready(tparams)
+    setup_s = time.perf_counter() - t0
+    fns_cache: dict = {}
+
+    def fns_for(fused=True):
+        if fused not in fns_cache:
+            ttt = TTTConfig(ttt_steps=plan["K"], step_decay=0.8, fused_soft_ce=fused)
+            fns_cache[fused] = (build_step_fns(target, tparams, draft0, dcfg, ttt, opt, mesh, dtype), ttt)
+        return fns_cache[fused]
+
+    def to_dev(b, fns):
+        return {k: jax.device_put(jnp.asarray(v, jnp.int32), fns.batch_sharding) for k, v in b.items()}
+
+    def new_state(fns):
+        return jax.jit(lambda p: init_state(p, opt, 0), out_shardings=fns.state_shardings)(draft0)
+
+    # CPU smoke runs: LLVM -O0 halves XLA:CPU compile time and does not change what is computed
+    copts = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+    compiled_cache: dict = {}
+
+    def compile_step(fns, state, b, keep=True):
+        key = (id(fns), b["input_ids"].shape)
+        if key in compiled_cache:
+            return compiled_cache[key][0], 0.0, compiled_cache[key][1]
+        t = time.perf_counter()
+        compiled = fns.train_step.lower(state, tparams, vocab, b).compile(compiler_options=copts)
+        ma = compiled.memory_analysis()
+        plan_b = None
+        if ma is not None:
+            plan_b = int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+                         + ma.temp_size_in_bytes)
+        if keep:
+            compiled_cache[key] = (compiled, plan_b)
+        return compiled, time.perf_counter() - t, plan_b
+
+    def train_job(job, batches_np, warm_np):
+        fns, _ = fns_for(True)
+        batches = [to_dev(b, fns) for b in batches_np]
+        warm = [to_dev(b, fns) for b in warm_np]
+        state = new_state(fns)
+        compiled, compile_s, plan_bytes = compile_step(fns, state, batches[0])
+        for b in warm:
+            state, m = compiled(state, tparams, vocab, b)
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        ms = []
+        for b in batches:
+            state, m = compiled(state, tparams, vocab, b)
+            ms.append(m)
+        jax.block_until_ready((state, ms))
+        wall = time.perf_counter() - t
+        losses = [float(m["loss"]) for m in ms]
+        return {"compile_s": compile_s, "step_s": wall / len(batches), "time_s": wall, "losses": losses,
+                "acc0": [float(m["acc_k"][0]) for m in ms], "plan_bytes": plan_bytes,
+                "skipped": sum(float(m["skipped"]) for m in ms)}
+
+    emit({"event": "setup", "system": "specjax", "setup_s": setup_s, "aux_ids": list(aux),
+          "backend": jax.default_backend(), "jax": jax.__version__})
+    t_worker = time.perf_counter() - setup_s
+    for job in plan["jobs"]:
+        t_job = time.perf_counter()
+        if t_job - t_worker > plan.get("soft_budget_s", 1e9):
+            emit({"system": "specjax", "job": job["name"], "ok": False, "error": "skipped: worker time budget spent"})
+            continue
+        try:
+            V_ = V
+            if job["kind"] == "fixed":
+                def fixed_run(B, T=job["seq"]):
+                    pool = [fixed_batch(B, T, V_, 100 + i) for i in range(POOL)]
+                    batches = [pool[i % len(pool)] for i in range(job["steps"])]
+                    return train_job(job, batches, [fixed_batch(B, T, V_, 99)] * job["warmup"])
+                res = with_halving(job, fixed_run)
+            elif job["kind"] == "docs":
+                B, T = job["batch"], job["seq"]
+                rows = job["rows"]
+                batches = [packed_batch(rows[i * B:(i + 1) * B], T, V_, 1000 + i * 1000) for i in range(job["steps"])]
+                warm = [packed_batch(job["warm_rows"], T, V_, 7)] * job["warmup"]
+                res = train_job(job, batches, warm)
+                res["padding_fraction"] = 1.0 - sum(map(sum, rows[: B * job["steps"]])) / (B * T * job["steps"])
+            elif job["kind"] == "profile":
+                res = profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tparams, vocab,
+                                      dcfg, aux, V_, make_loss_fn, teacher_from_hidden, dtype)
+            elif job["kind"] == "maxlen":
+                res = maxlen_search(job, lambda T: _jax_try_len(T, fns_for, to_dev, new_state, compile_step,
+                                                                tparams, vocab, V_))
+            else:
+                raise ValueError(job["kind"])
+            res["ok"] = True
+        except Exception as e:  # one failing job must not lose the others' numbers
+            res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}", "trace": traceback.format_exc()[-3000:]}
+        st = _jax_mem_stats()
+        res.update(system="specjax", job=job["name"], job_s=time.perf_counter() - t_job,
+                   process_peak_bytes=st.get("peak_bytes_in_use"), bytes_limit=st.get("bytes_limit"))
+        emit(res)
+
+
+def _jax_try_len(T, fns_for, to_dev, new_state, compile_step, tparams, vocab, V):
+    import jax
+    fns, _ = fns_for(True)
+    b = to_dev(fixed_batch(1, T, V, 5), fns)
+    state = new_state(fns)
+    compiled, cs, plan_b = compile_step(fns, state, b, keep=False)
+    state, m = compiled(state, tparams, vocab, b)
+    loss = float(m["loss"])
+    jax.block_until_ready(state)
+    del state, compiled
+    return {"compile_s": cs, "plan_bytes": plan_b, "loss": loss}
+
+
+def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tparams, vocab, dcfg, aux, V,
+                    make_loss_fn, teacher_from_hidden, dtype):
+    """Timing by elimination at one shape: target forward, target forward + teacher, full step (fused
+    soft-CE) and full step with the previous unfused soft-CE path; plus a what-if target forward with a
+    flash-style attention kernel."""
+    import jax
+
+    B, T = job["batch"], job["seq"]
+    out = {}
+
+    def bench(f, *a, n=3):
+        jax.block_until_ready(f(*a))
+        t = time.perf_counter()
+        for _ in range(n):
+            r = f(*a)
+        jax.block_until_ready(r)
+        return (time.perf_counter() - t) / n
+
+    fns, ttt = fns_for(True)
+    b = to_dev(fixed_batch(B, T, V, 3), fns)
+
+    def tfwd(p, b):
+        return target.forward(p, b["input_ids"], aux_layer_ids=aux, positions=b["positions"],
+                              segment_ids=b["segment_ids"])
+
+    def tfwd_teacher(p, b, v):
+        h, a = tfwd(p, b)
+        t, am = teacher_from_hidden(h, target.lm_head_weight(p), v["draft_ids"], ttt.vocab_chunk)
+        return a, t, am
+
+    out["target_forward_s"] = bench(jax.jit(tfwd), tparams, b)
+    # what-if (not the product path): the target's O(T^2) masked attention swapped for the TTT attention
+    # kernel at k=0 (causal flash attention; these rows hold one document each, so no segment ids)
+    jaxpr_before = str(jax.make_jaxpr(tfwd)(tparams, b))
+    from specjax.targets import llama as llama_mod
+    from specjax_kernels.ttt_attention import ttt_attention
+    orig = llama_mod.dot_product_attention
+    llama_mod.dot_product_attention = lambda q, k, v, mask, scale, q_block=0: ttt_attention(q, k, v, scale=scale)
+
+    def tfwd_whatif(p, b):  # a new function object: jax would reuse the cached trace of `tfwd`
+        return tfwd(p, b)
+
+    try:
+        # guard against measuring the unpatched trace again (the first H200 run did: same time)
+        out["whatif_changes_jaxpr"] = str(jax.make_jaxpr(tfwd_whatif)(tparams, b)) != jaxpr_before
+        out["target_forward_flash_whatif_s"] = bench(jax.jit(tfwd_whatif), tparams, b)
+    except Exception as e:
+        out["target_forward_flash_whatif_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        llama_mod.dot_product_attention = orig
+    if job.get("teacher", False):  # off by default: its FLOPs (~8% of the step) say enough
+        out["target_forward_teacher_s"] = bench(jax.jit(tfwd_teacher), tparams, b, vocab)
+    for fused in (True, False):  # the fused step's executable is the fixed job's (same shape), if it ran
+        f, _ = fns_for(fused)
+        st = new_state(f)
+        compiled, cs, plan_b = compile_step(f, st, b, keep=fused)
+
+        def run(st, step, n=3):
+            for _ in range(n):
+                st, m = step(st, tparams, vocab, b)
+            return st, m
+
+        st, _ = run(st, compiled, 1)
+        jax.block_until_ready(st)
+        t = time.perf_counter()
+        st, m = run(st, compiled)
+        jax.block_until_ready(st)
+        out[f"step_{'fused' if fused else 'unfused'}_s"] = (time.perf_counter() - t) / 3
+        out[f"plan_bytes_{'fused' if fused else 'unfused'}"] = plan_b
+        del st, compiled
+    return out
+
+
+def with_halving(job, run):
+    """Run a fixed-length job at job['batch']; on out-of-memory retry once at half the batch (the
+    batch used is reported: tokens/s stays comparable, the tokens per step do not)."""
+    try:
+        res = run(job["batch"])
+        res["batch"] = job["batch"]
+        return res
+    except Exception as e:
+        if not _is_oom(e) or job["batch"] < 2:
+            raise
+        res = run(job["batch"] // 2)
+        res.update(batch=job["batch"] // 2, oom_at_batch=job["batch"], oom_error=f"{type(e).__name__}: {str(e)[:300]}")
+        return res
+
+
+# --------------------------------------------------------------------------------------------------
+# longest sequence at batch 1
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_oom(e: BaseException) -> bool:
+    s = f"{type(e).__name__} {e}".lower()
+    return any(w in s for w in ("out of memory", "resource_exhausted", "outofmemory", "resource exhausted",
+                                "allocat"))
+
+
+def maxlen_search(job, try_len) -> dict:
+    """Doubling from job['start'] until a length fails (or job['limit']), then bisection in multiples of
+    job['quantum'], all under job['cap_s'] seconds. Non-OOM failures are reported as such."""
+    t0 = time.perf_counter()
+    q = job["quantum"]
+    best, fail, tried = None, None, []
+    T = job["start"]
+    while T <= job["limit"] and time.perf_counter() - t0 < job["cap_s"]:
+        ok, info = _attempt(try_len, T)
+        tried.append({"seq": T, "ok": ok, **info})
+        if not ok:
+            fail = T
+            break
+        best = T
+        T *= 2
+    while best is not None and fail is not None and fail - best > q and time.perf_counter() - t0 < job["cap_s"]:
+        mid = (best + fail) // 2 // q * q
+        if mid <= best:
+            break
+        ok, info = _attempt(try_len, mid)
+        tried.append({"seq": mid, "ok": ok, **info})
+        best, fail = (mid, fail) if ok else (best, mid)
+    return {"max_seq_ok": best, "min_seq_failed": fail, "tried": tried, "search_s": time.perf_counter() - t0,
+            "capped": time.perf_counter() - t0 >= job["cap_s"]}
+
+
+def _attempt(try_len, T):
+    t = time.perf_counter()
+    try:
+        info = try_len(T)
+        return True, {"s": time.perf_counter() - t, **info}
+    except Exception as e:
+        return False, {"s": time.perf_counter() - t, "oom": _is_oom(e), "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+# --------------------------------------------------------------------------------------------------
+# SpecForge worker
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _triton_stub_if_missing():
+    """specforge.core.loss imports triton at module level (its Triton soft-CE). On CPU machines without
+    triton, a minimal stand-in lets the import run; the kernel is replaced before use (CPU only)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("triton") is not None:
+        yield False
+        return
+    import torch._dynamo  # noqa: F401  (imported before the stand-in exists: it probes triton)
+
+    tr, tl = types.ModuleType("triton"), types.ModuleType("triton.language")
+    tr.jit = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
+    tr.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
+    tl.constexpr = object
+    tr.language = tl
+    sys.modules["triton"], sys.modules["triton.language"] = tr, tl
+    try:
+        yield True
+    finally:
+        for name, mod in (("triton", tr), ("triton.language", tl)):
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+
+
+class _TorchSoftCE:
+    """CPU stand-in for specforge.core.loss.LogSoftmaxLoss (same value: -sum(mask * p * log_softmax(logits))
+    averaged over B*T rows), differentiated by autograd. Used only when triton is absent (--tiny on CPU)."""
+
+    @staticmethod
+    def apply(logits, target_p, position_mask):
+        import torch
+        return -torch.sum(position_mask * target_p * torch.log_softmax(logits.float(), dim=2), dim=2).mean()
+
+
+def run_specforge(plan: dict, emit) -> None:
+    import warnings
+
+    import torch
+
+    tiny = plan["tiny"]
+    dev = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flash_attn is not found")
+        with _triton_stub_if_missing() as stubbed:
+            from specforge.algorithms.eagle3 import model as sf_model
+            from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+            from specforge.optimizer import BF16Optimizer
+    if stubbed:
+        sf_model.LogSoftmaxLoss = _TorchSoftCE
+    import transformers
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf = plan["hf"]
+    K, Vd = plan["K"], plan["Vd"]
+    dt = torch.float32 if tiny else torch.bfloat16
+    d = draft_shape(hf, Vd)
+    aux = default_aux_ids(hf["num_hidden_layers"])
+    t0 = time.perf_counter()
+    torch.manual_seed(plan["seed"])
+    conf = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k not in ("model_type",)})
+    with torch.device(dev):
+        target = AutoModelForCausalLM.from_config(conf, dtype=dt, attn_implementation="sdpa").eval()
+    target.requires_grad_(False)
+    captured: dict = {}
+    for i in aux:  # output of decoder layer i (= HF hidden_states[i+1])
+        target.model.layers[i].register_forward_hook(
+            lambda m, inp, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+
+    dconf = LlamaConfig(hidden_size=d["H"], intermediate_size=d["I"], num_attention_heads=d["heads"],
+                        num_key_value_heads=d["kv"], head_dim=d["head_dim"], vocab_size=d["V"],
+                        draft_vocab_size=Vd, num_hidden_layers=1, rms_norm_eps=hf["rms_norm_eps"],
+                        max_position_embeddings=max(hf["max_position_embeddings"], 262144),
+                        rope_theta=hf.get("rope_theta", 10000.0), hidden_act="silu", tie_word_embeddings=False,
+                        target_hidden_size=d["H"])
+    # flex_attention has no CPU backward (torch 2.13): CPU smoke runs use SpecForge's sdpa path
+    attn_backend = "flex_attention" if dev.type == "cuda" else "sdpa"
+    with torch.device(dev):
+        draft = LlamaForCausalLMEagle3(dconf, attention_backend=attn_backend).to(dt)
+    ids, t2d, d2t = vocab_arrays(d["V"], Vd, plan["seed"])
+    draft.t2d.copy_(torch.from_numpy(t2d))
+    draft.d2t.copy_(torch.from_numpy(d2t))
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    draft.freeze_embedding()
+    trainer = sf_model.OnlineEagle3Model(draft, length=K, attention_backend=attn_backend).train()
+    head_w = target.lm_head.weight
+
+    def make_opt():
+        return BF16Optimizer(draft, lr=plan["lr"], max_grad_norm=0.5, total_steps=100000, warmup_ratio=0.0)
+
+    def step(opt, input_ids, loss_mask):
+        """One SpecForge train step on [B,T] int64 ids (unpadded when B=1)."""
+        with torch.no_grad():
+            captured.clear()
+            final = target.model(input_ids=input_ids, use_cache=False).last_hidden_state
+            aux_cat = torch.cat([captured[i] for i in aux], dim=-1)
+            # inputs shifted left by one as SpecForge's data path does (contract §3.1)
+            sh_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+            sh_final = torch.cat([final[:, 1:], torch.zeros_like(final[:, :1])], dim=1)
+        plosses, _, accs, *_ = trainer(
+            input_ids=sh_ids, attention_mask=torch.ones_like(input_ids, dtype=torch.bool), target=None,
+            loss_mask=loss_mask[..., None].to(dt), hidden_states=aux_cat,
+            target_hidden_for_compact=sh_final, target_head_weight=head_w)
+        loss = sum(0.8 ** k * plosses[k] for k in range(len(plosses)))
+        loss.backward()
+        opt.step()
+        return loss.detach(), accs[0]
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_steps(opt, batches):
+        out = []
+        for ids_, lm in batches:
+            out.append(step(opt, ids_, lm))
+        sync()
+        return out
+
+    def tt(a):
+        return torch.from_numpy(np.asarray(a, np.int64)).to(dev)
+
+    setup_s = time.perf_counter() - t0
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    emit({"event": "setup", "system": "specforge", "triton": triton_v, "setup_s": setup_s, "aux_ids": list(aux), "device": str(dev),
+          "torch": torch.__version__, "transformers": transformers.__version__, "attention_backend": attn_backend,
+          "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None})
+
+    def train_job(batches, warm):
+        opt = make_opt()
+        t = time.perf_counter()
+        run_steps(opt, warm)
+        warm_s = time.perf_counter() - t
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        outs = run_steps(opt, batches)
+        wall = time.perf_counter() - t
+        del opt
+        return {"warmup_s": warm_s, "time_s": wall, "step_s": wall / len(batches),
+                "losses": [float(l) for l, _ in outs], "acc0": [float(a) for _, a in outs],
+                "peak_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None}
+
+    def try_len(T):
+        opt = make_opt()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            b = fixed_batch(1, T, d["V"], 5)
+            loss, _ = step(opt, tt(b["input_ids"]), tt(b["loss_mask"]))
+            sync()
+            return {"loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None}
+        finally:
+            draft.zero_grad(set_to_none=True)
+            del opt
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    t_worker = time.perf_counter() - setup_s
+    for job in plan["jobs"]:
+        t_job = time.perf_counter()
+        if t_job - t_worker > plan.get("soft_budget_s", 1e9):
+            emit({"system": "specforge", "job": job["name"], "ok": False, "error": "skipped: worker time budget spent"})
+            continue
+        try:
+            if job["kind"] == "fixed":
+                def fixed_run(B, T=job["seq"]):
+                    pool = [fixed_batch(B, T, d["V"], 100 + i) for i in range(POOL)]
+                    batches = [(tt(pool[i % len(pool)]["input_ids"]), tt(pool[i % len(pool)]["loss_mask"]))
+                               for i in range(job["steps"])]
+                    wb = fixed_batch(B, T, d["V"], 99)
+                    try:
+                        return train_job(batches, [(tt(wb["input_ids"]), tt(wb["loss_mask"]))] * job["warmup"])
+                    finally:
+                        draft.zero_grad(set_to_none=True)
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                res = with_halving(job, fixed_run)
+            elif job["kind"] == "docs":  # one conversation per step, batch 1, unpadded (SpecForge's usual way)
+                B = job["batch"]
+                docs = sum(job["rows"][: B * job["steps"]], [])
+                seeds = [1000 + i * 1000 + j for i in range(job["steps"])
+                         for j in range(sum(len(r) for r in job["rows"][i * B:(i + 1) * B]))]
+                batches = [(tt(doc_tokens(n, d["V"], s)[None]), tt(np.ones((1, n)))) for n, s in zip(docs, seeds)]
+                warm_docs = sum(job["warm_rows"], [])[:8]
+                warm = [(tt(doc_tokens(n, d["V"], 7)[None]), tt(np.ones((1, n)))) for n in warm_docs]
+                res = train_job(batches, warm)
+                res["n_docs"] = len(docs)
+            elif job["kind"] == "maxlen":
+                res = maxlen_search(job, try_len)
+            else:
+                res = {"skipped": f"{job['kind']} is specjax-only"}
+            res["ok"] = True
+        except Exception as e:
+            res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}", "trace": traceback.format_exc()[-3000:]}
+            draft.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        res.update(system="specforge", job=job["name"], job_s=time.perf_counter() - t_job)
+        emit(res)
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------------
+
+
+def summarise(plan: dict, rows: list[dict]) -> list[dict]:
+    """One line per (job) with both systems' tokens/s, MFU and memory, from the workers' rows."""
+    hf = plan["hf"]
+    d = draft_shape(hf, plan["Vd"])
+    by = {(r.get("system"), r.get("job")): r for r in rows if "job" in r}
+    out = []
+    for job in plan["jobs"]:
+        if job["kind"] not in ("fixed", "docs"):
+            continue
+        line = {"model": plan["model"], "job": job["name"]}
+        for sysname in ("specjax", "specforge"):
+            r = by.get((sysname, job["name"]))
+            if not r or not r.get("ok"):
+                line[sysname] = {"error": (r or {}).get("error", "not run")}
+                continue
+            docs = job_docs(dict(job, batch=r.get("batch", job["batch"])))
+            tokens = sum(map(sum, docs))
+            flops = sum(step_flops(hf, d, plan["K"], s)["total"] for s in docs)
+            L = r["losses"]
+            h = POOL if job["kind"] == "fixed" else max(len(L) // 3, 1)
+            line[sysname] = {
+                "tokens": tokens, "model_tflop": flops / 1e12, "batch": r.get("batch", job["batch"]),
+                "tokens_per_s": tokens / r["time_s"], "mfu": flops / r["time_s"] / PEAK_FLOPS,
+                "step_s": r["step_s"], "peak_gib": (r.get("peak_bytes") or r.get("plan_bytes") or 0) / 2**30,
+                "loss_first": float(np.mean(L[:h])), "loss_last": float(np.mean(L[-h:])),
+                "finite": bool(np.all(np.isfinite(L))), "decreasing": float(np.mean(L[-h:])) < float(np.mean(L[:h])),
+            }
+        a, b = line["specjax"], line["specforge"]
+        if "tokens_per_s" in a and "tokens_per_s" in b:
+            line["ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
+        out.append(line)
+    return out
+
+
+def _worker_main(system: str, plan_path: str, out_path: str) -> None:
+    with open(plan_path) as f:
+        plan = json.load(f)
+
+    def emit(row):
+        with open(out_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"[{system}] {json.dumps({k: v for k, v in row.items() if k not in ('trace', 'losses', 'acc0', 'tried')})}",
+              flush=True)
+
+    (run_specjax if system == "specjax" else run_specforge)(plan, emit)
+
+
+def run_inprocess(plan: dict, systems=("specjax", "specforge")) -> list[dict]:
+    rows: list[dict] = []
+    for s in systems:
+        (run_specjax if s == "specjax" else run_specforge)(plan, rows.append)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny widths, both systems in-process")
+    ap.add_argument("--models", default="llama3_8b", help="comma list: llama3_8b, qwen3_30b_a3b")
+    ap.add_argument("--systems", default="specjax,specforge")
+    ap.add_argument("--tokens-per-step", type=int, default=32768, help="B x T of the fixed batches")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--jobs", default=None, help="comma list of job names to run (default: all), e.g. "
+                    "fixed_4096,sharegpt_4096,fixed_2048,maxlen,profile_4096")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only-seq", type=int, default=None)
+    ap.add_argument("--no-sharegpt", dest="sharegpt", action="store_false")
+    ap.add_argument("--sharegpt-steps", type=int, default=4, help="specjax packed steps (SpecForge gets their documents)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--no-maxlen", dest="maxlen", action="store_false")
+    ap.add_argument("--maxlen-cap-s", type=float, default=60.0)
+    ap.add_argument("--worker-budget-s", type=float, default=1e9,
+                    help="per worker: jobs starting after this many seconds are skipped (and reported so)")
+    ap.add_argument("--worker-timeout-s", type=float, default=420.0, help="per worker: killed after this")
+    ap.add_argument("--specforge-timeout-s", type=float, default=None, help="the SpecForge worker's, if different")
+    ap.add_argument("--out", default=None, help="folder for results.json and the worker logs")
+    ap.add_argument("--subprocess", action="store_true", help="--tiny with one worker process per system")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker_main(args.worker, args.plan, args.rows)
+    if args.tiny:  # SpecForge wraps norms/RoPE in torch.compile: eager on CPU smoke runs
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    systems = [s for s in args.systems.split(",") if s]
+    out_dir = args.out or ("/tmp/train_throughput_tiny" if args.tiny else "train_throughput_out")
+    os.makedirs(out_dir, exist_ok=True)
+    t_start = time.time()
+    results = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv,
+               "peak_flops": PEAK_FLOPS, "models": {}}
+    for model in [m for m in args.models.split(",") if m]:
+        plan = build_plan(model, args.tiny, args)
+        if args.tiny and not args.subprocess:
+            rows = run_inprocess(plan, systems)
+        else:
+            plan_path = os.path.join(out_dir, f"plan_{model}.json")
+            rows_path = os.path.join(out_dir, f"rows_{model}.jsonl")
+            with open(plan_path, "w") as f:
+                json.dump(plan, f)
+            open(rows_path, "w").close()
+            env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95", PYTHONUNBUFFERED="1")
+            for s in systems:
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", s, "--plan", plan_path, "--rows", rows_path]
+                t = time.time()
+                try:
+                    subprocess.run(cmd, env=env, check=False, timeout=args.worker_timeout_s if s == "specjax"
+                                   else (args.specforge_timeout_s or args.worker_timeout_s))
+                except subprocess.TimeoutExpired:
+                    with open(rows_path, "a") as f:
+                        f.write(json.dumps({"system": s, "event": "timeout", "after_s": time.time() - t}) + "\n")
+                print(f"== {model}/{s} worker done in {time.time() - t:.0f} s", flush=True)
+            rows = [json.loads(x) for x in open(rows_path) if x.strip()]
+        summary = summarise(plan, rows)
+        results["models"][model] = {"summary": summary, "rows": rows,
+                                    "plan": {k: v for k, v in plan.items() if k != "jobs"},
+                                    "jobs": [{k: v for k, v in j.items() if k not in ("rows", "warm_rows")}
+                                             for j in plan["jobs"]]}
+        for line in summary:
+            a, b = line.get("specjax", {}), line.get("specforge", {})
+            fmt = lambda r: (f"{r['tokens_per_s']:9.0f} tok/s MFU {100 * r['mfu']:5.1f}% {r['peak_gib']:6.1f} GiB "
+                             f"loss {r['loss_first']:.3f}->{r['loss_last']:.3f}") if "tokens_per_s" in r else str(r)[:120]
+            print(f"{model:14s} {line['job']:14s} specjax {fmt(a)} | specforge {fmt(b)} | ratio {line.get('ratio', float('nan')):.2f}")
+    results["elapsed_s"] = time.time() - t_start
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""benchmarks/train_throughput.py (issue 9): the MFU arithmetic against a hand count, and a CPU smoke run
+of both systems (specjax's train step and SpecForge's OnlineEagle3Model) at tiny widths that must give a
+finite loss that goes down over the same batches."""
+import argparse
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("train_throughput", os.path.join(ROOT, "benchmarks", "train_throughput.py"))
+tt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tt)
+
+# vocab 10, hidden 4, MLP 8, 2 layers, 2 query heads / 1 KV head of width 2
+HF = tt.llama_hf(10, 4, 8, 2, 2, 1, 2, max_pos=64)
+
+
+def test_flop_count_by_hand():
+    # target matmul params per token: per layer q 4*4 + k,v 2*4*2 + o 4*4 = 48, MLP 3*4*8 = 96; 2 layers
+    # -> 288, + lm_head 10*4 = 328
+    assert tt.target_active_matmul_params(HF) == 328
+    d = tt.draft_shape(HF, Vd=5)
+    f = tt.step_flops(HF, d, K=2, doc_lengths=[4, 2])  # n = 6 tokens, causal pairs 10 + 3 = 13
+    assert f["target"] == 2 * 328 * 6 + 4 * 2 * 2 * 13 * 2  # 3936 + 416 = 4352
+    assert f["teacher"] == 2 * 5 * 4 * 6  # 240
+    # draft layer: q,k,v from 2H = 2*4*(2+2)*2 = 64, o 16, MLP 96 -> 176 params; fc 3H*H = 48
+    fwd = 2 * 48 * 6 + (2 * 176 * 6 + 240 + 16 * 13) + (2 * 176 * 6 + 240 + 16 * (13 + 6))
+    assert f["draft"] == 3 * fwd == 17376
+    assert f["total"] == 21968
+
+
+def test_mfu_in_summary():
+    # fixed job: 2 steps of 2 x 4 tokens; per step (hand count as above with n = 8, pairs = 20):
+    # target 2*328*8 + 16*20*2 = 5888, teacher 320, draft 3*(768 + 3456 + 3584) = 23424 -> 29632
+    job = {"name": "fixed_4", "kind": "fixed", "seq": 4, "batch": 2, "steps": 2}
+    plan = {"model": "m", "hf": HF, "K": 2, "Vd": 5, "jobs": [job]}
+    flops = 2 * 29632
+    t = flops / tt.PEAK_FLOPS / 0.5  # a run at exactly 50% MFU
+    rows = [{"system": s, "job": "fixed_4", "ok": True, "time_s": t, "step_s": t / 2,
+             "losses": [2.0, 1.5, 1.2, 1.1], "plan_bytes": 2**30} for s in ("specjax", "specforge")]
+    rows[1]["time_s"] = 2 * t
+    line = tt.summarise(plan, rows)[0]
+    assert line["specjax"]["mfu"] == pytest.approx(0.5, rel=1e-12)
+    assert line["specforge"]["mfu"] == pytest.approx(0.25, rel=1e-12)
+    assert line["specjax"]["tokens_per_s"] == pytest.approx(16 / t)
+    assert line["ratio"] == pytest.approx(2.0)
+    assert line["specjax"]["decreasing"] and line["specjax"]["finite"]
+
+
+def test_sharegpt_packing_keeps_documents():
+    lengths = np.array([5, 9, 17, 30, 40, 64, 12, 23])
+    rows = tt.sample_packed_rows(lengths, 6, 64, seed=3)
+    assert len(rows) == 6 and all(0 < sum(r) <= 64 for r in rows)
+    b = tt.packed_batch(rows, 64, 50, 0)
+    assert int(b["loss_mask"].sum()) == sum(map(sum, rows))
+    assert [int(b["segment_ids"][i].max()) for i in range(6)] == [len(r) for r in rows]
+    # the committed length table exists and is truncated at 4096
+    real = tt.load_lengths()
+    assert len(real) > 1000 and real.max() <= 4096 and real.min() > 0
+
+
+def test_tiny_run_both_systems():
+    pytest.importorskip("torch")
+    pytest.importorskip("specforge")
+    args = argparse.Namespace(tokens_per_step=128, steps=4, warmup=1, only_seq=None, sharegpt=False,
+                              profile=False, maxlen=False, maxlen_cap_s=10, sharegpt_steps=2, worker_budget_s=1e9)
+    plan = tt.build_plan("llama3_8b", True, args)
+    rows = tt.run_inprocess(plan)
+    (line,) = tt.summarise(plan, rows)
+    for s in ("specjax", "specforge"):
+        r = line[s]
+        assert "error" not in r, r
+        print(s, r["loss_first"], "->", r["loss_last"])
+        assert r["finite"] and r["decreasing"], (s, r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+
+
+def test_fused_and_unfused_ttt_loss_agree():
+    """The profile compares the step with TTTConfig(fused_soft_ce=True) (default) and False: both must
+    compute the same loss, accuracies and gradients (f32, packed rows with padding; tol 1e-5 relative)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafts import eagle3
+    from specjax.drafts.ttt import TTTConfig, ttt_loss
+    from specjax.targets.layers.rope import RopeSpec
+
+    H, V, VD, T = 32, 97, 40, 24
+    cfg = eagle3.Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,
+                              aux_layer_ids=(0, 1, 2), rope=RopeSpec("default", 10000.0))
+    ks = jax.random.split(jax.random.key(0), 9)
+    ids = jnp.asarray(np.sort(np.random.default_rng(0).choice(V, VD, replace=False)), jnp.int32)
+    seg = jnp.asarray([[1] * 11 + [2] * 9 + [0] * 4, [1] * 24], jnp.int32)
+    pos = jnp.asarray([list(range(11)) + list(range(9)) + list(range(4)), list(range(24))], jnp.int32)
+    batch = dict(input_ids=jax.random.randint(ks[0], (2, T), 0, V),
+                 loss_mask=(jax.random.uniform(ks[1], (2, T)) > 0.2).astype(jnp.int32) * (seg > 0),
+                 segment_ids=seg, positions=pos,
+                 aux_hidden=tuple(jax.random.normal(ks[2 + i], (2, T, H)) for i in range(3)),
+                 final_hidden=3 * jax.random.normal(ks[5], (2, T, H)), embed_table=jax.random.normal(ks[6], (V, H)),
+                 lm_head=jax.random.normal(ks[7], (V, H)), draft_ids=ids,
+                 t2d=jnp.zeros((V,), bool).at[ids].set(True), d2t=ids - jnp.arange(VD))
+    params = eagle3.init_draft_params(cfg, ks[8], std=0.2)
+
+    def run(fused):
+        ttt = TTTConfig(ttt_steps=4, vocab_chunk=16, fused_soft_ce=fused)
+        f = jax.jit(jax.value_and_grad(lambda p: ttt_loss(p, cfg, ttt, **batch), has_aux=True))
+        (loss, m), g = f(params)
+        return float(loss), np.asarray(m["loss_k"]), np.asarray(m["acc_k"]), g
+
+    a, b = run(True), run(False)
+    assert a[0] > 0 and np.all(a[1] > 0)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
+    np.testing.assert_allclose(a[1], b[1], rtol=1e-5)
+    np.testing.assert_array_equal(a[2], b[2])
+    for x, y in zip(jax.tree_util.tree_leaves(a[3]), jax.tree_util.tree_leaves(b[3])):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * float(np.abs(y).max()))
