@@ -125,3 +125,52 @@ def shard(x: jax.Array, logical: Sequence[Optional[str]], mesh: Optional[Mesh] =
 
 
 BATCH_LOGICAL = ("batch", "seq")
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism: the explicit shard_map paths (target attention, TTT attention, Mamba-2)
+# need the concrete mesh while the step is traced. Tracers carry no mesh on Auto axes, so the
+# step activates it with `with use_mesh(mesh):` around the traced body; layers then ask
+# `context_mesh()`, which is None unless the active mesh has context > 1 (no behaviour change).
+# --------------------------------------------------------------------------------------------
+import contextlib as _contextlib
+import contextvars as _contextvars
+
+_ACTIVE: _contextvars.ContextVar = _contextvars.ContextVar("specjax_active_mesh", default=None)
+CONTEXT_AXIS = "context"
+
+
+@_contextlib.contextmanager
+def use_mesh(mesh: Optional[Mesh]):
+    """Make `mesh` the one the layers' explicit collectives use while tracing inside this block."""
+    token = _ACTIVE.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_mesh() -> Optional[Mesh]:
+    return _ACTIVE.get()
+
+
+def context_mesh() -> Optional[Mesh]:
+    """The active mesh when it shards the sequence (context > 1), else None."""
+    mesh = _ACTIVE.get()
+    if mesh is None or CONTEXT_AXIS not in mesh.shape or mesh.shape[CONTEXT_AXIS] == 1:
+        return None
+    return mesh
+
+
+def spec_for(shape: Sequence[int], logical: Sequence[Optional[str]], mesh: Mesh) -> P:
+    """The PartitionSpec `logical` maps to on `mesh`, with dims that do not divide replicated."""
+    return _fits(shape, logical_to_pspec(logical, mesh), mesh)
+
+
+def check_context_divides(seq_len: int, mesh: Mesh, what: str) -> int:
+    c = mesh.shape[CONTEXT_AXIS]
+    if seq_len % c:
+        raise ValueError(
+            f"{what}: sequence length {seq_len} is not divisible by parallelism.context={c}; pad the "
+            f"sequence (data.seq_len) to a multiple of {c} or lower parallelism.context.")
+    return c

@@ -15,10 +15,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from specjax import mesh as meshlib
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
 from specjax_kernels.ttt_attention import ttt_attention
+from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,18 @@ def inv_freq(cfg: Eagle3Config) -> np.ndarray:
     return inverse_frequencies(cfg.rope, cfg.head_dim)
 
 
+def _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, mesh):
+    """The context-parallel TTT attention on the active mesh (batch and heads as the rules say;
+    heads stay whole when the GQA groups do not split evenly over `tensor`)."""
+    meshlib.check_context_divides(q.shape[1], mesh, "draft TTT attention")
+    q_spec = meshlib.spec_for(q.shape, ("batch", "seq", "heads", None), mesh)
+    kv_spec = meshlib.spec_for(k0.shape, ("batch", "seq", "kv_heads", None), mesh)
+    if (q_spec[2] is None) != (kv_spec[2] is None):
+        q_spec, kv_spec = P(*q_spec[:2], None, None), P(*kv_spec[:2], None, None)
+    return ttt_attention_context_parallel(q, k0, v0, kd, vd, segment_ids_bt, mesh=mesh,
+                                          axis=meshlib.CONTEXT_AXIS, q_spec=q_spec, kv_spec=kv_spec)
+
+
 def decoder_layer(
     params: dict,
     cfg: Eagle3Config,
@@ -185,7 +200,11 @@ def decoder_layer(
         k0, v0 = kv_cache[0]
         kd = jnp.stack([kv[0] for kv in kv_cache[1:]] + [k])
         vd = jnp.stack([kv[1] for kv in kv_cache[1:]] + [v])
-    attn = ttt_attention(q, k0, v0, kd, vd, segment_ids_bt, implementation=attention_impl)
+    cp_mesh = meshlib.context_mesh()
+    if cp_mesh is not None:  # sequence split over `context`: explicit K/V all-gather (shard_map)
+        attn = _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, cp_mesh)
+    else:
+        attn = ttt_attention(q, k0, v0, kd, vd, segment_ids_bt, implementation=attention_impl)
     h = residual + _mm(attn.reshape(B, T, nH * hd), a["o_proj"])
     mlp = m["mlp"]
     xn = rms_norm(h, m["post_attention_layernorm"]["scale"], eps)

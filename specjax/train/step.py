@@ -77,8 +77,9 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
     batch_shs = {k: batch_sh for k in BATCH_KEYS}
 
     def train_step(state, target_params, vocab, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], target_params, vocab, batch)
+        with meshlib.use_mesh(mesh):  # context > 1: the explicit context-parallel attention/scan paths
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state["params"], target_params, vocab, batch)
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -91,7 +92,8 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
         return new_state, metrics
 
     def eval_step(params, target_params, vocab, batch):
-        _, metrics = loss_fn(params, target_params, vocab, batch)
+        with meshlib.use_mesh(mesh):
+            _, metrics = loss_fn(params, target_params, vocab, batch)
         return metrics
 
     train_jit = jax.jit(

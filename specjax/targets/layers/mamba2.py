@@ -27,7 +27,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from specjax import mesh as meshlib
 from specjax_kernels.ssd import ssd
+from specjax_kernels.ssd.context_parallel import previous_shard, ssd_context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +109,14 @@ def mamba2_mixer(p: dict, dims: Mamba2Dims, x_btd, segment_ids_bt=None):
 
     conv = p["conv1d"]
     kernel = conv["kernel"].reshape(dims.conv_kernel, dims.conv_dim)
-    xbc = jax.nn.silu(causal_depthwise_conv1d(xbc, kernel, conv.get("bias"), segment_ids_bt))
+    cp_mesh = meshlib.context_mesh()
+    if cp_mesh is not None:
+        meshlib.check_context_divides(t, cp_mesh, "Mamba-2 mixer")
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones((b, t), jnp.int32)
+        xbc = jax.nn.silu(_conv1d_context_parallel(xbc, kernel, conv.get("bias"), segment_ids_bt, cp_mesh))
+    else:
+        xbc = jax.nn.silu(causal_depthwise_conv1d(xbc, kernel, conv.get("bias"), segment_ids_bt))
     xs = xbc[..., :i_size].reshape(b, t, h, dims.head_dim)
     bm = xbc[..., i_size : i_size + g * n].reshape(b, t, g, n)
     cm = xbc[..., i_size + g * n :].reshape(b, t, g, n)
@@ -114,7 +125,43 @@ def mamba2_mixer(p: dict, dims: Mamba2Dims, x_btd, segment_ids_bt=None):
     lo, hi = dims.dt_limit
     dt = jnp.clip(dt, lo, hi)
     a = -jnp.exp(p["A_log"].astype(jnp.float32))
-    y = ssd(xs, dt, a, bm, cm, D=p["D"], chunk_size=dims.chunk_size, segment_ids=segment_ids_bt,
-            implementation=dims.ssd_implementation)
+    if cp_mesh is not None:
+        y = ssd_context_parallel(xs, dt, a, bm, cm, D=p["D"], chunk_size=dims.chunk_size,
+                                 segment_ids=segment_ids_bt, mesh=cp_mesh, axis=meshlib.CONTEXT_AXIS,
+                                 batch_spec=_batch_axes(b, cp_mesh), implementation=dims.ssd_implementation)
+    else:
+        y = ssd(xs, dt, a, bm, cm, D=p["D"], chunk_size=dims.chunk_size, segment_ids=segment_ids_bt,
+                implementation=dims.ssd_implementation)
     y = gated_group_rms_norm(y.reshape(b, t, i_size), z, p["norm"]["scale"], g, dims.eps, x_btd.dtype)
     return y @ p["out_proj"]["kernel"]
+
+
+def _batch_axes(batch: int, mesh):
+    return meshlib.spec_for((batch,), ("batch",), mesh)[0]
+
+
+def _conv1d_context_parallel(x_btc, kernel_kc, bias_c, segment_ids_bt, mesh):
+    """The causal conv with T split over `context`: each shard prepends a halo of the previous
+    shard's last K-1 rows (and their segment ids; shard 0 gets ids -1, i.e. nothing before t = 0),
+    convolves locally and drops the halo rows. Exact: the window of row t only reaches t-K+1."""
+    k = kernel_kc.shape[0]
+    axis, n = meshlib.CONTEXT_AXIS, mesh.shape[meshlib.CONTEXT_AXIS]
+    t_local = x_btc.shape[1] // n
+    if k > 1 and t_local < k - 1:
+        raise ValueError(f"Mamba-2 conv1d under context parallelism: each of the {n} shards holds {t_local} "
+                         f"rows, fewer than the conv halo {k - 1}; use a longer sequence or lower context.")
+    bs = _batch_axes(x_btc.shape[0], mesh)
+
+    def body(x, w, seg, *bias):
+        if k > 1:
+            c = jax.lax.axis_index(axis)
+            halo = previous_shard(x[:, t_local - (k - 1):], axis, n)
+            halo_seg = jnp.where(c > 0, previous_shard(seg[:, t_local - (k - 1):], axis, n), -1)
+            x = jnp.concatenate([halo, x], axis=1)
+            seg = jnp.concatenate([halo_seg, seg], axis=1)
+        out = causal_depthwise_conv1d(x, w, bias[0] if bias else None, seg)
+        return out[:, out.shape[1] - t_local:]
+
+    args = (x_btc, kernel_kc, segment_ids_bt) + ((bias_c,) if bias_c is not None else ())
+    specs = (P(bs, axis), P(), P(bs, axis)) + ((P(),) if bias_c is not None else ())
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(bs, axis), check_vma=False)(*args)
