@@ -177,23 +177,9 @@ def decoder_layer(
     Returns (h_out pre-norm [B,T,H], (k_new, v_new)). RoPE positions are `positions + k` for the
     queries and the new keys, so the diagonal key of step i sits at t+i (contract §3.4).
     """
-    m = params["midlayer"]
-    eps = cfg.rms_norm_eps
     B, T, _ = hidden_btd.shape
     step = len(kv_cache)
-    residual = hidden_btd
-    x = jnp.concatenate(
-        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
-        axis=-1,
-    )
-    a = m["self_attn"]
-    nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = _mm(x, a["q_proj"]).reshape(B, T, nH, hd)
-    k = _mm(x, a["k_proj"]).reshape(B, T, nKV, hd)
-    v = _mm(x, a["v_proj"]).reshape(B, T, nKV, hd)
-    cos, sin = rope_cos_sin(positions_bt + step, inv_freq(cfg), q.dtype)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    q, k, v = attention_qkv(params, cfg, emb_btd, hidden_btd, positions_bt + step)
     if step == 0:
         k0, v0, kd, vd = k, v, None, None
     else:
@@ -205,11 +191,38 @@ def decoder_layer(
         attn = _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, cp_mesh)
     else:
         attn = ttt_attention(q, k0, v0, kd, vd, segment_ids_bt, implementation=attention_impl)
-    h = residual + _mm(attn.reshape(B, T, nH * hd), a["o_proj"])
+    return layer_output(params, cfg, hidden_btd, attn), (k, v)
+
+
+def attention_qkv(params: dict, cfg: Eagle3Config, emb_btd, hidden_btd, rope_positions_bt):
+    """q [B,T,nH,hd], k/v [B,T,nKV,hd] of the draft layer: projections of
+    [input_layernorm(emb), hidden_norm(h)] with RoPE at `rope_positions` (shared by training and the
+    cached decoder in specjax.eval.spec_decode)."""
+    m = params["midlayer"]
+    eps = cfg.rms_norm_eps
+    B, T, _ = hidden_btd.shape
+    x = jnp.concatenate(
+        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
+        axis=-1,
+    )
+    a = m["self_attn"]
+    nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = _mm(x, a["q_proj"]).reshape(B, T, nH, hd)
+    k = _mm(x, a["k_proj"]).reshape(B, T, nKV, hd)
+    v = _mm(x, a["v_proj"]).reshape(B, T, nKV, hd)
+    cos, sin = rope_cos_sin(rope_positions_bt, inv_freq(cfg), q.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_output(params: dict, cfg: Eagle3Config, hidden_btd, attn_btnh):
+    """The rest of the draft layer after attention: residual + o_proj, then the SwiGLU MLP block.
+    Returns the pre-norm h_out [B,T,H]."""
+    m = params["midlayer"]
+    B, T, _ = hidden_btd.shape
+    h = hidden_btd + _mm(attn_btnh.reshape(B, T, -1), m["self_attn"]["o_proj"])
     mlp = m["mlp"]
-    xn = rms_norm(h, m["post_attention_layernorm"]["scale"], eps)
-    h = h + _mm(jax.nn.silu(_mm(xn, mlp["gate_proj"])) * _mm(xn, mlp["up_proj"]), mlp["down_proj"])
-    return h, (k, v)
+    xn = rms_norm(h, m["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
+    return h + _mm(jax.nn.silu(_mm(xn, mlp["gate_proj"])) * _mm(xn, mlp["up_proj"]), mlp["down_proj"])
 
 
 def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:

@@ -38,12 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafts.eagle3 import Eagle3Config, draft_logits, inv_freq, next_step_hidden, project_aux
+from specjax.drafts.eagle3 import Eagle3Config, attention_qkv, draft_logits, layer_output, next_step_hidden, project_aux
 from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import check_sampling, prompt_bucket
 from specjax.targets.layers.attention import dot_product_attention
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import apply_rope, rope_cos_sin
 from specjax.targets.llama import cache_attention_mask, cache_size_for
 
 MODES = ("chain", "tree")
@@ -93,10 +91,6 @@ class SpecResult:
 # =============================================================================================
 # Draft layer with a KV cache (the same math as drafts.eagle3.decoder_layer)
 # =============================================================================================
-def _mm(x, p):
-    return jnp.einsum("...i,io->...o", x, p["kernel"].astype(x.dtype))
-
-
 def init_draft_cache(cfg: Eagle3Config, max_len: int) -> dict:
     shape = (1, cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
@@ -105,28 +99,13 @@ def init_draft_cache(cfg: Eagle3Config, max_len: int) -> dict:
 def draft_layer_cached(params, cfg: Eagle3Config, cache, emb_btd, hidden_btd, positions_bt, slots_bt, mask_bts):
     """One draft decoder layer for rows written at `slots` and attending per `mask` [B,T,S] over
     the whole draft cache. Returns (pre-norm h [B,T,H], new cache)."""
-    m = params["midlayer"]
-    eps = cfg.rms_norm_eps
     b, t, _ = hidden_btd.shape
-    x = jnp.concatenate(
-        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
-        axis=-1,
-    )
-    a = m["self_attn"]
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = _mm(x, a["q_proj"]).reshape(b, t, nh, hd)
-    k = _mm(x, a["k_proj"]).reshape(b, t, nkv, hd)
-    v = _mm(x, a["v_proj"]).reshape(b, t, nkv, hd)
-    cos, sin = rope_cos_sin(positions_bt, inv_freq(cfg), q.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attention_qkv(params, cfg, emb_btd, hidden_btd, positions_bt)
     rows = jnp.arange(b)[:, None]
     kc = cache["k"].at[rows, slots_bt].set(k, mode="drop")
     vc = cache["v"].at[rows, slots_bt].set(v, mode="drop")
-    o = dot_product_attention(q, kc, vc, mask_bts, scale=hd**-0.5)
-    h = hidden_btd + _mm(o.reshape(b, t, nh * hd), a["o_proj"])
-    mlp = m["mlp"]
-    xn = rms_norm(h, m["post_attention_layernorm"]["scale"], eps)
-    h = h + _mm(jax.nn.silu(_mm(xn, mlp["gate_proj"])) * _mm(xn, mlp["up_proj"]), mlp["down_proj"])
+    o = dot_product_attention(q, kc, vc, mask_bts, scale=cfg.head_dim**-0.5)
+    h = layer_output(params, cfg, hidden_btd, o)
     return h, {"k": kc, "v": vc}
 
 
