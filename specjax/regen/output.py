@@ -127,19 +127,9 @@ def write_shard(out_dir: str, k: int, rows: list[tuple[list[dict], int]], stats:
         {"messages": [r[0] for r in rows], "source_index": [int(r[1]) for r in rows]}, schema=schema
     )
     path = os.path.join(out_dir, shard_name(k))
-    fd, tmp = tempfile.mkstemp(prefix=shard_name(k) + ".", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    buf = pa.BufferOutputStream()  # shards are small (shard_size rows): serialise, then one atomic write
+    pq.write_table(table, buf)
+    _write_atomic(path, buf.getvalue().to_pybytes())
     for name in os.listdir(out_dir):  # leftovers of an earlier, killed write of this shard
         if name.startswith(shard_name(k) + ".") and name.endswith(".tmp"):
             try:
