@@ -1,9 +1,12 @@
 """Public soft-CE entry points; `implementation=` picks the backend (see reference.py for the math).
 
   fused_linear_soft_ce(hidden, lm_head, teacher_logits=... | teacher_hidden=..., teacher_head=..., mask=...)
-      the fused op: draft logits hidden @ lm_head.T are computed tile by tile and never stored in f32.
+      the fused op: draft logits hidden @ lm_head.T are never stored in f32 (with bf16 inputs).
       reference  materialises the logits (the definition)
-      xla        lax.scan over vocab tiles, online LSE for draft and teacher, custom VJP (recompute)
+      xla        lax.scan over vocab tiles, online LSE for draft and teacher, custom VJP (recompute:
+                 4 GEMMs of N*H*Vd forward+backward; only O(N) statistics saved)
+      xla_saved  one GEMM, the logits saved in the input dtype (one [N,Vd] buffer, bf16: 2 bytes/elem)
+                 and reused by the backward: 3 GEMMs, memory traded for the recompute
       triton     native @triton.jit kernels through jax_triton (GPU only; import guarded)
   soft_cross_entropy(draft_logits, teacher_logits)
       the logits API (kept for callers that already hold logits): reference, or the vocab-tiled
@@ -41,6 +44,11 @@ def _xla():
     return {"fused": xla.fused_linear_soft_ce, "logits": xla.soft_cross_entropy}
 
 
+def _xla_saved():
+    from specjax_kernels.soft_ce import xla, xla_saved
+    return {"fused": xla_saved.fused_linear_soft_ce, "logits": xla.soft_cross_entropy}
+
+
 def _triton():
     if jax.default_backend() != "gpu":
         raise Unavailable("Triton kernels need an NVIDIA GPU")
@@ -48,9 +56,11 @@ def _triton():
     return {"fused": triton_gpu.fused_linear_soft_ce, "logits": xla.soft_cross_entropy}
 
 
-IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "triton": _triton}
-# GPU: xla first. On the H200 the triton path is no faster at N = 8192 rows (16.9 vs 16.5 ms fwd+bwd) and
-# its GPU test has not run yet (benchmarks/results/kernels.md); it stays selectable by name.
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "xla_saved": _xla_saved, "triton": _triton}
+# GPU: xla first. On the H200 the triton path is no faster at N = 8192 rows (16.9 vs 16.5 ms fwd+bwd); it
+# stays selectable by name. xla_saved is faster (10.6 vs 15.9 ms at N = 8192, 1.08x the lm_head matmuls)
+# but keeps one [N, Vd] bf16 buffer per call (2.1 GB per TTT step at 8x4096); it becomes the default once
+# it has been measured inside the train step (benchmarks/results/kernels.md).
 PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "triton", "reference"], "tpu": ["xla", "reference"]}
 
 
@@ -60,7 +70,8 @@ def fused_linear_soft_ce(hidden, lm_head, *, teacher_logits=None, teacher_hidden
     """Soft-target CE of the draft logits hidden @ lm_head.T against the teacher's softmax.
 
     hidden [...,H] (bf16 or f32), lm_head [Vd,H]; teacher: teacher_logits [...,Vd], or teacher_hidden
-    [...,Ht] with teacher_head [Vd,Ht] (the teacher logits are then recomputed per tile too); mask [...]
+    [...,Ht] with teacher_head [Vd,Ht] (the teacher logits are then computed per tile too, or once by
+    xla_saved); mask [...]
     (row weights; 0 drops a row). Returns the per-row loss [...] f32 (mask applied), and with
     return_argmax=True also the draft logits' argmax [...] int32 (first index on ties) for accuracy
     metrics. Gradients flow to hidden and lm_head only."""
