@@ -181,7 +181,7 @@ def main():
     ap.add_argument("--ttt-impls", default="triton,pallas_gpu,xla,reference,masked")
     ap.add_argument("--quadratic-max-T", type=int, default=8192,
                     help="skip the O(T^2) baselines (masked, reference) above this T")
-    ap.add_argument("--ce-impls", default="triton,xla_saved,xla,reference")
+    ap.add_argument("--ce-impls", default="triton,pallas_gpu,xla_saved,xla,reference")
     ap.add_argument("--ce-teachers", default="hidden,logits")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining cases after this long")
     ap.add_argument("--out", default=None, help="JSON lines file for the results")

@@ -58,9 +58,10 @@ def test_ttt_attention_gpu(impl, dtype, k, Hq, Hkv, D, packed):
             assert rel(g, r) < TOL[dtype], name
 
 
+@pytest.mark.parametrize("impl", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("teacher", ["logits", "hidden"])
-def test_fused_soft_ce_triton(dtype, teacher):
+def test_fused_soft_ce_gpu(impl, dtype, teacher):
     N, H, V, Ht = 300, 256, 1000, 192  # N, V not multiples of the 128 tiles
     ks = jax.random.split(jax.random.key(1), 6)
     h = jax.random.normal(ks[0], (N, H)).astype(dtype)
@@ -80,7 +81,7 @@ def test_fused_soft_ce_triton(dtype, teacher):
         (loss, amax), vjp = jax.vjp(f, h, w)
         return loss, amax, vjp((g, np.zeros(amax.shape, jax.dtypes.float0)))
 
-    loss, amax, (dh, dw) = run("triton", h, w, kw)
+    loss, amax, (dh, dw) = run(impl, h, w, kw)
     rloss, ramax, (rdh, rdw) = run("reference", up(h), up(w), kw_ref)
     assert rel(loss, rloss) < TOL[dtype]
     assert rel(dh, rdh) < TOL[dtype] and rel(dw, rdw) < TOL[dtype]

@@ -7,6 +7,9 @@
                  4 GEMMs of N*H*Vd forward+backward; only O(N) statistics saved)
       xla_saved  one GEMM, the logits saved in the input dtype (one [N,Vd] buffer, bf16: 2 bytes/elem)
                  and reused by the backward: 3 GEMMs, memory traded for the recompute
+      pallas_tpu Pallas TPU kernels (grid reductions over vocab and H, VMEM scratch; stats + dlogits,
+                 then the dh / dW GEMMs); TPU interpret mode on CPU, compiled TPU runs untested
+      pallas_gpu Pallas GPU kernels through the Triton lowering (same split); interpret mode on CPU
       triton     native @triton.jit kernels through jax_triton (GPU only; import guarded)
   soft_cross_entropy(draft_logits, teacher_logits)
       the logits API (kept for callers that already hold logits): reference, or the vocab-tiled
@@ -15,6 +18,7 @@ None / "auto" = the first available of PREFERENCE[jax.default_backend()].
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -49,6 +53,24 @@ def _xla_saved():
     return {"fused": xla_saved.fused_linear_soft_ce, "logits": xla.soft_cross_entropy}
 
 
+def _pallas_tpu():
+    backend = jax.default_backend()
+    if backend not in ("tpu", "cpu"):
+        raise Unavailable(f"Pallas TPU kernels need a TPU (or CPU interpret mode), not {backend}")
+    from specjax_kernels.soft_ce import pallas_tpu, xla
+    return {"fused": functools.partial(pallas_tpu.fused_linear_soft_ce, interpret=backend == "cpu"),
+            "logits": xla.soft_cross_entropy}
+
+
+def _pallas_gpu():
+    backend = jax.default_backend()
+    if backend not in ("gpu", "cpu"):
+        raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
+    from specjax_kernels.soft_ce import pallas_gpu, xla
+    return {"fused": functools.partial(pallas_gpu.fused_linear_soft_ce, interpret=backend == "cpu"),
+            "logits": xla.soft_cross_entropy}
+
+
 def _triton():
     if jax.default_backend() != "gpu":
         raise Unavailable("Triton kernels need an NVIDIA GPU")
@@ -56,7 +78,8 @@ def _triton():
     return {"fused": triton_gpu.fused_linear_soft_ce, "logits": xla.soft_cross_entropy}
 
 
-IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "xla_saved": _xla_saved, "triton": _triton}
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "xla_saved": _xla_saved, "pallas_tpu": _pallas_tpu,
+                   "pallas_gpu": _pallas_gpu, "triton": _triton}
 # GPU: xla first. On the H200 the triton path is no faster at N = 8192 rows (16.9 vs 16.5 ms fwd+bwd); it
 # stays selectable by name. xla_saved is faster (10.6 vs 15.9 ms at N = 8192, 1.08x the lm_head matmuls)
 # but keeps one [N, Vd] bf16 buffer per call (2.1 GB per TTT step at 8x4096); it becomes the default once
