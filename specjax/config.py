@@ -160,7 +160,10 @@ class RegenerateConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     batch_size: int = 16  # jax backend: prompts generated together
-    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted)
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted), or shortened (long_prompts)
+    # skip | drop_oldest_turns: drop whole exchanges from the start until the prompt fits (the last
+    # user turn is never cut)
+    long_prompts: Literal["skip", "drop_oldest_turns"] = "skip"
     concurrency: int = 8  # openai backend: requests in flight
     timeout_s: float = 600.0
     max_retries: int = 3

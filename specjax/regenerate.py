@@ -55,6 +55,7 @@ class Summary:
     skipped: dict = dataclasses.field(default_factory=dict)  # reason -> rows
     tokens_generated: int = 0  # this run
     truncated: int = 0  # answers cut by max_new_tokens (kept)
+    shortened: int = 0  # prompts whose oldest turns were dropped to fit (long_prompts=drop_oldest_turns)
     shards_written: int = 0
     shards_resumed: int = 0
     wall_s: float = 0.0
@@ -118,6 +119,7 @@ def regenerate(
     seed: int = 0,
     batch_size: int = 16,
     max_prompt_tokens: int = 1024,
+    long_prompts: str = "skip",
     concurrency: int = 8,
     timeout_s: float = 600.0,
     max_retries: int = 3,
@@ -190,6 +192,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         "seed": int(a["seed"]),
         "max_new_tokens": max_new,
         "max_prompt_tokens": int(a["max_prompt_tokens"]) if backend == "jax" else None,
+        "long_prompts": a["long_prompts"] if backend == "jax" else None,
         "shard_size": int(a["shard_size"]),
         "keep_reasoning": bool(a["keep_reasoning"]),
         "extra_body": dict(a["extra_body"] or {}) if backend == "openai" else None,
@@ -220,21 +223,24 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         if engine is None:  # load the model / open the client only when there is work
             engine = _make_backend(a, temperature=temperature, top_p=top_p, max_new=max_new, redactor=redactor)
         answers = engine.answer(chunk)
-        rows, skipped, tokens, truncated = [], {}, 0, 0
+        rows, skipped, tokens, truncated, shortened = [], {}, 0, 0, 0
         for it, ans in zip(chunk, answers):
             tokens += ans.new_tokens
             if ans.content is None:
                 _count(skipped, ans.skip_reason or "no answer")
                 continue
             truncated += int(ans.truncated)
-            rows.append((list(it.prompt) + [{"role": "assistant", "content": ans.content}], it.source_index))
+            shortened += int(ans.prompt is not None)
+            prompt = ans.prompt if ans.prompt is not None else it.prompt  # the turns the answer was given to
+            rows.append((list(prompt) + [{"role": "assistant", "content": ans.content}], it.source_index))
         write_shard(out_dir, k, rows, {"written": len(rows), "skipped": skipped, "tokens_generated": tokens,
-                                       "truncated": truncated})
+                                       "truncated": truncated, "shortened": shortened})
         summary.shards_written += 1
         summary.written += len(rows)
         summary.written_this_run += len(rows)
         summary.tokens_generated += tokens
         summary.truncated += truncated
+        summary.shortened += shortened
         for r, n in skipped.items():
             _count(summary.skipped, r, n)
         log.info("shard %d: %d rows written, %d skipped, %d tokens (%.1f s so far)", k, len(rows),
@@ -275,7 +281,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         target, tok, chat_template=a["chat_template"], eos_ids=eos_token_ids(tok, a["target"]),
         max_new_tokens=max_new, temperature=temperature, top_p=top_p,
         max_prompt_tokens=a["max_prompt_tokens"], batch_size=a["batch_size"], seed=a["seed"],
-        keep_reasoning=a["keep_reasoning"], generate_fn=a["generate_fn"],
+        keep_reasoning=a["keep_reasoning"], generate_fn=a["generate_fn"], long_prompts=a["long_prompts"],
     )
 
 
@@ -294,7 +300,7 @@ def run_from_config(cfg) -> str:
         trust_remote_code=cfg.target.trust_remote_code, model=r.model, endpoint=r.endpoint,
         api_key_env=r.api_key_env, limit=r.limit, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
         top_p=r.top_p, seed=r.seed, batch_size=r.batch_size, max_prompt_tokens=r.max_prompt_tokens,
-        concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
+        long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
         keep_reasoning=r.keep_reasoning, resume=True,
     )
     return summary.out_dir
@@ -329,6 +335,8 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, else bfloat16")
     j.add_argument("--batch-size", type=int, default=16)
     j.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped (counted)")
+    j.add_argument("--long-prompts", choices=("skip", "drop_oldest_turns"), default="skip",
+                   help="a prompt over --max-prompt-tokens: skip it, or drop its oldest exchanges until it fits")
     j.add_argument("--trust-remote-code", action="store_true")
     o = p.add_argument_group("openai back end")
     o.add_argument("--endpoint", help="base URL, e.g. http://127.0.0.1:8000/v1")
@@ -386,6 +394,7 @@ def main(argv=None) -> int:
             api_key_env=args.api_key_env, extra_body=extra, limit=args.limit,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
             seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+            long_prompts=args.long_prompts,
             concurrency=args.concurrency, timeout_s=args.timeout, max_retries=args.max_retries,
             shard_size=args.shard_size, keep_reasoning=args.keep_reasoning, resume=args.resume,
         )

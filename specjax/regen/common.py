@@ -38,6 +38,7 @@ class Answer:
     skip_reason: str | None = None
     new_tokens: int = 0
     truncated: bool = False  # stopped by max_new_tokens rather than end of turn
+    prompt: tuple | None = None  # the turns actually sent, when older turns were dropped to fit (else None)
 
 
 def prompt_messages(messages: list[dict]) -> list[dict] | None:

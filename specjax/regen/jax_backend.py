@@ -57,6 +57,9 @@ def generation_defaults(target_dir: str) -> dict:
     return out
 
 
+LONG_PROMPTS = ("skip", "drop_oldest_turns")
+
+
 class JaxBackend:
     name = "jax"
 
@@ -75,6 +78,7 @@ class JaxBackend:
         seed: int,
         keep_reasoning: bool,
         generate_fn: Callable | None = None,
+        long_prompts: str = "skip",
     ):
         from specjax.data.chat import resolve_chat_template
 
@@ -84,6 +88,8 @@ class JaxBackend:
             raise RegenerateError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         if batch_size <= 0:
             raise RegenerateError(f"batch_size must be positive, got {batch_size}")
+        if long_prompts not in LONG_PROMPTS:
+            raise RegenerateError(f"long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
         if not eos_ids:
             raise RegenerateError("no end-of-turn token: the tokenizer has no eos_token and the target folder's "
                                   "generation_config.json no eos_token_id; add one of them")
@@ -101,6 +107,7 @@ class JaxBackend:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.keep_reasoning = keep_reasoning
+        self.long_prompts = long_prompts
         if generate_fn is None:
             from specjax.eval.generate import generate as generate_fn  # helper B's batched KV-cache decoder
         self.generate_fn = generate_fn
@@ -111,19 +118,43 @@ class JaxBackend:
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def fit_prompt(self, prompt: Sequence[dict]) -> tuple[list[int], tuple | None] | None:
+        """Token ids of the prompt and, when older turns had to go, the shortened prompt; None when
+        it cannot fit max_prompt_tokens. long_prompts="drop_oldest_turns" drops whole exchanges from
+        the start (a leading system message stays), so what is left still begins with a user turn;
+        the last user turn is never cut. ShareGPT prompts carry the whole earlier conversation, so
+        "skip" alone loses most long conversations (63% at 1024 tokens on the GPU recipe)."""
+        ids = self.encode(prompt)
+        if len(ids) <= self.max_prompt_tokens:
+            return ids, None
+        if self.long_prompts == "skip":
+            return None
+        head = [m for m in prompt[:1] if m["role"] == "system"]
+        rest = list(prompt[len(head):])
+        while True:
+            nxt = next((j for j in range(1, len(rest)) if rest[j]["role"] == "user"), None)
+            if nxt is None:  # only the turn to answer is left, and it is too long
+                return None
+            rest = rest[nxt:]
+            ids = self.encode(head + rest)
+            if len(ids) <= self.max_prompt_tokens:
+                return ids, tuple(head + rest)
+
     def answer(self, items: Sequence[Item]) -> list[Answer]:
         out: list[Answer | None] = [None] * len(items)
+        used: dict[int, tuple | None] = {}  # the shortened prompt, where older turns were dropped
         todo: list[tuple[int, list[int]]] = []
         for i, it in enumerate(items):
             try:
-                ids = self.encode(it.prompt)
+                fitted = self.fit_prompt(it.prompt)
             except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
                 log.debug("row %d: chat template error: %s", it.source_index, e)
                 out[i] = Answer(None, "chat template error")
                 continue
-            if len(ids) > self.max_prompt_tokens:
+            if fitted is None:
                 out[i] = Answer(None, "prompt longer than max_prompt_tokens")
             else:
+                ids, used[i] = fitted
                 todo.append((i, ids))
         if todo:
             # one seed per shard (from its first row): a resumed shard draws what it drew before,
@@ -144,5 +175,6 @@ class JaxBackend:
                 if not answer:
                     out[i] = Answer(None, "empty answer", len(new), truncated)
                 else:
-                    out[i] = Answer(compose_answer(reasoning, answer, self.keep_reasoning), None, len(new), truncated)
+                    out[i] = Answer(compose_answer(reasoning, answer, self.keep_reasoning), None, len(new), truncated,
+                                    prompt=used.get(i))
         return out  # type: ignore[return-value]

@@ -25,8 +25,17 @@ _SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 # URL, the specjax version) are recorded for information only.
 COMPARED_KEYS = (
     "input", "limit", "backend", "model", "temperature", "top_p", "seed", "max_new_tokens",
-    "max_prompt_tokens", "shard_size", "keep_reasoning", "extra_body",
+    "max_prompt_tokens", "long_prompts", "shard_size", "keep_reasoning", "extra_body",
 )
+# Compared keys added after the first manifests were written: (value those runs behaved as, back end).
+_LATER_KEYS = {"long_prompts": ("skip", "jax")}
+
+
+def _old_value(old: dict, k: str):
+    if k in old or k not in _LATER_KEYS:
+        return old.get(k)
+    value, backend = _LATER_KEYS[k]
+    return value if old.get("backend") == backend else None
 _STATS_KEY = b"specjax.regen"
 
 
@@ -81,8 +90,8 @@ def prepare_output_dir(out_dir: str, manifest: dict, resume: bool) -> bool:
                 "(config: the stage always resumes) to continue it, or choose another output directory"
             )
         diffs = [
-            f"{k}: {_fmt(old.get(k))} in {path} != {_fmt(manifest.get(k))} now"
-            for k in COMPARED_KEYS if _fmt(old.get(k)) != _fmt(manifest.get(k))
+            f"{k}: {_fmt(_old_value(old, k))} in {path} != {_fmt(manifest.get(k))} now"
+            for k in COMPARED_KEYS if _fmt(_old_value(old, k)) != _fmt(manifest.get(k))
         ]
         if diffs:
             raise ManifestMismatch(

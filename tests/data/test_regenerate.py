@@ -210,3 +210,68 @@ def test_presets_as_input(monkeypatch):
             canonical_input(name)
     with pytest.raises(RegenerateError, match="unknown dataset preset 'nope'"):
         canonical_input("preset://nope")
+
+
+def test_long_prompts_drop_oldest_turns(tiny_target, tmp_path):
+    """long_prompts=drop_oldest_turns drops whole exchanges from the start (a leading system message
+    stays) until the prompt fits; the written row holds the turns actually sent; a prompt whose last
+    user turn alone is too long is still skipped; the setting is a compared manifest key, and a
+    manifest written before it existed resumes as "skip"."""
+    from transformers import AutoTokenizer
+
+    from specjax.regen.common import Item
+    from specjax.regen.jax_backend import JaxBackend
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    long_turn = "Tell me everything about rivers and lakes. " * 6
+    full = conv(("system", "Be brief."), ("user", long_turn), ("assistant", long_turn),
+                ("user", "Name a river."), ("assistant", "The Nile."), ("user", "And a lake?"))["messages"]
+    kept = [full[0]] + full[3:]  # system + the last exchange + the turn to answer
+
+    def backend(limit, mode):
+        return JaxBackend(None, tok, chat_template=None, eos_ids=[tok.eos_token_id], max_new_tokens=4,
+                          temperature=0.0, top_p=1.0, max_prompt_tokens=limit, batch_size=2, seed=0,
+                          keep_reasoning=True, long_prompts=mode,
+                          generate_fn=lambda target, prompts, **kw: [[ord("x")] * 3 for _ in prompts])
+
+    n_full, n_kept = len(backend(10_000, "skip").encode(full)), len(backend(10_000, "skip").encode(kept))
+    assert n_kept < n_full
+    assert backend(n_kept, "skip").fit_prompt(full) is None
+    ids, used = backend(n_kept, "drop_oldest_turns").fit_prompt(full)
+    assert used == tuple(kept) and len(ids) == n_kept
+    assert backend(n_full, "drop_oldest_turns").fit_prompt(full)[1] is None  # fits: nothing dropped
+    last = [full[0], full[-1]]  # a tighter limit drops the next exchange too
+    n_last = len(backend(10_000, "skip").encode(last))
+    assert backend(n_kept - 1, "drop_oldest_turns").fit_prompt(full)[1] == tuple(last)
+    assert backend(n_last - 1, "drop_oldest_turns").fit_prompt(full) is None  # the last turn is never cut
+    ans = backend(n_kept, "drop_oldest_turns").answer([Item(0, tuple(full))])[0]
+    assert ans.content and ans.prompt == tuple(kept)
+    with pytest.raises(RegenerateError, match="long_prompts"):
+        backend(n_kept, "truncate")
+
+    # through the stage: the row is the shortened prompt + the new answer
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"messages": full + [{"role": "assistant", "content": "old"}]}) + "\n")
+    out = str(tmp_path / "regen")
+    settings = {**SETTINGS, "max_prompt_tokens": n_kept, "long_prompts": "drop_oldest_turns"}
+    s = regenerate(input=str(src), out_dir=out, target=tiny_target, **settings)
+    assert (s.written, s.shortened, s.skipped) == (1, 1, {})
+    row = shard_rows(out)["shard-000000.parquet"][0]["messages"]
+    assert row[:-1] == kept and row[-1]["role"] == "assistant" and row[-1]["content"] != "old"
+    assert json.load(open(os.path.join(out, "manifest.json")))["long_prompts"] == "drop_oldest_turns"
+    with pytest.raises(ManifestMismatch, match='long_prompts: "drop_oldest_turns" .* != "skip" now'):
+        regenerate(input=str(src), out_dir=out, target=tiny_target, resume=True,
+                   **{**settings, "long_prompts": "skip"})
+
+    # a manifest from before the key existed resumes under the default ("skip") and no other
+    old = str(tmp_path / "old")
+    regenerate(input=str(src), out_dir=old, target=tiny_target, **{**SETTINGS, "max_prompt_tokens": n_kept})
+    path = os.path.join(old, "manifest.json")
+    man = json.load(open(path))
+    del man["long_prompts"]
+    open(path, "w").write(json.dumps(man))
+    assert regenerate(input=str(src), out_dir=old, target=tiny_target, resume=True,
+                      **{**SETTINGS, "max_prompt_tokens": n_kept}).shards_resumed == 1
+    with pytest.raises(ManifestMismatch, match="long_prompts"):
+        regenerate(input=str(src), out_dir=old, target=tiny_target, resume=True,
+                   **{**SETTINGS, "max_prompt_tokens": n_kept, "long_prompts": "drop_oldest_turns"})
