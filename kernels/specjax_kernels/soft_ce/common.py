@@ -83,3 +83,44 @@ def fused_with(be: Backend, hidden, lm_head, teacher_logits=None, teacher_hidden
     tw = None if teacher_head is None else sg(teacher_head)
     loss, amax = _fused(be, hidden.reshape(N, H), lm_head, t, th, tw, m)
     return loss.reshape(lead), amax.reshape(lead)
+
+
+# ---- pieces shared by the kernel backends (triton, pallas_gpu, pallas_tpu) ----
+
+ROW_CHUNK_BYTES = 1 << 30  # the backward's dd [rows, Vd] (input dtype) is built in row chunks of <= 1 GiB
+
+
+def heads_like_hidden(hidden, lm_head, teacher_hidden, teacher_head):
+    """The kernels' dots want both operands in one dtype: each head follows its hidden states."""
+    lm_head = lm_head.astype(hidden.dtype)
+    if teacher_hidden is not None and teacher_head is not None:
+        teacher_head = teacher_head.astype(teacher_hidden.dtype)
+    return lm_head, teacher_head
+
+
+def combine_split_stats(md, ld, mt, lt, s, bval, bidx):
+    """Merge per-vocab-split partial statistics [nsplit, N] (running max and sum for the draft and
+    the teacher, s = sum exp(t - m_t) d, best value and index) into (lse_d, lse_t, spd, argmax)."""
+    Md = md.max(0)
+    lse_d = Md + jnp.log(jnp.sum(ld * jnp.exp(md - Md), 0))
+    Mt = mt.max(0)
+    a = jnp.exp(mt - Mt)
+    Lt = jnp.sum(lt * a, 0)
+    spd = jnp.sum(s * a, 0) / Lt
+    win = jnp.argmax(bval, 0)  # first split on ties = lowest index
+    return lse_d, Mt + jnp.log(Lt), spd, jnp.take_along_axis(bidx, win[None], 0)[0]
+
+
+def row_chunked_grads(h, w, dlogits, block_n, chunk_bytes=ROW_CHUNK_BYTES):
+    """dh = dd @ W (a reduction over the vocab) and dW = dd.T @ h (over the rows) as XLA GEMMs, with
+    dd [rows, V] in h's dtype made by ``dlogits(r0, r1)`` for row chunks of <= chunk_bytes, so dd
+    never exists for all rows at once. h [N, H], w [V, H]; returns (dh f32 [N, H], dw f32 [V, H])."""
+    N, V = h.shape[0], w.shape[0]
+    rows = max(block_n, (chunk_bytes // (V * h.dtype.itemsize)) // block_n * block_n)
+    dh_parts, dw = [], jnp.zeros(w.shape, f32)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        dd = dlogits(r0, r1)
+        dh_parts.append(jnp.dot(dd, w, preferred_element_type=f32))
+        dw = dw + jnp.einsum("nv,nh->vh", dd, h[r0:r1], preferred_element_type=f32)
+    return jnp.concatenate(dh_parts, 0), dw

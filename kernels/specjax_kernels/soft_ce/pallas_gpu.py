@@ -24,28 +24,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from specjax_kernels.soft_ce.common import Backend, f32, fused_with
+from specjax_kernels._pallas_gpu import compiler_params, dot_nt
+from specjax_kernels.soft_ce.common import (Backend, combine_split_stats, f32, fused_with, heads_like_hidden,
+                                            row_chunked_grads)
 
 NEG = -1.0e30
 BLOCK_N = 64   # rows per program
 BLOCK_V = 128  # vocab tile (vocab_block overrides it)
 BLOCK_K = 64   # K-loop chunk over H (and Ht)
 TARGET_PROGRAMS = 4 * 132  # H100/H200: 132 SMs, a few waves of stats programs
-ROW_CHUNK_BYTES = 1 << 30  # the backward's dd [rows, Vd] (input dtype) is built in row chunks of <= 1 GiB
 
 
-def _compiler_params(num_warps, num_stages):
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _prec(a):
-    # f32 operands: ask for IEEE f32 (the Triton lowering maps DEFAULT to TF32)
-    return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-
-
-def _dot(a, b):  # a [m,k] @ b[n,k]^T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_prec(a), preferred_element_type=f32)
+_compiler_params, _dot = compiler_params, dot_nt
 
 
 def _cdiv(a, b):
@@ -166,16 +156,7 @@ def stats(h, w, t, th, tw, *, bn, bv, bk, interpret):
     md, ld, mt, lt, s, bval, bidx = _call(
         functools.partial(_stats_kernel, nv=nv, tiles=tiles, **kw), (nb, nsplit), [spec] * 7,
         [shp] * 6 + [jax.ShapeDtypeStruct((nsplit, Np), jnp.int32)], interpret, "soft_ce_stats", 8, 3)(*ins)
-    # combine the splits' partial statistics
-    Md = md.max(0)
-    lse_d = Md + jnp.log(jnp.sum(ld * jnp.exp(md - Md), 0))
-    Mt = mt.max(0)
-    a = jnp.exp(mt - Mt)
-    Lt = jnp.sum(lt * a, 0)
-    spd = jnp.sum(s * a, 0) / Lt
-    win = jnp.argmax(bval, 0)  # first split on ties = lowest index
-    amax = jnp.take_along_axis(bidx, win[None], 0)[0]
-    return lse_d[:N], (Mt + jnp.log(Lt))[:N], spd[:N], amax[:N]
+    return tuple(x[:N] for x in combine_split_stats(md, ld, mt, lt, s, bval, bidx))
 
 
 def grads(h, w, t, th, tw, g, lse_d, lse_t, *, bn, bv, bk, interpret):
@@ -183,20 +164,18 @@ def grads(h, w, t, th, tw, g, lse_d, lse_t, *, bn, bv, bk, interpret):
     bn = kw["bn"]
     g, lse_d, lse_t = (_pad(x.astype(f32), (Np,)) for x in (g, lse_d, lse_t))  # padded rows: g = 0
     hp, wp = ins[0], ins[1]
-    rows = max(bn, (ROW_CHUNK_BYTES // (Vp * h.dtype.itemsize)) // bn * bn)
     kern = functools.partial(_dlogits_kernel, **kw)
-    dh_parts, dw = [], jnp.zeros((Vp, Hp), f32)
-    for r0 in range(0, Np, rows):
-        r1 = min(Np, r0 + rows)
+
+    def dlogits(r0, r1):
         n = r1 - r0
         cut = lambda x: x[r0:r1]
         chunk = [cut(hp), wp] + ([cut(ins[2])] if t is not None else [cut(ins[2]), ins[3]])
-        dd = _call(kern, (n // bn, Vp // bv), pl.BlockSpec((bn, bv), lambda i, c: (i, c)),
-                   jax.ShapeDtypeStruct((n, Vp), h.dtype), interpret, "soft_ce_dlogits", 8, 3)(
-                       *chunk, cut(g), cut(lse_d), cut(lse_t))
-        dh_parts.append(jnp.dot(dd, wp, preferred_element_type=f32))  # reduction over the vocab
-        dw = dw + jnp.einsum("nv,nh->vh", dd, chunk[0], preferred_element_type=f32)  # over the rows
-    return jnp.concatenate(dh_parts, 0)[:N, :H], dw[:V, :H]
+        return _call(kern, (n // bn, Vp // bv), pl.BlockSpec((bn, bv), lambda i, c: (i, c)),
+                     jax.ShapeDtypeStruct((n, Vp), h.dtype), interpret, "soft_ce_dlogits", 8, 3)(
+                         *chunk, cut(g), cut(lse_d), cut(lse_t))
+
+    dh, dw = row_chunked_grads(hp, wp, dlogits, bn)
+    return dh[:N, :H], dw[:V, :H]
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,9 +190,6 @@ def fused_linear_soft_ce(hidden, lm_head, teacher_logits=None, teacher_hidden=No
     if not interpret and not (_pow2(bv) and _pow2(BLOCK_N) and _pow2(BLOCK_K)):
         raise ValueError(f"pallas_gpu soft_ce needs vocab_block, BLOCK_N and BLOCK_K powers of two >= 16, got "
                          f"{bv}, {BLOCK_N}, {BLOCK_K}; use implementation='xla'.")
-    # the dots want both operands in one dtype: the heads follow their hidden states
-    lm_head = lm_head.astype(hidden.dtype)
-    if teacher_hidden is not None and teacher_head is not None:
-        teacher_head = teacher_head.astype(teacher_hidden.dtype)
+    lm_head, teacher_head = heads_like_hidden(hidden, lm_head, teacher_hidden, teacher_head)
     return fused_with(backend(BLOCK_N, bv, BLOCK_K, interpret), hidden, lm_head, teacher_logits, teacher_hidden,
                       teacher_head, mask)

@@ -26,14 +26,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from specjax_kernels.soft_ce.common import Backend, f32, fused_with
+from specjax_kernels.soft_ce.common import Backend, f32, fused_with, heads_like_hidden, row_chunked_grads
 
 NEG = -1.0e30
 LANES = 128
 BLOCK_N = 256   # rows per block (multiple of 8)
 BLOCK_V = 512   # vocab tile (multiple of 128; vocab_block overrides it)
 BLOCK_K = 512   # K chunk over H and Ht (multiple of 128)
-ROW_CHUNK_BYTES = 1 << 30
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
@@ -201,7 +200,6 @@ def grads(h, w, t, th, tw, g, lse_d, lse_t, *, bn, bv, bk, interpret):
     col = lambda x: _pad(x.astype(f32), (Np,))[:, None]  # [Np, 1]; padded rows: g = 0
     g, lse_d, lse_t = col(g), col(lse_d), col(lse_t)
     hp, wp = ins[0], ins[1]
-    rows = max(bn, (ROW_CHUNK_BYTES // (Vp * h.dtype.itemsize)) // bn * bn)
     bv = kw["bv"]
     call = lambda n, grid: pl.pallas_call(
         functools.partial(_dlogits_kernel, **kw), grid=grid,
@@ -210,15 +208,14 @@ def grads(h, w, t, th, tw, g, lse_d, lse_t, *, bn, bv, bk, interpret):
         out_shape=jax.ShapeDtypeStruct((n, Vp), h.dtype), scratch_shapes=scratch,
         compiler_params=_params(("parallel", "parallel", "arbitrary")),
         interpret=_interp(interpret), name="soft_ce_dlogits_tpu")
-    dh_parts, dw = [], jnp.zeros((Vp, Hp), f32)
-    for r0 in range(0, Np, rows):
-        r1 = min(Np, r0 + rows)
+
+    def dlogits(r0, r1):
         cut = lambda x: x[r0:r1]
         chunk = [cut(hp), wp] + ([cut(ins[2])] if t is not None else [cut(ins[2]), ins[3]])
-        dd = call(r1 - r0, ((r1 - r0) // bn,) + grid[1:])(*chunk, cut(g), cut(lse_d), cut(lse_t))
-        dh_parts.append(jnp.dot(dd, wp, preferred_element_type=f32))  # reduction over the vocab
-        dw = dw + jnp.einsum("nv,nh->vh", dd, chunk[0], preferred_element_type=f32)  # over the rows
-    return jnp.concatenate(dh_parts, 0)[:N, :H], dw[:V, :H]
+        return call(r1 - r0, ((r1 - r0) // bn,) + grid[1:])(*chunk, cut(g), cut(lse_d), cut(lse_t))
+
+    dh, dw = row_chunked_grads(hp, wp, dlogits, bn)
+    return dh[:N, :H], dw[:V, :H]
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,8 +230,6 @@ def fused_linear_soft_ce(hidden, lm_head, teacher_logits=None, teacher_hidden=No
     if not interpret and (bv % 128 or BLOCK_K % 128 or BLOCK_N % 8):
         raise ValueError(f"pallas_tpu soft_ce needs vocab_block and BLOCK_K multiples of 128 and BLOCK_N of 8 on "
                          f"TPU, got {bv}, {BLOCK_K}, {BLOCK_N}.")
-    lm_head = lm_head.astype(hidden.dtype)
-    if teacher_hidden is not None and teacher_head is not None:
-        teacher_head = teacher_head.astype(teacher_hidden.dtype)
+    lm_head, teacher_head = heads_like_hidden(hidden, lm_head, teacher_hidden, teacher_head)
     return fused_with(backend(BLOCK_N, bv, BLOCK_K, interpret), hidden, lm_head, teacher_logits, teacher_hidden,
                       teacher_head, mask)

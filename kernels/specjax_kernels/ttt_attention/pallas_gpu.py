@@ -16,28 +16,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from specjax_kernels._pallas_gpu import compiler_params, dot_nt, mm
 from specjax_kernels.ttt_attention.common import Backend, f32, ttt_attention_with
 
 MASK = -1.0e30
 DEFAULT_BLOCK = 64  # query and key tile (a power of two >= 16 for the Triton lowering)
 
 
-def _compiler_params(num_warps, num_stages):
-    from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _prec(a):
-    # f32 operands: ask for IEEE f32 (the Triton lowering maps DEFAULT to TF32)
-    return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-
-
-def _dot(a, b):  # a [m,k] @ b[n,k]^T
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_prec(a), preferred_element_type=f32)
-
-
-def _mm(a, b):  # a [m,k] @ b[k,n]
-    return jnp.dot(a, b, precision=_prec(a), preferred_element_type=f32)
+_compiler_params, _dot, _mm = compiler_params, dot_nt, mm
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, bm, bn, scale, has_seg):
