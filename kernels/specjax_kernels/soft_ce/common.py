@@ -90,6 +90,17 @@ def fused_with(be: Backend, hidden, lm_head, teacher_logits=None, teacher_hidden
 ROW_CHUNK_BYTES = 1 << 30  # the backward's dd [rows, Vd] (input dtype) is built in row chunks of <= 1 GiB
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pad_to(x, shape):
+    """Zero-pad x at the end of each axis up to ``shape`` (no copy when it already has it)."""
+    if x.shape == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
+
+
 def heads_like_hidden(hidden, lm_head, teacher_hidden, teacher_head):
     """The kernels' dots want both operands in one dtype: each head follows its hidden states."""
     lm_head = lm_head.astype(hidden.dtype)

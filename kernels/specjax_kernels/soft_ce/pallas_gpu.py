@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from specjax_kernels._pallas_gpu import compiler_params, dot_nt
 from specjax_kernels.soft_ce.common import (Backend, combine_split_stats, f32, fused_with, heads_like_hidden,
                                             row_chunked_grads)
+from specjax_kernels.soft_ce.common import cdiv as _cdiv, pad_to as _pad
 
 NEG = -1.0e30
 BLOCK_N = 64   # rows per program
@@ -36,16 +37,6 @@ TARGET_PROGRAMS = 4 * 132  # H100/H200: 132 SMs, a few waves of stats programs
 
 
 _compiler_params, _dot = compiler_params, dot_nt
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _pad(x, shape):
-    if x.shape == tuple(shape):
-        return x
-    return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
 
 
 def _pow2(n):

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from specjax_kernels.soft_ce.common import Backend, f32, fused_with, heads_like_hidden, row_chunked_grads
+from specjax_kernels.soft_ce.common import cdiv as _cdiv, pad_to as _pad
 
 NEG = -1.0e30
 LANES = 128
@@ -43,16 +44,6 @@ def _params(sem):
 
 def _interp(interpret):
     return pltpu.InterpretParams() if interpret else False
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _pad(x, shape):
-    if x.shape == tuple(shape):
-        return x
-    return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
 
 
 def _dot(a, b):
