@@ -187,16 +187,21 @@ def _with_totals(rec: dict, num_spec_tokens: int) -> dict:
 def measure(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_tokens: int,
             max_new_tokens: int, temperature: float = 0.0, eos_ids: Sequence[int] = (), seed: int = 0,
             with_greedy: bool = True, warmup: int = 1, retime: bool = True,
-            progress: Optional[Callable[[int, int, dict], None]] = None) -> list[dict]:
+            progress: Optional[Callable[[int, int, dict], None]] = None,
+            deadline: Optional[float] = None) -> list[dict]:
     """Run every prompt and return the per-prompt records. Compilation is kept out of the timings:
     `warmup` prompts are run once untimed first, and with `retime` any call that still compiles
-    (a new shape bucket: prompt length, cache size) is run again and the second run is timed."""
+    (a new shape bucket: prompt length, cache size) is run again and the second run is timed.
+    With `deadline` (a time.time() value) no prompt is started after it; the records measured so far
+    are returned, so a time-limited run keeps whole prompts in order (the first n)."""
     kw = dict(num_spec_tokens=num_spec_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
               eos_ids=eos_ids, seed=seed, with_greedy=with_greedy, retime=retime)
     for p in list(prompts)[:max(0, warmup)]:
         run_prompt(decoder, tokenizer, template, p, **dict(kw, retime=False))
     records = []
     for i, p in enumerate(prompts):
+        if deadline is not None and time.time() >= deadline:
+            break
         records.append(run_prompt(decoder, tokenizer, template, p, **kw))
         if progress is not None:
             progress(i + 1, len(prompts), records[-1])
@@ -398,6 +403,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-mismatches", type=int, default=0,
                     help="turns allowed to differ from greedy at temperature 0 before the exit code is 1 "
                          "(default 0; low-precision targets can resolve near-ties differently)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no prompt after this many seconds (counted from the start of the run); the "
+                         "results cover the prompts finished, in order, and say that the budget cut the run")
     ap.add_argument("--out", default=None, help="write every number to this JSON file")
     ap.add_argument("--compare", default=None, help="a results JSON of an earlier run to test equivalence against")
     ap.add_argument("--margin", type=float, default=None, help="equivalence margin (metric units, or a fraction "
@@ -427,6 +435,8 @@ def _check_args(a) -> Optional[str]:
         return "--alpha must be in (0, 0.5)"
     if a.max_mismatches < 0:
         return "--max-mismatches must be >= 0"
+    if a.budget_s is not None and not a.budget_s > 0:
+        return "--budget-s must be > 0 (seconds)"
     for flag, path in (("--target", a.target), ("--draft", a.draft)):
         if not os.path.isfile(os.path.join(path, "config.json")):
             return f"{flag} {path}: no config.json there; give the model folder"
@@ -434,6 +444,7 @@ def _check_args(a) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    started = time.time()
     args = _parser().parse_args(argv)
     err = _check_args(args)
     if err:
@@ -477,7 +488,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     records = measure(decoder, tokenizer, template, prompts, num_spec_tokens=args.num_spec_tokens,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=eos,
-                      seed=args.seed, with_greedy=with_greedy, warmup=args.warmup, progress=progress)
+                      seed=args.seed, with_greedy=with_greedy, warmup=args.warmup, progress=progress,
+                      deadline=None if args.budget_s is None else started + args.budget_s)
+    cut = len(records) < len(prompts)
+    if cut:
+        print(f"--budget-s {args.budget_s:g}: stopped after {len(records)} of {len(prompts)} prompts; the results "
+              f"below cover those {len(records)}", file=sys.stderr)
+    if not records:
+        print(f"error: --budget-s {args.budget_s:g} ran out before the first prompt finished; raise it", file=sys.stderr)
+        return 1
     summaries = summarize(records, args.num_spec_tokens)
     mismatches = sum(s["mismatched_turns"] for s in summaries.values())
     checked = with_greedy and args.temperature == 0.0
@@ -498,6 +517,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "datasets": summaries,
         "equality_checked": checked,
         "mismatches": mismatches if checked else None,
+        "prompts_requested": len(prompts), "prompts_measured": len(records), "cut_by_budget": cut,
         "wall_s": time.time() - t0,
         "prompts": records,
     }

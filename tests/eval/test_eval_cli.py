@@ -169,3 +169,37 @@ def test_eval_cli_mismatch_is_an_error(tiny_target, draft_dir, prompt_file, monk
                  "--num-spec-tokens", str(K), "--max-new-tokens", "10", "--warmup", "0", "--out", str(out),
                  "--max-mismatches", "1"]) == 0
     assert json.loads(out.read_text())["mismatches"] == 1
+
+
+def test_measure_budget_keeps_the_first_whole_prompts(monkeypatch):
+    """--budget-s: no prompt starts after the deadline; the finished ones come back in order."""
+    from specjax.eval import cli
+
+    clock = [100.0]
+    ran = []
+
+    def fake_run_prompt(decoder, tokenizer, template, p, **kw):
+        ran.append(p)
+        clock[0] += 10.0  # every prompt takes 10 s
+        return {"prompt": p}
+
+    monkeypatch.setattr(cli, "run_prompt", fake_run_prompt)
+    monkeypatch.setattr(cli.time, "time", lambda: clock[0])
+    recs = cli.measure(None, None, "", ["a", "b", "c", "d", "e"], num_spec_tokens=K, max_new_tokens=4,
+                       warmup=1, deadline=135.0)
+    # warm-up "a" (100->110), then a (->120), b (->130), c starts at 130 < 135 (->140), d is not started
+    assert [r["prompt"] for r in recs] == ["a", "b", "c"] and ran == ["a", "a", "b", "c"]
+    assert cli.measure(None, None, "", ["a"], num_spec_tokens=K, max_new_tokens=4, warmup=0, deadline=None)
+
+
+def test_eval_cli_budget(tiny_target, draft_dir, prompt_file, tmp_path, capsys):
+    assert main(_args(tiny_target, draft_dir, prompt_file, tmp_path / "x.json", "--budget-s", "0")) == 2
+    assert "--budget-s must be > 0" in capsys.readouterr().err
+    # a budget that is over before the first prompt: a clear error, no results file
+    assert main(_args(tiny_target, draft_dir, prompt_file, tmp_path / "y.json", "--budget-s", "1e-6")) == 1
+    assert "ran out before the first prompt" in capsys.readouterr().err and not (tmp_path / "y.json").exists()
+    # a generous budget cuts nothing, and the results say so
+    out = tmp_path / "z.json"
+    assert main(_args(tiny_target, draft_dir, prompt_file, out, "--budget-s", "3600", "--no-greedy")) == 0
+    res = json.loads(out.read_text())
+    assert res["cut_by_budget"] is False and res["prompts_measured"] == res["prompts_requested"] == 4
