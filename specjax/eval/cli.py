@@ -396,6 +396,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("chain", "tree"), default="chain")
     ap.add_argument("--tree-top-k", type=int, default=2, help="branching of tree drafting (--mode tree)")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 | bfloat16)")
+    ap.add_argument("--matmul-precision", default="auto",
+                    help="jax matmul precision while decoding: auto (highest for a float32 target: on GPU the f32 "
+                         "default is TF32, which breaks near-ties differently in verification and greedy steps), "
+                         "default, high, highest")
     ap.add_argument("--chat-template", default=None, help="Jinja template (string or file) if the tokenizer has none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="prompts run once untimed first to compile (default 1)")
@@ -472,7 +476,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         target = load_target(args.target, dtype=args.dtype)
         draft = load_draft(args.draft)  # SpecDecoder checks that it fits the target
         decoder = SpecDecoder(target, draft, num_spec_tokens=args.num_spec_tokens, mode=args.mode,
-                              tree_top_k=args.tree_top_k)
+                              tree_top_k=args.tree_top_k,
+                              matmul_precision=None if args.matmul_precision == "default" else args.matmul_precision)
     except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -507,7 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "config": {"target": os.path.abspath(args.target), "draft": os.path.abspath(args.draft),
                    "prompts": names, "limit": args.limit, "num_spec_tokens": args.num_spec_tokens,
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "mode": args.mode,
-                   "tree_top_k": args.tree_top_k, "dtype": args.dtype, "seed": args.seed, "warmup": args.warmup,
+                   "tree_top_k": args.tree_top_k, "dtype": args.dtype,
+                   "matmul_precision": decoder.matmul_precision or "default", "seed": args.seed, "warmup": args.warmup,
                    "eos_token_ids": list(eos), "greedy_baseline": with_greedy},
         "versions": versions(),
         "device": device_info(),
@@ -547,9 +553,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if checked and mismatches > args.max_mismatches:
         bad = [f"{r['dataset']}/{r['id']}" for r in records if r["totals"]["mismatched_turns"]]
         print(f"error: speculative output differs from greedy output at temperature 0 in {mismatches} turn(s): "
-              f"{bad[:10]}. Speculative decoding must be lossless; in float32 this is a decoder bug. In "
-              f"bfloat16 the verification of K+1 tokens in one call can round a near-tie differently from "
-              f"one-token decoding: check with --dtype float32 (or allow it with --max-mismatches N).",
+              f"{bad[:10]}. Speculative decoding must be lossless; with --dtype float32 and --matmul-precision "
+              f"highest (what auto picks for float32) this is a decoder bug. In bfloat16, or with TF32 matmuls "
+              f"(the GPU default for float32, --matmul-precision default), the verification of K+1 tokens in "
+              f"one call can round a near-tie differently from one-token decoding: check with --dtype float32 "
+              f"--matmul-precision highest (or allow it with --max-mismatches N).",
               file=sys.stderr)
         return 1
     return 0

@@ -336,3 +336,42 @@ def test_load_draft_round_trip(setup, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), loaded.params, draft.params)
     a = SpecDecoder(target, loaded, num_spec_tokens=3).generate(PROMPT, max_new_tokens=MAX_NEW)
     assert a.tokens == ref[:MAX_NEW]
+
+
+def test_matmul_precision_follows_the_target_dtype(setup, monkeypatch, tmp_path):
+    """A float32 target decodes with true fp32 matmuls ("highest"): on GPU the f32 default is TF32,
+    and then verification (K+1 tokens) and 1-token greedy steps round near-ties differently (an H200
+    run of the SmolLM2 eval diverged in 39 of 324 turns). Every jitted call must run under it."""
+    from jax._src import config as jax_config
+
+    from specjax.eval import spec_decode
+
+    target, draft, ref = setup
+    assert SpecDecoder(target, draft).matmul_precision == "highest"
+    assert SpecDecoder(target, draft, matmul_precision=None).matmul_precision is None
+    with pytest.raises(ValueError, match="matmul_precision"):
+        SpecDecoder(target, draft, matmul_precision="fast")
+    bf16 = load_target(build_target(tmp_path, "LlamaForCausalLM", False, seed=1), dtype="bfloat16")
+    assert SpecDecoder(bf16, draft).matmul_precision is None  # bf16 targets keep the fast default
+
+    seen = []
+    for name in ("_prefill", "_greedy_step", "_verify_chain", "_draft_chain"):
+        real = getattr(spec_decode, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.append((_name, jax_config.default_matmul_precision.value))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(spec_decode, name, spy)
+    dec = SpecDecoder(target, draft, num_spec_tokens=2)
+    # an outer setting unlike "highest" (the test suite may set highest globally), so the check can fail
+    with jax.default_matmul_precision("bfloat16"):
+        dec.generate(PROMPT, max_new_tokens=6)
+        dec.greedy(PROMPT, max_new_tokens=6)
+        assert jax_config.default_matmul_precision.value == "bfloat16"  # restored after the calls
+        assert {n for n, _ in seen} == {"_prefill", "_greedy_step", "_verify_chain", "_draft_chain"}
+        assert all(p == "highest" for _, p in seen), seen
+        seen.clear()
+        SpecDecoder(target, draft, num_spec_tokens=2, matmul_precision=None).generate(PROMPT, max_new_tokens=4)
+        assert seen and all(p == "bfloat16" for _, p in seen), seen
+    assert dec.generate(PROMPT, max_new_tokens=6).tokens == ref[:6]
