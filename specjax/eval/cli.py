@@ -396,7 +396,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=("chain", "tree"), default="chain")
     ap.add_argument("--tree-top-k", type=int, default=2, help="branching of tree drafting (--mode tree)")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 | bfloat16)")
-    ap.add_argument("--matmul-precision", default="auto",
+    ap.add_argument("--matmul-precision", default="auto", choices=("auto", "default", "high", "highest"),
                     help="jax matmul precision while decoding: auto (highest for a float32 target: on GPU the f32 "
                          "default is TF32, which breaks near-ties differently in verification and greedy steps), "
                          "default, high, highest")

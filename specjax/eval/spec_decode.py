@@ -378,8 +378,8 @@ class SpecDecoder:
         # "auto": a float32 target gets true fp32 matmuls. On GPU the default for f32 dots is TF32
         # (10-bit mantissa); then the K+1-token verification call and a 1-token greedy step round
         # differently and break near-ties the other way, so speculative output stops being equal to
-        # greedy output (measured on an H200: 39 of 324 SmolLM2 turns). Decoding at batch 1 is
-        # memory-bound, so full precision costs little there.
+        # greedy output (measured on an H200: 39 of 324 SmolLM2 turns). It is not free: on the H200
+        # a `highest` eval looked ~4-5x slower than a TF32 one beside it (not measured cleanly).
         if matmul_precision == "auto":
             matmul_precision = "highest" if self.embed.dtype == jnp.float32 else None
         if matmul_precision not in (None, "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"):

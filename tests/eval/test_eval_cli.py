@@ -193,6 +193,9 @@ def test_measure_budget_keeps_the_first_whole_prompts(monkeypatch):
 
 
 def test_eval_cli_budget(tiny_target, draft_dir, prompt_file, tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse names the allowed values
+        main(_args(tiny_target, draft_dir, prompt_file, tmp_path / "w.json", "--matmul-precision", "fast"))
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
     assert main(_args(tiny_target, draft_dir, prompt_file, tmp_path / "x.json", "--budget-s", "0")) == 2
     assert "--budget-s must be > 0" in capsys.readouterr().err
     # a budget that is over before the first prompt: a clear error, no results file
