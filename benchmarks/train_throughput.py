@@ -665,7 +665,8 @@ def run_specforge(plan: dict, emit) -> None:
             captured.clear()
             final = target.model(input_ids=input_ids, use_cache=False).last_hidden_state
             aux_cat = torch.cat([captured[i] for i in aux], dim=-1)
-            # inputs shifted left by one as SpecForge's data path does (contract §3.1)
+            # inputs shifted left by one as SpecForge's data path does
+            # (docs/eagle3-format.md, "TTT training semantics")
             sh_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
             sh_final = torch.cat([final[:, 1:], torch.zeros_like(final[:, :1])], dim=1)
         plosses, _, accs, *_ = trainer(

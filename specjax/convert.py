@@ -103,7 +103,7 @@ def _check_gguf_file(path: str) -> None:
         raise ConvertError(f"{path} is not a file; give the path of a .gguf file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != b"GGUF":  # every GGUF file starts with these 4 bytes (ggml docs/gguf.md)
+    if magic != b"GGUF":  # every GGUF file starts with these 4 bytes (ggml-org/ggml/docs/gguf.md)
         raise ConvertError(
             f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
             "for an HF safetensors folder no conversion is needed: point target.path at it"
@@ -119,7 +119,7 @@ def _require_deps() -> None:
         )
 
 
-# GGUF metadata value types -> struct format (ggml docs/gguf.md); 8 = string, 9 = array.
+# GGUF metadata value types -> struct format (ggml-org/ggml/docs/gguf.md); 8 = string, 9 = array.
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 

@@ -36,7 +36,8 @@ def _target_config(target: str, manifest: Optional[dict]) -> tuple[Optional[dict
 
 
 def vllm_command(draft: str, target: str, num_spec_tokens: int) -> str:
-    # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path (contract §2.3)
+    # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path
+    # (docs/eagle3-format.md, "How engines load the weights")
     spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec_tokens},
                       separators=(", ", ": "))
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"

@@ -1,6 +1,6 @@
 """The EAGLE-3 export (specjax_converters.eagle3_export, specjax.export): layout and config per
-shared/reference/eagle3-contract.md §2.11, loadability in SpecForge's draft class, the CLI on a run
-folder, and that a rejected export writes nothing."""
+docs/eagle3-format.md ("Checkpoint layout", "config.json keys"), loadability in SpecForge's draft
+class, the CLI on a run folder, and that a rejected export writes nothing."""
 from __future__ import annotations
 
 import functools
@@ -27,7 +27,7 @@ AUX = (1, 2, 3)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-# §2.11, written out here rather than derived from the exporter.
+# docs/eagle3-format.md, "Checkpoint layout", written out here rather than derived from the exporter.
 EXPECTED_SHAPES = {
     "fc.weight": (H, 3 * H),
     "midlayer.hidden_norm.weight": (H,),

@@ -1,6 +1,6 @@
 """Export a trained specjax EAGLE-3 draft as the checkpoint vLLM and SGLang load.
 
-Layout (shared/reference/eagle3-contract.md §2.11): one folder with
+Layout (docs/eagle3-format.md, "Checkpoint layout"): one folder with
   model.safetensors     fc / midlayer.* / norm / lm_head weights (HF [out, in] = kernel.T), d2t int64
                         offsets [Vd], t2d bool [V]; no `model.` prefix and no embed_tokens (engines use
                         the target's embedding)
@@ -76,7 +76,8 @@ def _np_dtype(name: str):
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape for a draft config (the §2.11 key set, weights only)."""
+    """HF key -> shape for a draft config (the key set of docs/eagle3-format.md, "Checkpoint layout";
+    weights only)."""
     H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return {
@@ -156,7 +157,7 @@ def normalize_variant(variant: Optional[str], cfg) -> str:
 
 
 def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") -> dict:
-    """The draft's config.json (contract §2.3 / §2.11)."""
+    """The draft's config.json (docs/eagle3-format.md, "config.json keys")."""
     tc = target_text_config(target_hf_config)
     rope_parameters = cfg.rope.to_hf()
     out_ids = [int(i) for i in cfg.aux_layer_ids]
@@ -186,7 +187,8 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": out_ids, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in out_ids],
         # Engines feed the pre-norm hidden to the next draft step when these are false, which is how
-        # the draft was trained (contract §2.3: `norm_output` means something else in SpecForge).
+        # the draft was trained (`norm_output` means something else in SpecForge: docs/eagle3-format.md,
+        # "EAGLE-3.1 flags (fc_norm, norm_output)").
         "norm_before_residual": False,
         "norm_output": bool(getattr(cfg, "norm_output", False)),
         "torch_dtype": normalize_dtype(dtype),

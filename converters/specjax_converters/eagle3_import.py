@@ -1,6 +1,6 @@
 """Import a published EAGLE-3 draft head into specjax draft params (warm start, re-export, eval).
 
-Reads the two layouts other trainers publish (shared/reference/eagle3-contract.md §2.2, §2.7):
+Reads the two layouts other trainers publish (docs/eagle3-format.md, "Layouts other trainers publish"):
   * Llama-EAGLE3 (SpecForge, official EAGLE, specjax exports): `midlayer.*` keys, config.json with
     `LlamaForCausalLMEagle3`, aux ids in `eagle_config` (output-of-layer) and/or top level (input);
   * speculators: `layers.0.*` keys, `speculators_model_type: eagle3`, decoder fields in
@@ -123,7 +123,8 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         _refuse(folder, unknown[0], f"unexpected tensor(s) {unknown}", "import an EAGLE-3 (Llama) head")
     missing = [n for n in shapes if n not in by_new]
     if missing:
-        _refuse(folder, missing[0], f"missing tensor(s) {missing}", "the head must hold the full §2.11 key set")
+        _refuse(folder, missing[0], f"missing tensor(s) {missing}",
+                "the head must hold the full key set (docs/eagle3-format.md, \"Checkpoint layout\")")
     for n in by_new:
         if n in _IGNORED_KEYS:
             notes.append(f"{n} ignored (specjax uses the target's embedding / has no verifier copy)")
@@ -152,7 +153,8 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     norm_output = bool(cfg.get("norm_output", False))
     if norm_output and layout == "llama" and not (manifest and manifest.get("format") == "specjax-eagle3"):
         notes.append("norm_output: true read with the vLLM/SGLang meaning (post-norm hidden fed to the next step); "
-                     "SpecForge writes it meaning 'norm before lm_head' (contract §2.3)")
+                     "SpecForge writes it meaning 'norm before lm_head' (docs/eagle3-format.md, "
+                     "\"EAGLE-3.1 flags (fc_norm, norm_output)\")")
     try:
         rope = rope_spec_from_hf(cfg)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""Validate an EAGLE-3 draft head against the serving contract (shared/reference/eagle3-contract.md §2).
+"""Validate an EAGLE-3 draft head against the serving format (docs/eagle3-format.md).
 
 Every rule below is a failure that engines do not report: they load the head and it underperforms
 (random weights for dropped keys, wrong aux taps, identity d2t, wrong RoPE, tied heads, ...).
@@ -49,7 +49,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 MANIFEST_FILE = "specjax_manifest.json"
-# d2t/t2d are the only non-weight tensors of the contract (§2.4).
+# d2t/t2d are the only non-weight tensors of a head (docs/eagle3-format.md, "d2t and t2d").
 VOCAB_KEYS = ("d2t", "t2d")
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 # safetensors dtype names <-> numpy
@@ -270,7 +270,8 @@ def is_hybrid_target(target_config: Mapping) -> bool:
 
 
 def default_aux_ids(num_layers: int) -> list[int]:
-    """SpecForge/SGLang default taps, output-of-layer-k convention: [1, L//2-1, L-4] (contract §2.8)."""
+    """SpecForge/SGLang default taps, output-of-layer-k convention: [1, L//2-1, L-4]
+    (docs/eagle3-format.md, "Aux layer ids")."""
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -352,7 +353,8 @@ def _head_dim(config: Mapping) -> int:
 
 def expected_weight_shapes(config: Mapping, prefix: str = "midlayer.") -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of every weight a one-layer Llama-EAGLE3 head with this (flat) config has
-    (§2.11 key set; fc_norm.{i} only with fc_norm); d2t/t2d not included."""
+    (the key set of docs/eagle3-format.md, "Checkpoint layout"; fc_norm.{i} only with fc_norm); d2t/t2d
+    not included."""
     H = int(config["hidden_size"])
     tH = int(config.get("target_hidden_size") or H)
     inter = int(config["intermediate_size"])
@@ -448,7 +450,8 @@ def _check_layout_fields(layout, cfg, config, bad):
     if "speculators_config" in config or "speculators_model_type" in config:
         bad("config.speculators_mix", "speculators_config",
             "a Llama-EAGLE3 config that also carries speculators fields (vLLM then takes the speculators path)",
-            "remove speculators_config from a Llama-layout head (contract §2.3: do not mix the paths)")
+            "remove speculators_config from a Llama-layout head (do not mix the paths: docs/eagle3-format.md, "
+            "\"config.json keys\")")
     arch = config.get("architectures")
     if arch != [ARCHITECTURE]:
         bad("config.architectures", "architectures", f"{arch!r}, not [{ARCHITECTURE!r}] (SGLang's only "
@@ -531,8 +534,8 @@ def _check_fields(cfg, bad, variant):
     if norm_output is None and "_speculators" not in cfg:
         bad("config.norm_output", "norm_output",
             "absent: engines default to false (pre-norm feedback) but SpecForge reads absent as true with "
-            "another meaning (contract §2.3)", 'write "norm_output": false (or true for an EAGLE-3.1 head '
-            "trained with post-norm feedback)", "warning")
+            "another meaning (docs/eagle3-format.md, \"EAGLE-3.1 flags (fc_norm, norm_output)\")",
+            'write "norm_output": false (or true for an EAGLE-3.1 head trained with post-norm feedback)', "warning")
     if is31:
         bad("config.eagle31", "fc_norm" if fc_norm else "norm_output",
             "EAGLE-3.1 head: needs 2026+ engines (vLLM and SGLang with fc_norm/norm_output); one published "
@@ -616,7 +619,7 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
         if k.startswith("fc_norm.") and any(n in tensors for n in _LEGACY_AUX_NORMS):
             continue  # reported below as the legacy names
         bad("keys.missing", k, "missing from the weights (engines would run it randomly initialised)",
-            "export every tensor of the contract key set (§2.11)")
+            "export every tensor of the head's key set (docs/eagle3-format.md, \"Checkpoint layout\")")
     for k in unknown:
         if k in _LEGACY_AUX_NORMS:
             bad("keys.unknown", k, "legacy EAGLE-3.1 name: vLLM raises on it and old SGLang drops it",
@@ -626,7 +629,8 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
                 'write "fc_norm": true (EAGLE-3.1) or drop the fc_norm weights')
         else:
             bad("keys.unknown", k, "not part of the EAGLE-3 head: SGLang drops unknown keys silently and "
-                "vLLM refuses to load them", "remove it from the export (only the §2.11 key set)")
+                "vLLM refuses to load them",
+                "remove it from the export (only the key set of docs/eagle3-format.md, \"Checkpoint layout\")")
     if "embed_tokens.weight" in tensors:
         want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
         if tensors.shape("embed_tokens.weight") != want:

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft head: fc over three target aux states, one Llama decoder layer whose q/k/v read
 [input_layernorm(embedding), hidden_norm(h)] (2H wide, embedding first), a final norm, and an
-lm_head over the draft vocab (reference: shared/reference/eagle3-contract.md §2.1, §3.2).
+lm_head over the draft vocab (docs/eagle3-format.md, "The draft network" and "TTT training semantics").
 
 Parameters are a plain pytree (layout in docs/INTERFACES.md); every function here is pure. The
 token embedding is the target's (frozen) and is passed in as an array.
@@ -39,7 +39,8 @@ class Eagle3Config:
     rope: RopeSpec = RopeSpec()  # the target's RoPE (the draft's positions are the target's)
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
-    # EAGLE-3.1 options (off = plain EAGLE-3; contract §2.2/§2.3, vLLM/SGLang 2026 meaning):
+    # EAGLE-3.1 options (off = plain EAGLE-3; vLLM/SGLang 2026 meaning;
+    # docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)"):
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc (params fc_norm.{i}.scale, [tH] each)
     norm_output: bool = False  # feed norm(h_out) instead of the pre-norm h_out to the next draft step
 
@@ -175,7 +176,8 @@ def decoder_layer(
     """One draft step. `kv_cache` holds (k, v) of earlier TTT steps ([] at step 0); step k = len(kv_cache).
 
     Returns (h_out pre-norm [B,T,H], (k_new, v_new)). RoPE positions are `positions + k` for the
-    queries and the new keys, so the diagonal key of step i sits at t+i (contract §3.4).
+    queries and the new keys, so the diagonal key of step i sits at t+i
+    (docs/eagle3-format.md, "TTT training semantics").
     """
     B, T, _ = hidden_btd.shape
     step = len(kv_cache)
@@ -234,7 +236,8 @@ def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.nda
 
 def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:
     """The hidden state the next draft step reads: the pre-norm output (EAGLE-3), or its final-norm
-    output when cfg.norm_output (the vLLM/SGLang meaning of `norm_output`, contract §2.3)."""
+    output when cfg.norm_output (the vLLM/SGLang meaning of `norm_output`;
+    docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)")."""
     if not cfg.norm_output:
         return h_btd
     return rms_norm(h_btd, params["norm"]["scale"].astype(h_btd.dtype), cfg.rms_norm_eps)

@@ -1,6 +1,6 @@
 """The training-time-test (TTT) objective: K draft steps unrolled over a whole packed sequence.
 
-Alignment (contract §3.1, §3.3), for row t of a packed row whose tokens are x:
+Alignment (docs/eagle3-format.md, "TTT training semantics"), for row t of a packed row whose tokens are x:
   step k input token  : x[t+1+k]          (teacher-forced ground truth)
   step k input hidden : fc(aux[t]) at k=0, else the draft's own pre-norm output of step k-1, row t
                         (its final-norm output with cfg.norm_output, EAGLE-3.1)

@@ -1,4 +1,5 @@
-"""Optimizer: AdamW with linear warmup then cosine decay, global-norm clipping (contract §3.9)."""
+"""Optimizer: AdamW with linear warmup then cosine decay, global-norm clipping
+(docs/eagle3-format.md, "Optimizer recipe")."""
 from __future__ import annotations
 
 import jax

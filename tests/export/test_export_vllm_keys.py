@@ -1,7 +1,8 @@
 """vLLM's weight-name mapping for Llama EAGLE-3 drafts, applied to our exported keys.
 
 vLLM is not installed here (GPU-only). The test spells out its documented loading path
-(shared/reference/eagle3-contract.md §2.5; vllm/model_executor/models/llama_eagle3.py, 2026 main):
+(docs/eagle3-format.md, "How engines load the weights"; vllm/model_executor/models/llama_eagle3.py,
+2026 main):
   Eagle3LlamaForCausalLM.load_weights: skip `t2d`; `d2t` -> `draft_id_to_target_id`; every other
     name without "lm_head" gets the `model.` prefix; AutoWeightsLoader then hands `model.*` to
   LlamaModel.load_weights: `midlayer.` -> `layers.0.`; q/k/v_proj -> qkv_proj (shards q, k, v),
@@ -157,7 +158,7 @@ def test_the_mapping_catches_broken_heads(exported, defect):
     """The same check fails for the layouts that break in vLLM (so the test above can fail)."""
     conf, tensors = exported
     tensors = dict(tensors)
-    if defect == "model_prefix":  # becomes model.model.* (contract §2.5)
+    if defect == "model_prefix":  # becomes model.model.* (docs/eagle3-format.md, "How engines load the weights")
         tensors = {("model." + k if k not in ("d2t", "t2d") else k): v for k, v in tensors.items()}
     elif defect == "unknown_key":
         tensors["aux_norm_low.weight"] = np.ones(4, np.float32)

@@ -1,7 +1,7 @@
 """TTT attention reference vs an independent dense formulation.
 
 The independent version concatenates the keys of all steps along the key axis ([T, (k+1)T]) and
-builds the mask the way the flex-attention trainers describe it (contract §3.4):
+builds the mask the way the flex-attention trainers describe it (docs/eagle3-format.md, "TTT training semantics"):
   block 0: kv <= q within the same segment;  block i >= 1: kv position == q position.
 It is the naive O(T * (k+1)T) form the reference avoids; both must agree."""
 import jax

@@ -77,7 +77,8 @@ def build_draft(export_config: dict, state_dict: dict, embed_table) -> "torch.nn
 
     `norm_output` is forced to True: in SpecForge it means "apply the final norm before lm_head"
     (what specjax trains and engines do), whereas the exported `norm_output: false` carries the
-    vLLM/SGLang meaning "feed the pre-norm hidden to the next step" (contract §2.3).
+    vLLM/SGLang meaning "feed the pre-norm hidden to the next step"
+    (docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)").
     """
     from transformers import LlamaConfig
 

@@ -3,7 +3,8 @@
 (a) draft forward, TTT steps 0..2: project_aux / decoder_layer / draft_logits against SpecForge's
     project_hidden_states / backbone (sdpa path, shared cache_hidden) / compute_logits, with the
     default RoPE and with llama3 RoPE scaling;
-(b) the whole TTT objective: ttt_loss against OnlineEagle3Model fed the §3.1-shifted inputs:
+(b) the whole TTT objective: ttt_loss against OnlineEagle3Model fed inputs shifted as in
+    docs/eagle3-format.md, "TTT training semantics":
     per-step losses, accuracies and the gradient of the 0.8^k-weighted loss.
 
 The JAX params go into SpecForge through the exporter's key map (load_state_dict strict=True), and
@@ -153,11 +154,12 @@ def test_ttt_objective_matches_specforge(monkeypatch):
 
     (total, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)(params)
 
-    # ---- SpecForge, inputs shifted as its TargetHead.preprocess does (contract §3.1) ----
+    # ---- SpecForge, inputs shifted as its TargetHead.preprocess does (docs/eagle3-format.md, "Input shift") ----
     mod = eagle3_trainer_module()
     monkeypatch.setattr(mod, "LogSoftmaxLoss", TorchSoftCE)  # its Triton kernel cannot run on CPU
     draft = specforge_draft(target_hf, cfg, params, vocab, data["embed"]).train()
-    draft.freeze_embedding()  # as SpecForge trains (contract §3.2); ttt_loss stops its gradient too
+    # as SpecForge trains (docs/eagle3-format.md, "Frozen embedding"); ttt_loss stops its gradient too
+    draft.freeze_embedding()
     trainer = mod.OnlineEagle3Model(draft, length=K, attention_backend="sdpa")
     target_logits = torch.from_numpy(final_hidden) @ torch.from_numpy(lm_head).T  # [B,T,V] fp32
     shifted_ids = to_torch(shift_left(jnp.asarray(data["x"]), 1)).long()
