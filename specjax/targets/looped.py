@@ -1,8 +1,9 @@
 """Looped (weight-shared) frozen targets: the decoder stack, or a span of it, runs several times.
 
 Aux layer ids of a looped target address the unrolled **virtual depth** Lv (every layer
-application counts once, output-of-virtual-layer-k convention), e.g. [3, 23, 41] on 22 layers x 2
-loops (Lv = 44) as in the Nanbeige4.2-3B EAGLE-3 card; the default is [1, Lv//2-1, Lv-4]. The
+application counts once, output-of-virtual-layer-k convention), e.g. [2, 22, 40] on 22 layers x 2
+loops (Lv = 44), which the export writes as vLLM's [3, 23, 41], the key the Nanbeige4.2-3B EAGLE-3
+card gives; the default is [1, Lv//2-1, Lv-4]. The
 training target (final_hidden) is the state after the last virtual layer and the final norm.
 Each forward walks a static list of physical layer ids (the unroll) with one ``lax.scan`` per span
 between aux taps, so only the tapped states are kept.

@@ -3,7 +3,7 @@ estimate without allocating, a CLI run, and a reduced-size build that compiles a
 
 Full-size facts checked: Qwen3-30B-A3B has 30.53 B parameters and 3.35 B active per token (Qwen's
 model card: 30.5 B total, 3.3 B activated), 48 layers x 128 experts x [2048, 768] expert kernels;
-the looped config has 22 physical layers, 44 virtual ones and taps [3, 23, 41].
+the looped config has 22 physical layers, 44 virtual ones and taps [2, 22, 40] (exported as [3, 23, 41]).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_full_size_shapes_without_allocating():
     assert q["estimate_bytes"] == q["target_param_bytes"] + q["draft_train_state_bytes"]
 
     assert lp["architecture"] == "LoopedLlamaForCausalLM"
-    assert (lp["num_hidden_layers"], lp["num_layers"], lp["aux_layer_ids"]) == (22, 44, [3, 23, 41])
+    assert (lp["num_hidden_layers"], lp["num_layers"], lp["aux_layer_ids"]) == (22, 44, [2, 22, 40])
     assert lp["leaves"]["layers/self_attn/q_proj/kernel"] == [22, 2560, 2560]  # weights of 22 layers only
     assert lp["leaves"]["embed_tokens/embedding"] == [166144, 2560]
 
@@ -71,7 +71,7 @@ def test_cli(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert shapes.main(["--config", LOOPED, "--no-compile", "--show-leaves", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "22 layers, 44 virtual" in text and "[3, 23, 41]" in text and "layers/mlp/down_proj/kernel" in text
+    assert "22 layers, 44 virtual" in text and "[2, 22, 40]" in text and "layers/mlp/down_proj/kernel" in text
     assert json.loads(out.read_text())["num_layers"] == 44
     # bad aux ids for the virtual depth: a clear error, exit code 2
     assert shapes.main(["--config", LOOPED, "--no-compile", "target.aux_layer_ids=[3,23,44]"]) == 2
