@@ -5,8 +5,9 @@ on evaluation prompts, against plain greedy decoding of the same target on the s
         [--limit N] [--max-new-tokens M] [--temperature T] [--mode chain|tree] [--out results.json]
         [--compare other.json --margin X [--compare-metric tau|speedup|spec_tok_s] [--relative-margin]]
 
-Per dataset it prints: prompts, verification steps, tau (mean tokens emitted per step, bonus token
-included) with a 95% interval (prompts are the unit; see specjax.eval.stats), per-position
+Per dataset it prints: prompts, verification steps, tau as vLLM reports it (1 + accepted draft
+tokens / drafts, i.e. the bonus token of every step included) with a 95% interval, the tokens the
+output kept per step (an EOS or the length limit ends the last step early, so <= tau) (prompts are the unit; see specjax.eval.stats), per-position
 acceptance (unconditional, and conditional on the previous position), speculative and greedy
 tokens/s and the speedup with a two-sample delta-method 95% interval. The JSON written with --out
 holds the configuration, versions, device and every prompt's raw counts, so a later run can be
@@ -38,7 +39,7 @@ from specjax.eval import stats
 log = logging.getLogger("specjax")
 
 RESULTS_FORMAT = "specjax-eval"
-RESULTS_VERSION = 1
+RESULTS_VERSION = 2  # 2: tau is vLLM's 1 + accepted/drafts (1 was emitted/steps)
 COMPARE_METRICS = ("tau", "speedup", "spec_tok_s", "greedy_tok_s")
 
 
@@ -71,8 +72,9 @@ def eos_token_ids(target_dir: Optional[str], tokenizer) -> tuple[int, ...]:
 def render_prompt(tokenizer, template: str, messages: list[dict]) -> list[int]:
     """Chat-template the conversation with the generation prompt (the assistant header) and tokenize
     the text as is (the template already holds any BOS)."""
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=True)
+    from specjax.data.chat import render_chat
+
+    text = render_chat(tokenizer, template, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -230,8 +232,13 @@ def summarize_dataset(records: Sequence[dict], num_spec_tokens: int, level: floa
         "n_turns": int(sum(len(r["turns"]) for r in records)),
         "steps": int(steps.sum()),
         "emitted": int(emitted.sum()),
-        # intervals are clipped to what is possible: 1 <= tau <= K + 1
-        "tau": stats.ratio_estimate(emitted, steps, level, clip=(1.0, num_spec_tokens + 1.0)).to_dict(),
+        "accepted": int(acc.sum()),
+        # tau as vLLM reports it: 1 + accepted drafts / drafts (= (steps + accepted) / steps); intervals
+        # are clipped to what is possible: 1 <= tau <= K + 1
+        "tau": stats.ratio_estimate(steps + acc.sum(axis=1), steps, level,
+                                    clip=(1.0, num_spec_tokens + 1.0)).to_dict(),
+        # tokens the output kept per step (an EOS or the length limit ends the last step early)
+        "tokens_per_step": stats.ratio_estimate(emitted, steps, level, clip=(1.0, num_spec_tokens + 1.0)).to_dict(),
         "acceptance": {k: [e.to_dict() for e in v] for k, v in rates.items()},
         "spec_tokens": int(sum(t["spec_tokens"] for t in tot)),
         "spec_wall_s": float(sum(t["spec_wall_s"] for t in tot)),
@@ -273,13 +280,14 @@ def _est(d: Optional[dict]) -> str:
 
 
 def format_table(summaries: dict[str, dict]) -> str:
-    head = ["dataset", "n", "steps", "tau [95% CI]", "accept/pos (uncond.)", "accept/pos (cond.)",
+    head = ["dataset", "n", "steps", "tau [95% CI]", "tok/step", "accept/pos (uncond.)", "accept/pos (cond.)",
             "spec tok/s", "greedy tok/s", "speedup [95% CI]"]
     rows = []
     for name, s in summaries.items():
         pos_u = " ".join(f"{e['value']:.2f}" for e in s["acceptance"]["unconditional"])
         pos_c = " ".join(f"{e['value']:.2f}" for e in s["acceptance"]["conditional"])
-        rows.append([name, str(s["n_prompts"]), str(s["steps"]), _est(s["tau"]), pos_u, pos_c,
+        rows.append([name, str(s["n_prompts"]), str(s["steps"]), _est(s["tau"]),
+                     f"{s['tokens_per_step']['value']:.3f}", pos_u, pos_c,
                      f"{s['spec_tok_s']['value']:.1f}",
                      f"{s['greedy_tok_s']['value']:.1f}" if "greedy_tok_s" in s else "-",
                      _est(s.get("speedup"))])
@@ -488,7 +496,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def progress(i, n, rec):
         t = rec["totals"]
-        print(f"[{i}/{n}] {rec['dataset']}/{rec['id']}: {t['steps']} steps, tau {t['emitted'] / max(t['steps'], 1):.2f}"
+        print(f"[{i}/{n}] {rec['dataset']}/{rec['id']}: {t['steps']} steps, tau {1 + sum(t['accepted_per_position']) / max(t['steps'], 1):.2f}"
               + (", MISMATCH" if t["mismatched_turns"] else ""), file=sys.stderr, flush=True)
 
     records = measure(decoder, tokenizer, template, prompts, num_spec_tokens=args.num_spec_tokens,
@@ -518,7 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "versions": versions(),
         "device": device_info(),
         "statistics": {"unit": "prompt (all turns of a conversation)", "level": 0.95,
-                       "tau": "sum(emitted)/sum(steps), cluster delta-method se, t(n-1)",
+                       "tau": "1 + sum(accepted)/sum(steps) (vLLM's definition), cluster delta-method se, t(n-1)",
+                       "tokens_per_step": "sum(emitted)/sum(steps), same method",
                        "speedup": "mean(spec tok/s)/mean(greedy tok/s) per prompt, two-sample delta method, Welch df"},
         "datasets": summaries,
         "equality_checked": checked,

@@ -1,6 +1,7 @@
 """Lossless speculative decoding with an EAGLE-3 draft and the JAX target (batch size 1).
 
-How one step runs (as vLLM / SGLang run EAGLE-3; contract §2.1, drafts/eagle3.py, drafts/ttt.py):
+How one step runs (as vLLM / SGLang run EAGLE-3; docs/eagle3-format.md, "Speculative decoding step and
+acceptance length"; drafts/eagle3.py, drafts/ttt.py):
 
   sequence x_0 .. x_{N-1}; the target cache holds slots 0..N-2, x_{N-1} is the newest token.
   draft row t (slot t, RoPE position t) reads [embed(x_{t+1}), fc(target aux at t)]. The rows the
@@ -72,16 +73,27 @@ def load_draft(draft_dir: str) -> Draft:
 @dataclasses.dataclass
 class SpecResult:
     tokens: list[int]  # new tokens, cut before the first EOS
-    accept_lengths: list[int]  # tokens emitted per verification step incl. the bonus (tau = mean)
-    accepted_per_position: list[int]  # [num_spec_tokens]: steps whose draft token i was accepted
-    num_steps: int  # verification steps (target calls after the prefill)
+    accept_lengths: list[int]  # tokens emitted per verification step incl. the bonus, cut at EOS / the length limit
+    # [num_spec_tokens]: steps whose draft token i was accepted by the target, counted as vLLM counts
+    # them: every accepted draft of the step, also past an EOS or the length limit that ends the output
+    accepted_per_position: list[int]
+    num_steps: int  # verification steps (target calls after the prefill) = vLLM's "drafts"
     draft_time_s: float
     target_time_s: float
     wall_s: float
 
     @property
     def tau(self) -> float:
-        """Mean tokens per verification step, bonus included (nan with no step)."""
+        """Acceptance length as vLLM reports it: 1 + accepted draft tokens / drafts (nan with no step).
+        See docs/eagle3-format.md, "Speculative decoding step and acceptance length"."""
+        if not self.num_steps:
+            return float("nan")
+        return 1.0 + sum(self.accepted_per_position) / self.num_steps
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per verification step (the output's own count: an EOS or the length limit
+        ends a step early, so this is <= tau)."""
         return float(np.mean(self.accept_lengths)) if self.accept_lengths else float("nan")
 
     @property
@@ -529,7 +541,7 @@ class SpecDecoder:
                     stop = True
                     break
             res.accept_lengths.append(emitted)
-            for i in range(min(a, emitted)):
+            for i in range(a):  # vLLM counts the step's accepted drafts before its stop check
                 res.accepted_per_position[i] += 1
             res.num_steps = step
             if stop:

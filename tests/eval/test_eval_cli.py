@@ -94,13 +94,19 @@ def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_fil
         assert 1.3 < s["tau"]["value"] <= K + 1 and s["tau"]["lo"] <= s["tau"]["value"] <= s["tau"]["hi"]
         u = [e["value"] for e in s["acceptance"]["unconditional"]]
         assert all(a >= b for a, b in zip(u, u[1:]))  # accepting i requires accepting i-1
-        assert sum(u) <= s["tau"]["value"] <= 1 + sum(u) + 1e-12
+        # tau is vLLM's 1 + accepted/drafts, and the unconditional rates are accepted_i/drafts
+        assert s["tau"]["value"] == pytest.approx(1 + sum(u), rel=1e-12)
+        assert s["tokens_per_step"]["value"] <= s["tau"]["value"] + 1e-12
         assert len(s["acceptance"]["unconditional"]) == K and len(s["acceptance"]["conditional"]) == K
         assert s["spec_tok_s"]["value"] > 0 and s["greedy_tok_s"]["value"] > 0 and s["speedup"]["value"] > 0
-    # the raw per-prompt numbers reproduce the table: tau = sum(accept lengths) / steps over all turns
+    # the raw per-prompt numbers reproduce the table: tau = 1 + accepted / steps over all turns,
+    # tokens_per_step = sum(accept lengths) / steps
     recs = [r for r in res["prompts"] if r["dataset"] == "mtbench"]
     lens = [sum((t["spec"]["accept_lengths"] for t in r["turns"]), []) for r in recs]
-    assert mt["tau"]["value"] == pytest.approx(stats.tau_estimate(lens).value, rel=1e-12)
+    assert mt["tokens_per_step"]["value"] == pytest.approx(stats.tau_estimate(lens).value, rel=1e-12)
+    accepted = sum(sum(t["spec"]["accepted_per_position"]) for r in recs for t in r["turns"])
+    steps = sum(t["spec"]["num_steps"] for r in recs for t in r["turns"])
+    assert mt["accepted"] == accepted and mt["tau"]["value"] == pytest.approx(1 + accepted / steps, rel=1e-12)
     for r in recs:
         assert r["turns"][1]["prompt_tokens"] > r["turns"][0]["prompt_tokens"]  # turn 2 carries turn 1
         for t in r["turns"]:

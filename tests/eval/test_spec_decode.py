@@ -185,16 +185,40 @@ def test_oracle_chain_tau(setup):
     # 1 token from the prefill, then 12 = 4 + 4 + 4: every step accepts all K drafts + the bonus
     assert res.accept_lengths == [4, 4, 4] and res.tau == 4.0
     assert res.accepted_per_position == [3, 3, 3]
-    # 14 new tokens: 13 after the prefill = 4+4+4+1; the last step keeps only its first (accepted) token
+    # 14 new tokens: 13 after the prefill = 4+4+4+1; the last step keeps only its first token, but
+    # the target accepted all 3 drafts there, and vLLM counts them (before its stop check)
     res = dec.generate(PROMPT, max_new_tokens=14)
     assert res.tokens == ref[:14] and res.accept_lengths == [4, 4, 4, 1]
-    assert res.accepted_per_position == [4, 3, 3]
-    # EOS inside a step: emitted up to and including the EOS
+    assert res.accepted_per_position == [4, 4, 4]
+    assert res.tau == 1 + 12 / 4 and res.tokens_per_step == 13 / 4
+    # EOS inside a step: emitted up to and including the EOS; accepted counts every accepted draft
     i = 6
     eos = ref[i]
     cut = ref.index(eos)
     res = dec.generate(PROMPT, max_new_tokens=MAX_NEW, eos_token_ids=[eos])
     assert res.tokens == ref[:cut] and res.accept_lengths == split_lengths(cut, k + 1)
+    assert res.accepted_per_position == [res.num_steps] * k  # the oracle's drafts are always accepted
+    assert res.tau == 1 + k
+
+
+def test_tau_counts_as_vllm_does():
+    """A hand-built case: K=3, three verification steps accepting 3, 1 and 2 drafts, where step 3
+    accepts an EOS at draft position 0 (so the output keeps 1 token of it). vLLM's
+    `1 + num_accepted_tokens / num_drafts` is 1 + 6/3 = 3.0; tokens emitted per step (4, 2, 1) give
+    7/3, the figure specjax printed as tau before. Both, through the CLI's per-dataset summary."""
+    from specjax.eval.cli import summarize_dataset
+
+    per_pos = [3, 2, 1]  # steps whose draft i was accepted: a = 3, 1, 2
+    res = sd.SpecResult(tokens=list(range(8)), accept_lengths=[4, 2, 1], accepted_per_position=per_pos,
+                        num_steps=3, draft_time_s=0.0, target_time_s=0.0, wall_s=1.0)
+    assert res.tau == 3.0 and res.tokens_per_step == pytest.approx(7 / 3)
+    rec = {"totals": {"steps": 3, "emitted": 7, "accepted_per_position": per_pos, "spec_tokens": 8,
+                      "spec_wall_s": 1.0, "draft_time_s": 0.0, "target_time_s": 0.0, "mismatched_turns": 0},
+           "turns": [{}]}
+    s = summarize_dataset([rec, rec], 3)
+    assert s["tau"]["value"] == pytest.approx(3.0, rel=1e-12) and s["accepted"] == 12
+    assert s["tokens_per_step"]["value"] == pytest.approx(7 / 3, rel=1e-12)
+    assert [e["value"] for e in s["acceptance"]["unconditional"]] == pytest.approx([1.0, 2 / 3, 1 / 3])
 
 
 def test_oracle_tree(setup):
