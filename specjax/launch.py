@@ -89,7 +89,10 @@ def main(argv=None) -> int:
 
     from specjax.convert import ConvertError, ensure_target_folder
 
+    from specjax.train.loop import preflight
+
     try:
+        preflight(cfg)  # jinja2, tokenizer, template: before conversion, regeneration, the target build
         if cfg.target.gguf:
             ensure_target_folder(cfg.target.path, cfg.target.gguf)
         cfg = run_regenerate_stage(cfg)

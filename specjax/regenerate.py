@@ -273,6 +273,12 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         tok = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=a["trust_remote_code"])
     except (OSError, ValueError) as e:
         raise RegenerateError(f"cannot load the tokenizer from {tok_path!r}: {e}") from e
+    from specjax.data.chat import ChatTemplateUnusable, check_chat_template
+
+    try:  # before the target is loaded: a missing jinja2 is not a row's problem
+        check_chat_template(tok, a["chat_template"])
+    except ChatTemplateUnusable as e:
+        raise RegenerateError(str(e)) from e
     target = load_target(a["target"], dtype=a["dtype"])
     if len(tok) > target.config.vocab_size:
         raise RegenerateError(f"the tokenizer has {len(tok)} tokens but the target's vocab_size is "

@@ -28,8 +28,8 @@ import os
 import numpy as np
 
 __all__ = [
-    "Example", "SkipRow", "tokenize_conversation", "resolve_chat_template", "CHAT_TEMPLATE_HINT",
-    "REASONING_OPEN", "REASONING_CLOSE",
+    "Example", "SkipRow", "ChatTemplateUnusable", "tokenize_conversation", "resolve_chat_template",
+    "render_chat", "check_chat_template", "CHAT_TEMPLATE_HINT", "REASONING_OPEN", "REASONING_CLOSE",
 ]
 
 # The reasoning-trace convention of Qwen3 / DeepSeek-R1 / vLLM reasoning parsers.
@@ -41,6 +41,75 @@ CHAT_TEMPLATE_HINT = (
     "set one with the config key `data.chat_template` (a Jinja template string or a path to a "
     ".jinja file), e.g. the template of the instruct model the target was tuned as"
 )
+
+
+class ChatTemplateUnusable(ValueError):
+    """The chat template cannot be rendered for any row: a missing package (jinja2), a template that
+    does not compile, a tokenizer that cannot apply it. A property of the machine or the config, not
+    of a row, so it stops the run at its first occurrence instead of being counted as a skip."""
+
+
+_JINJA_FIX = (
+    "transformers renders chat templates with jinja2, which is not installed in this environment; "
+    "install it (`pip install 'jinja2>=3.1'`, or reinstall specjax, which depends on it) and run again"
+)
+
+
+def _environment_problem(e: BaseException) -> ChatTemplateUnusable | None:
+    """The ChatTemplateUnusable for an exception from rendering, or None when it is a row's problem
+    (e.g. a template's raise_exception() for roles that do not alternate)."""
+    if isinstance(e, ImportError):  # transformers raises it when jinja2 is missing
+        return ChatTemplateUnusable(f"the chat template cannot be rendered: {e}. Fix: {_JINJA_FIX}.")
+    try:
+        from jinja2.exceptions import TemplateSyntaxError
+    except ImportError:  # pragma: no cover - jinja2 missing is caught above
+        return None
+    if isinstance(e, TemplateSyntaxError):
+        return ChatTemplateUnusable(
+            f"the chat template does not compile (line {e.lineno}: {e.message}); fix it or "
+            f"{CHAT_TEMPLATE_HINT}.")
+    return None
+
+
+def render_chat(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+    """`apply_chat_template` to text. Raises ChatTemplateUnusable when the template cannot be rendered
+    at all (see there); any other exception is the row's and propagates unchanged."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except Exception as e:  # noqa: BLE001 - classified, then re-raised
+        env = _environment_problem(e)
+        if env is not None:
+            raise env from e
+        raise
+    if not isinstance(text, str):  # defensive: some versions return a list for batched input
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+_PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]
+
+
+def check_chat_template(tokenizer=None, template: str | None = None) -> None:
+    """Before any expensive stage: jinja2 importable, and (with a tokenizer) the template renders a
+    two-turn probe conversation. Raises ChatTemplateUnusable naming the cause and the fix. A template
+    that rejects the probe for a row-like reason (e.g. it requires a system turn) passes: rows are
+    judged one by one later."""
+    try:
+        import jinja2  # noqa: F401
+    except ImportError as e:
+        raise ChatTemplateUnusable(f"cannot import jinja2 ({e}). Fix: {_JINJA_FIX}.") from None
+    if tokenizer is None:
+        return
+    tmpl = resolve_chat_template(tokenizer, template)
+    try:
+        render_chat(tokenizer, tmpl, _PROBE, add_generation_prompt=False)
+    except ChatTemplateUnusable:
+        raise
+    except Exception:  # noqa: BLE001 - the probe's own problem, not the environment's
+        pass
 
 
 class SkipRow(Exception):
@@ -80,14 +149,7 @@ def resolve_chat_template(tokenizer, chat_template: str | None = None) -> str:
     return tmpl
 
 
-def _render(tokenizer, template: str, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
-    text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-        **kwargs,
-    )
-    if not isinstance(text, str):  # defensive: some versions return a list for batched input
-        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
-    return text
+_render = render_chat
 
 
 def _special_strings(tokenizer) -> list[str]:
@@ -242,7 +304,8 @@ def tokenize_conversation(
     ``mask_generation_prompt``; see the module docstring).
 
     Raises SkipRow for a conversation that cannot be used, ValueError for a tokenizer that
-    cannot do the job (no chat template, no offsets)."""
+    cannot do the job (no chat template, no offsets), ChatTemplateUnusable (a ValueError) when the
+    template cannot be rendered at all (jinja2 missing, a syntax error)."""
     if seq_length <= 0:
         raise ValueError(f"seq_length must be positive, got {seq_length}")
     template = resolve_chat_template(tokenizer, chat_template)
@@ -254,6 +317,8 @@ def tokenize_conversation(
 
     try:
         full = _render(tokenizer, template, messages, add_generation_prompt=False)
+    except ChatTemplateUnusable:
+        raise  # the machine's or the config's problem: stop at the first row, not 3000 skips
     except Exception as e:  # raise_exception() in templates, e.g. roles that do not alternate
         raise SkipRow("chat template error", f"{type(e).__name__}: {e}") from None
     if not full.strip():

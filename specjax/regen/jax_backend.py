@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from specjax.regen.common import LOGGER_NAME, Answer, Item, RegenerateError, compose_answer, split_reasoning
+from specjax.data.chat import ChatTemplateUnusable
 
 __all__ = ["JaxBackend", "eos_token_ids", "generation_defaults"]
 
@@ -113,9 +114,9 @@ class JaxBackend:
         self.generate_fn = generate_fn
 
     def encode(self, prompt: Sequence[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(prompt), chat_template=self.template, tokenize=False, add_generation_prompt=True
-        )
+        from specjax.data.chat import render_chat
+
+        text = render_chat(self.tokenizer, self.template, list(prompt), add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def fit_prompt(self, prompt: Sequence[dict]) -> tuple[list[int], tuple | None] | None:
@@ -147,6 +148,8 @@ class JaxBackend:
         for i, it in enumerate(items):
             try:
                 fitted = self.fit_prompt(it.prompt)
+            except ChatTemplateUnusable:
+                raise  # jinja2 missing, a template that does not compile: not this row's problem
             except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
                 log.debug("row %d: chat template error: %s", it.source_index, e)
                 out[i] = Answer(None, "chat template error")

@@ -1,0 +1,94 @@
+"""An environment or configuration problem stops the run at once, with one message, before any
+expensive stage; it is never counted as thousands of bad rows.
+
+The first case is the one a new user met: transformers renders chat templates with jinja2, and a
+machine without it used to skip every row as a "chat template error" after building the target.
+Here jinja2 is made unimportable the way an uninstalled package is (`sys.modules["jinja2"] = None`
+in a sitecustomize: `import jinja2` raises ModuleNotFoundError and importlib finds no spec), and the
+real CLI runs the real default config."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specjax.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_missing_jinja2_stops_the_demo_before_the_target_is_built(tmp_path):
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text('import sys\nsys.modules["jinja2"] = None  # as if not installed\n')
+    target = tmp_path / "demo_target"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specjax.launch", "--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"),
+         f"run.output_dir={tmp_path / 'run'}", f"target.path={target}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out  # one message, not one per row
+    assert "jinja2" in errors[0] and "pip install" in errors[0], errors[0]
+    assert "skipped" not in out and "chat template error" not in out
+    # stopped before the demo target (tokenizer + pretraining) was built or any step compiled
+    assert not target.exists() and "[demo]" not in out and "train:" not in out
+
+
+def _cfg(tmp_path, tiny_target, *overrides):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    return load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [
+        f"run.output_dir={tmp_path / 'run'}", f"target.path={tiny_target}", "target.build_demo=false",
+        f"data.train_files=[{data}]", *overrides])
+
+
+@pytest.fixture
+def no_target_build(monkeypatch):
+    from specjax.train import loop
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was built before the environment check")
+
+    monkeypatch.setattr(loop, "build_target", refuse)
+
+
+def test_template_that_does_not_compile_stops_before_the_target(tmp_path, tiny_target, no_target_build):
+    from specjax.data.chat import ChatTemplateUnusable
+    from specjax.train.loop import train
+
+    cfg = _cfg(tmp_path, tiny_target, "data.chat_template={% for m in messages %}{{ m.content }")
+    with pytest.raises(ChatTemplateUnusable, match=r"does not compile .*data\.chat_template"):
+        train(cfg)
+
+
+def test_unloadable_tokenizer_stops_before_the_target(tmp_path, tiny_target, no_target_build):
+    from specjax.train.loop import train
+
+    bad = tmp_path / "tok"
+    bad.mkdir()
+    (bad / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer from .*tok.*data\.tokenizer"):
+        train(_cfg(tmp_path, tiny_target, f"data.tokenizer={bad}"))
+
+
+def test_a_rows_template_error_is_still_a_counted_skip(tiny_target):
+    """raise_exception() inside a template is about that row (here: a system turn the template
+    refuses), so it stays a counted skip; the environment check passes."""
+    from transformers import AutoTokenizer
+
+    from specjax.data.chat import SkipRow, check_chat_template, tokenize_conversation
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    tmpl = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"
+            "{% endif %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}")
+    check_chat_template(tok, tmpl)
+    msgs = [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}]
+    with pytest.raises(SkipRow, match="chat template error.*no system turns"):
+        tokenize_conversation(tok, msgs, 64, chat_template=tmpl)
