@@ -1,18 +1,25 @@
-"""Kernel benchmarks: TTT attention and fused soft-CE, every implementation vs the XLA baselines.
+"""Kernel benchmarks: TTT attention, fused soft-CE and routed MoE experts, every implementation vs the
+XLA baselines.
 
     JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernels.py --T 2048,8192,32768 --out results.json
+    JAX_PLATFORMS=cpu PYTHONPATH=kernels:. python benchmarks/kernels.py --small --ops moe --T 512
 
 Shapes (issue "Kernels", Llama-3.1-8B draft): B=1, 32 query heads, 8 KV heads, D=128, Vd=32000,
 H=4096, bf16; TTT step k=6 (the last of K=7 steps, the most keys: k0 plus 6 diagonal keys).
+MoE (`--ops moe`, T = tokens): one Qwen3-30B-A3B expert layer, E=128 experts, top-8, D=2048, F=768,
+gated SiLU, bf16; `--small`: E=32, top-2, D=F=64 in fp32 (the CPU case for which `auto` picks xla
+over the reference ragged_dot, which off TPU is expanded to a dense product over all E experts).
 Baselines:
   ttt  masked : the naive form, keys of all steps concatenated ([T,(k+1)T] scores) with an explicit mask
   ttt  reference: specjax's jnp definition ([T,T] scores plus k diagonal columns)
   ce   matmuls: the lm_head GEMMs alone (fwd h@W.T, bwd dd@W and dd.T@h) the fused op is compared to
+  moe  reference: ragged_dot grouped GEMMs (the definition) vs xla, the block-sparse grouped GEMM
 Times are the median of repeated runs after a warm-up (wall clock around block_until_ready).
 Memory is XLA's compiled plan (arguments + outputs + temporaries, `memory_analysis()`); Triton kernels
 hold no hidden buffers. TFLOP/s use model FLOPs: attention 4*B*Hq*D*(T^2/2 + k*T) forward and 2.5x that
 for the backward (FlashAttention convention); soft-CE 2*N*H*Vd per GEMM (+ teacher GEMMs when the
-teacher comes as hidden states), 1 GEMM forward and 3 forward+backward.
+teacher comes as hidden states), 1 GEMM forward and 3 forward+backward; MoE 2*T*k*3*D*F (the routed
+tokens' three expert GEMMs) forward and 3x that forward+backward.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ PEAK = 789e12  # measured bf16 matmul ceiling on the H200 (device README); re-me
 
 B, HQ, HKV, D, K_STEP = 1, 32, 8, 128, 6
 H, VD = 4096, 32000
+MOE_E, MOE_K, MOE_D, MOE_F, MOE_DTYPE = 128, 8, 2048, 768, jnp.bfloat16
 
 
 def timeit(f, args, budget_s=2.0, max_iters=20):
@@ -164,6 +172,27 @@ def bench_ce(rows, N, impls, deadline, teachers):
             tlog = None
 
 
+def bench_moe(rows, T, impls, deadline):
+    from specjax_kernels.moe import moe_experts
+    ks = jax.random.split(jax.random.key(T), 5)
+    x = jax.random.normal(ks[0], (T, MOE_D), jnp.float32).astype(MOE_DTYPE)
+    top, ids = jax.lax.top_k(jax.random.normal(ks[1], (T, MOE_E), jnp.float32), MOE_K)
+    w = jax.nn.softmax(top, -1).astype(MOE_DTYPE)
+    wt = lambda k, s: (0.05 * jax.random.normal(k, s, jnp.float32)).astype(MOE_DTYPE)  # noqa: E731
+    up, gate = wt(ks[2], (MOE_E, MOE_D, MOE_F)), wt(ks[3], (MOE_E, MOE_D, MOE_F))
+    down = wt(ks[4], (MOE_E, MOE_F, MOE_D))
+    fl = 2 * T * MOE_K * 3 * MOE_D * MOE_F
+    extra = dict(experts=MOE_E, top_k=MOE_K)
+    for impl in impls:
+        f = (lambda impl: lambda x, up, gate, down: moe_experts(
+            x, ids, w, up_edf=up, down_efd=down, gate_edf=gate, implementation=impl))(impl)
+        run_case(rows, "moe", impl, T, "fwd", f, (x, up, gate, down), fl, deadline, extra)
+
+        def fb(x, up, gate, down, f=f):
+            return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3))(x, up, gate, down)
+        run_case(rows, "moe", impl, T, "fwd+bwd", fb, (x, up, gate, down), 3 * fl, deadline, extra)
+
+
 def measure_peak(rows):
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.float32).astype(jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.float32).astype(jnp.bfloat16)
@@ -183,13 +212,15 @@ def main():
                     help="skip the O(T^2) baselines (masked, reference) above this T")
     ap.add_argument("--ce-impls", default="triton,pallas_gpu,xla_saved,xla,reference")
     ap.add_argument("--ce-teachers", default="hidden,logits")
+    ap.add_argument("--moe-impls", default="xla,reference", help="with --ops moe")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining cases after this long")
     ap.add_argument("--out", default=None, help="JSON lines file for the results")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test of this script)")
     a = ap.parse_args()
     if a.small:
-        global HQ, HKV, D, H, VD
+        global HQ, HKV, D, H, VD, MOE_E, MOE_K, MOE_D, MOE_F, MOE_DTYPE
         HQ, HKV, D, H, VD = 4, 2, 16, 64, 500
+        MOE_E, MOE_K, MOE_D, MOE_F, MOE_DTYPE = 32, 2, 64, 64, jnp.float32
     deadline = time.time() + a.budget_s
     rows: list = []
     dev = jax.devices()[0]
@@ -203,6 +234,8 @@ def main():
             bench_ttt(rows, T, impls, deadline)
         if "soft_ce" in a.ops:
             bench_ce(rows, T, a.ce_impls.split(","), deadline, a.ce_teachers.split(","))
+        if "moe" in a.ops:
+            bench_moe(rows, T, a.moe_impls.split(","), deadline)
     if a.out:
         with open(a.out, "w") as fh:
             for r in rows:

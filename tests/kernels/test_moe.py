@@ -6,8 +6,6 @@ token, non-gated (relu^2) experts, and tiny blocks so the blocked path spans man
 """
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,17 +127,18 @@ def test_selection_and_errors(caplog):
     assert "relu2" in moe.ACTIVATIONS
 
 
-def test_xla_path_is_faster_than_expanded_ragged_dot_on_cpu():
-    """Why `auto` picks xla on CPU: ragged_dot is expanded to all E groups there. Both are timed
-    after compilation on 512 tokens, k=2, 32 experts; the blocked path must win clearly."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cpu_benchmark_case_matches_dense_loop(impl):
+    """The case that decides `auto` = xla on CPU (512 tokens, k=2, 32 experts; `benchmarks/kernels.py
+    --small --ops moe --T 512` times both implementations on it): exact against the dense loop, and
+    xla equal to the reference ragged_dot. Speed is measured in the benchmark, not asserted here."""
     x, ids, w, up, down, gate = make_case(5, T=512, k=2, E=32, D=64, F=64)
-    times = {}
-    for impl in IMPLS:
-        fn = jax.jit(lambda x: moe_experts(x, ids, w, up_edf=up, down_efd=down, gate_edf=gate, implementation=impl))
-        fn(x).block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn(x).block_until_ready()
-        times[impl] = (time.perf_counter() - t0) / 3
-    print({k: f"{v * 1e3:.2f} ms" for k, v in times.items()})
-    assert times["xla"] < times["reference"], times
+    assert len(np.unique(ids)) == 32  # every expert gets tokens: all groups of the grouped GEMM are used
+    fn = jax.jit(lambda x: moe_experts(x, ids, w, up_edf=up, down_efd=down, gate_edf=gate, implementation=impl))
+    out = fn(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = rel(out, dense_loop(x, ids, w, up, down, gate))
+    assert err <= 1e-5, f"{impl}: rel err {err:.2e}"
+    if impl == "xla":
+        ref = moe_experts(x, ids, w, up_edf=up, down_efd=down, gate_edf=gate, implementation="reference")
+        assert rel(out, ref) <= 1e-5

@@ -4,6 +4,7 @@ folder cases in tests/parity/test_targets_hf.py, config cases in tests/unit/test
 import errno
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -26,13 +27,18 @@ def cfg(target, out, *extra):
 
 
 def test_draft_vocab_larger_than_target_vocab(tiny_target, tmp_path):
-    with pytest.raises(ValueError, match=r"draft_vocab_size.*(larger|exceeds|>)"):
+    with pytest.raises(ValueError, match=re.escape(
+            "draft_vocab_size 100000 is larger than the target vocab 320; set draft_vocab_size <= 320 "
+            "(= 320 means the full target vocab)")):
         train(cfg(tiny_target, tmp_path / "o", "draft.draft_vocab_size=100000"))
 
 
-@pytest.mark.parametrize("ids,msg", [("[1,2,99]", "range"), ("[2,1,3]", "increasing")])
+@pytest.mark.parametrize("ids,msg", [
+    ("[1,2,99]", "aux_layer_ids (1, 2, 99) out of range: valid ids are 0..3 (output of decoder layer k, 4 layers)"),
+    ("[2,1,3]", "aux_layer_ids (2, 1, 3) must be strictly increasing (valid range 0..3)"),
+], ids=["out_of_range", "not_increasing"])
 def test_aux_layer_ids_out_of_range_or_not_increasing(tiny_target, tmp_path, ids, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
         train(cfg(tiny_target, tmp_path / "o", f"target.aux_layer_ids={ids}"))
 
 
@@ -70,7 +76,8 @@ def test_empty_target_path_and_missing_weights(tiny_target, tmp_path):
     t = tmp_path / "noweights"
     shutil.copytree(tiny_target, t)
     os.remove(t / "model.safetensors")
-    with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"no model.safetensors or model.safetensors.index.json in {t} (only safetensors checkpoints load)")):
         train(cfg(str(t), tmp_path / "o2"))
 
 
@@ -78,7 +85,8 @@ def test_pickle_weights_are_refused(tiny_target, tmp_path):
     t = tmp_path / "pickled"
     shutil.copytree(tiny_target, t)
     os.rename(t / "model.safetensors", t / "pytorch_model.bin")
-    with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"no model.safetensors or model.safetensors.index.json in {t} (only safetensors checkpoints load)")):
         train(cfg(str(t), tmp_path / "o"))
 
 
@@ -116,13 +124,26 @@ def test_batch_not_divisible_by_mesh(tiny_target, tmp_path):
 def test_checkpoint_from_a_different_config_is_refused_with_a_diff(tiny_target, tmp_path):
     out = tmp_path / "o"
     train(cfg(tiny_target, out))
-    with pytest.raises(ckpt.CheckpointMismatch, match=r"(?s)different configuration.*mlp.*gate_proj.*restore_from=none"):
+    # the first run saved its final step (2); the diff names each tensor whose shape changed, and the fix
+    with pytest.raises(ckpt.CheckpointMismatch, match=(
+            rf"(?s)^checkpoint {re.escape(str(out))}/checkpoints/2 was written by a different configuration:\n"
+            r".*\n  params\.midlayer\.mlp\.gate_proj\.kernel: checkpoint \(32, 64\) != this config \(32, 48\)\n"
+            r".*\nUse a new run\.output_dir, or set checkpoint\.restore_from=none to start fresh\.$")):
         train(cfg(tiny_target, out, "draft.intermediate_size=48", "train.steps=4"))
 
 
 def test_restore_from_missing_checkpoint(tiny_target, tmp_path):
-    with pytest.raises((FileNotFoundError, ValueError), match="checkpoint"):
-        train(cfg(tiny_target, tmp_path / "o", f"checkpoint.restore_from={tmp_path}/ckpts/7"))
+    def expected(path):
+        return re.escape(f"checkpoint.restore_from='{path}' is not a saved checkpoint; give a "
+                         "<run>/checkpoints/<step> folder, 'latest' (default) or 'none'.")
+
+    missing = f"{tmp_path}/ckpts/7"  # a step folder that does not exist
+    with pytest.raises(FileNotFoundError, match=expected(missing)):
+        train(cfg(tiny_target, tmp_path / "o", f"checkpoint.restore_from={missing}"))
+    not_a_step = tmp_path / "ckpts"  # exists, but is not a <step> folder
+    not_a_step.mkdir()
+    with pytest.raises(FileNotFoundError, match=expected(not_a_step)):
+        train(cfg(tiny_target, tmp_path / "o2", f"checkpoint.restore_from={not_a_step}"))
 
 
 def test_disk_full_during_save_keeps_previous_checkpoint(tiny_target, tmp_path, monkeypatch):
@@ -155,11 +176,17 @@ def test_non_finite_steps_are_skipped_then_stop(tiny_target, tmp_path, caplog):
     w["model.embed_tokens.weight"] = np.full_like(w["model.embed_tokens.weight"], np.nan)
     save_file(w, str(t / "model.safetensors"), metadata={"format": "pt"})
     caplog.set_level("WARNING")
-    with pytest.raises(NonFiniteTrainingError, match=r"(?s)3 consecutive steps.*optim.lr.*rows"):
+    with pytest.raises(NonFiniteTrainingError, match=(
+            r"^3 consecutive steps \(up to step 3\) had a non-finite loss or gradient, so training stopped; "
+            rf"the last good state is checkpointed in {re.escape(str(tmp_path / 'o' / 'checkpoints'))}\. "
+            r"Likely causes: optim\.lr too high \(now 0\.0001\) or no/too-loose optim\.grad_clip \(now 0\.5\); "
+            r"bad data in the rows of the last batch \['[^']*demo_chat\.jsonl:\d+'")):
         train(cfg(str(t), tmp_path / "o", "train.steps=10", "train.max_consecutive_skips=3"))
-    assert "update skipped" in caplog.text and "demo_chat.jsonl:" in caplog.text
+    assert "step 1: non-finite loss or gradient; update skipped" in caplog.text and "demo_chat.jsonl:" in caplog.text
     mngr = ckpt.manager(str(tmp_path / "o" / "checkpoints"), read_only=True)
-    assert mngr.latest_step() is not None  # stopped with a checkpoint
+    # stopped with a checkpoint: each step's skip flag is read one step late, so the 3rd skip
+    # (step 3) is seen after step 4 ran (also skipped, params unchanged) and step 4 is saved
+    assert mngr.latest_step() == 4
 
 
 def test_skipped_step_leaves_params_bitwise_unchanged(tiny_target):
@@ -184,8 +211,7 @@ def test_skipped_step_leaves_params_bitwise_unchanged(tiny_target):
     batch = {"input_ids": jnp.arange(16, dtype=jnp.int32)[None] % 30, "loss_mask": jnp.ones((1, 16), jnp.int32),
              "segment_ids": jnp.ones((1, 16), jnp.int32), "positions": jnp.arange(16, dtype=jnp.int32)[None]}
     poisoned = jax.tree_util.tree_map(lambda x: x, target.params)
-    poisoned["embed_tokens"]["embedding"] = poisoned["embedding"] if False else jnp.full_like(
-        target.params["embed_tokens"]["embedding"], jnp.nan)
+    poisoned["embed_tokens"]["embedding"] = jnp.full_like(target.params["embed_tokens"]["embedding"], jnp.nan)
     state = init_state(params, opt, 0)
     before = jax.tree_util.tree_map(np.asarray, state["params"])
     state, m = fns.train_step(state, poisoned, vocab, batch)

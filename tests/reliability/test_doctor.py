@@ -1,10 +1,14 @@
-import json
 import os
+import re
 import shutil
 
 import numpy as np
 
 from specjax.doctor import main
+
+# every check the doctor runs for a config (without --draft), in the order it prints them
+CHECKS = ("config", "devices", "mesh fit", "target architecture", "target weights", "aux layer ids",
+          "tokenizer", "chat template", "data sample")
 
 
 def _yaml(tmp_path, target, **extra):
@@ -16,13 +20,27 @@ def _yaml(tmp_path, target, **extra):
     return str(p)
 
 
+def _statuses(out: str) -> dict:
+    """{check: status} from the doctor's `[STATUS] check: detail` lines (the python line is keyed `python`)."""
+    found = {}
+    for status, what in re.findall(r"^\[(OK  |WARN|FAIL)\] ([^:\n]+)", out, re.M):
+        found["python" if what.startswith("python ") else what] = status.strip()
+    return found
+
+
 def test_doctor_passes_on_a_good_setup(tiny_target, tmp_path, capsys):
+    """The tiny target with the shipped demo data: every check is OK (no warning, no failure)."""
     assert main(["--config", _yaml(tmp_path, tiny_target), "--rows", "50"]) == 0
     out = capsys.readouterr().out
-    for what in ("devices", "mesh fit", "target architecture", "target weights", "aux layer ids",
-                 "tokenizer", "chat template", "data sample"):
-        assert f"[OK  ] {what}" in out or f"[WARN] {what}" in out, what
-    assert "loss-mask density" in out and "LlamaForCausalLM" in out
+    assert _statuses(out) == {c: "OK" for c in CHECKS + ("python",)}, out
+    assert "[OK  ] mesh fit: {'data': 8, 'fsdp': 1, 'tensor': 1, 'context': 1, 'expert': 1}" in out
+    assert "[OK  ] target architecture: LlamaForCausalLM (supported: " in out
+    assert "[OK  ] target weights: model.safetensors" in out
+    assert "[OK  ] aux layer ids: [1, 2, 3] of 4 layers (output-of-layer-k convention)" in out
+    assert f"[OK  ] tokenizer: 320 tokens from {tiny_target}" in out
+    assert "[OK  ] chat template: the tokenizer's own" in out
+    assert re.search(r"^\[OK  \] data sample: 50/50 rows usable, \d+ tokens, loss-mask density 0\.\d\d, ", out, re.M)
+    assert out.rstrip().endswith("doctor: 10 ok, 0 failing")
 
 
 def test_doctor_reports_each_problem(tiny_target, tmp_path, capsys):
@@ -34,8 +52,62 @@ def test_doctor_reports_each_problem(tiny_target, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert "[FAIL] target weights: no safetensors weights (found pickle files ['pytorch_model.bin']" in out
-    assert "[FAIL] target config / aux ids" in out
-    assert "[FAIL] mesh fit: data.batch_size=3" in out
+    assert ("[FAIL] target config / aux ids: aux_layer_ids (0, 9, 10) out of range: valid ids are 0..3 "
+            "(output of decoder layer k, 4 layers)") in out
+    assert "[FAIL] mesh fit: data.batch_size=3 is not divisible by data*fsdp*expert=8" in out
+    # the three problems fail; the checks they do not touch still pass, and a failed aux check
+    # stops the target checks there (no `aux layer ids` line)
+    assert _statuses(out) == {"config": "OK", "python": "OK", "devices": "OK", "mesh fit": "FAIL",
+                              "target architecture": "OK", "target weights": "FAIL",
+                              "target config / aux ids": "FAIL", "tokenizer": "OK", "chat template": "OK",
+                              "data sample": "OK"}, out
+    assert out.rstrip().endswith("doctor: 7 ok, 3 failing")
+
+
+def test_doctor_data_problems(tiny_target, tmp_path, capsys):
+    """A missing data file and an empty file list fail the data check; a file with a broken row only
+    warns (naming the row); a draft vocab larger than the target's fails its own check."""
+    cfg = _yaml(tmp_path, tiny_target)
+    missing = tmp_path / "nope.jsonl"
+    assert main(["--config", cfg, f"data.train_files=[{missing}]", "--rows", "20"]) == 1
+    out = capsys.readouterr().out
+    assert f"[FAIL] data sample: data file not found: {missing}\n" in out
+    assert [c for c, s in _statuses(out).items() if s != "OK"] == ["data sample"], out
+
+    assert main(["--config", cfg, "data.train_files=[]", "--rows", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] data: data.train_files is empty\n" in out
+    assert [c for c, s in _statuses(out).items() if s != "OK"] == ["data"], out
+
+    src = os.path.join(os.path.dirname(__import__("specjax").__file__), "assets", "demo_chat.jsonl")
+    good = open(src, encoding="utf-8").read().splitlines()[:10]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join(good[:5] + ["{broken"] + good[5:]) + "\n")
+    rc = main(["--config", cfg, f"data.train_files=[{mixed}]", "draft.draft_vocab_size=400", "--rows", "20"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "[FAIL] draft vocab: draft.draft_vocab_size=400 > target vocab 320\n" in out
+    assert re.search(r"^\[WARN\] data sample: 10/11 rows usable, .*; skipped \{'malformed JSON': 1\}; "
+                     rf"first: \['{re.escape(str(mixed))}:6: malformed JSON", out, re.M), out
+    assert [(c, s) for c, s in _statuses(out).items() if s != "OK"] == [("draft vocab", "FAIL"),
+                                                                         ("data sample", "WARN")], out
+
+
+def test_doctor_target_folder_not_built_yet(tmp_path, capsys):
+    """No target folder: a warning when the run builds it (target.build_demo), a failure otherwise."""
+    cfg = _yaml(tmp_path, str(tmp_path / "not_yet"))
+    assert main(["--config", cfg, "target.build_demo=true"]) == 0
+    out = capsys.readouterr().out
+    assert (f"[WARN] target folder: no config.json in '{tmp_path / 'not_yet'}' "
+            "(it is built on the first run: target.build_demo=true)\n") in out
+    assert f"[WARN] tokenizer: no tokenizer files in '{tmp_path / 'not_yet'}' yet\n" in out
+    assert _statuses(out) == {"config": "OK", "python": "OK", "devices": "OK", "mesh fit": "OK",
+                              "target folder": "WARN", "tokenizer": "WARN"}, out
+
+    assert main(["--config", cfg]) == 1
+    out = capsys.readouterr().out
+    assert f"[FAIL] target folder: no config.json in '{tmp_path / 'not_yet'}'\n" in out
+    assert _statuses(out)["target folder"] == "FAIL" and out.rstrip().endswith("doctor: 5 ok, 1 failing")
 
 
 def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
@@ -56,9 +128,21 @@ def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
                       target.hf_config, str(out), dtype="bfloat16", extra_manifest={})
     cfg = _yaml(tmp_path, tiny_target)
     assert main(["--config", cfg, "--rows", "10", "--draft", str(out)]) == 0
-    assert "[OK  ] draft export contract" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"[OK  ] draft export contract: {out} (" in text
+    assert _statuses(text) == {c: "OK" for c in CHECKS + ("python", "draft export contract")}, text
     w = load_file(str(out / "model.safetensors"))
     del w["d2t"]
     save_file(w, str(out / "model.safetensors"))
     assert main(["--config", cfg, "--rows", "10", "--draft", str(out)]) == 1
-    assert "[FAIL] draft" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert ("[FAIL] draft d2t: absent: vLLM then maps draft id i to target id i (silently wrong tokens when "
+            "draft_vocab_size < vocab_size); old SGLang crashes. Fix: ship d2t (int64 offsets, [draft_vocab_size])"
+            ) in text
+    assert "draft export contract" not in text
+    # editing the exported file also breaks its recorded checksum: both are reported
+    assert ("[FAIL] draft model.safetensors: sha256 differs from specjax_manifest.json (the file changed after "
+            "export)") in text
+    assert [(c, s) for c, s in _statuses(text).items() if s != "OK"] == [("draft model.safetensors", "FAIL"),
+                                                                         ("draft d2t", "FAIL")], text
+    assert text.rstrip().endswith("doctor: 10 ok, 2 failing")

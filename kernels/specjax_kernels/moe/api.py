@@ -29,7 +29,7 @@ def _xla():
 IMPLEMENTATIONS = {"reference": _reference, "xla": _xla}
 # Off TPU, ragged_dot is expanded into a dense masked product over all experts (E x the FLOPs), so
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
-# 5-45x on CPU (tests/kernels/test_moe.py times both). TPU keeps ragged_dot, which XLA:TPU lowers to
+# 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
 PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "reference"], "tpu": ["reference", "xla"]}
 
