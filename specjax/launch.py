@@ -78,7 +78,11 @@ def main(argv=None) -> int:
     if args.compile_only:
         from specjax.train.aot import compile_step, format_report
 
-        print(format_report(compile_step(cfg)))
+        try:
+            print(format_report(compile_step(cfg)))
+        except (ValueError, FileNotFoundError) as e:  # bad aux ids, draft/target mismatch, no config.json
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     from specjax.train.loop import train
 

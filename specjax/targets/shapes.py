@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, tree_set, validate_aux_layer_ids
+from specjax.targets.base import Target, tree_set
 from specjax.targets.loading import read_hf_config
 from specjax.targets.registry import get_target_class
 
@@ -44,11 +44,12 @@ GIB = 1024**3
 # abstract / random params from the weight map
 # ---------------------------------------------------------------------------------------------
 def abstract_params(cls: type[Target], config: Any, dtype: Any = "bfloat16") -> dict:
-    """The param tree as ShapeDtypeStructs (full size, nothing allocated)."""
+    """The param tree as ShapeDtypeStructs (full size, nothing allocated): the tree the loader fills,
+    leaf for leaf (a leaf whose weight spec pins a dtype keeps it, as in ``load_params``). The one
+    way to build abstract target params for any registered architecture (also --compile-only's)."""
     tree: dict = {}
-    dt = jnp.dtype(dtype)
     for spec in cls.weight_specs(config):
-        tree_set(tree, spec.path, jax.ShapeDtypeStruct(spec.shape, dt))
+        tree_set(tree, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype or dtype)))
     return tree
 
 
@@ -62,7 +63,7 @@ def random_params(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jn
             value = np.ones(spec.shape, np.float32)
         else:
             value = std * rng.standard_normal(spec.shape, dtype=np.float32)
-        tree_set(tree, spec.path, jnp.asarray(value, dtype))
+        tree_set(tree, spec.path, jnp.asarray(value, spec.dtype or dtype))
     return tree
 
 
@@ -115,39 +116,15 @@ def resolve_target_dir(path: str, config_file: str | None = None) -> str:
     )
 
 
-def draft_config_for(run_cfg, target: Target, aux_ids):
-    from specjax.drafts import eagle3
-
-    d = run_cfg.draft
-    return eagle3.config_from_target(
-        target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
-        intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
-    )
-
-
-def compiled_step_memory(run_cfg, target: Target, target_params, draft_cfg, batch: int, seq: int) -> dict:
-    """XLA:CPU buffer assignment of the real train step on a 1-device mesh, from abstract inputs."""
+def compiled_step_memory(run_cfg, hf: Mapping[str, Any], dtype: str, batch: int, seq: int) -> dict:
+    """XLA buffer assignment of the real train step on a 1-device mesh, from abstract inputs: the
+    step --compile-only lowers (specjax.train.aot), with the target's params in ``dtype``."""
     from specjax import mesh as meshlib
-    from specjax.drafts import eagle3
-    from specjax.drafts.ttt import TTTConfig
-    from specjax.train.optim import make_optimizer
-    from specjax.train.step import BATCH_KEYS, build_step_fns, init_state
+    from specjax.train.aot import compile_for_analysis, lower_train_step
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(meshlib.MESH_AXES)), meshlib.MESH_AXES)
-    optimizer = make_optimizer(run_cfg.optim, run_cfg.train.steps)
-    draft_params = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
-    ttt = TTTConfig(ttt_steps=run_cfg.draft.ttt_steps, step_decay=run_cfg.draft.step_decay)
-    dtype = jnp.dtype(jax.tree.leaves(target_params)[0].dtype)
-    compute_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
-    fns = build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimizer, mesh, compute_dtype)
-    state = jax.eval_shape(lambda p: init_state(p, optimizer, 0), draft_params)
-    vd, v = draft_cfg.draft_vocab_size, target.config.vocab_size
-    vocab = {"draft_ids": jax.ShapeDtypeStruct((vd,), jnp.int32), "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_),
-             "d2t": jax.ShapeDtypeStruct((vd,), jnp.int32)}
-    batch_abs = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32) for k in BATCH_KEYS}
-    compiled = fns.train_step.lower(state, target_params, vocab, batch_abs).compile()
-    stats = compiled.memory_analysis()
+    step = lower_train_step(run_cfg, mesh, hf=hf, dtype=dtype, batch_size=batch, seq_length=seq)
+    stats = compile_for_analysis(step).memory_analysis()
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
@@ -158,20 +135,21 @@ def compiled_step_memory(run_cfg, target: Target, target_params, draft_cfg, batc
 
 def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1, seq: int | None = None,
                  compile_step: bool = True) -> dict:
-    """Everything the CLI prints, as a dict (see module docstring)."""
+    """Everything the CLI prints, as a dict (see module docstring). The target (with the configured
+    kernel choices), aux ids, draft config (check_draft_compat, fc_norm / norm_output) and TTT
+    config are built by the training loop's own functions, via specjax.train.aot."""
     from specjax.config import load_config
     from specjax.drafts import eagle3
+    from specjax.train.aot import abstract_target
+    from specjax.train.loop import make_draft_config, resolve_aux_ids
 
     run_cfg = load_config(config_path, list(overrides))
     folder = resolve_target_dir(run_cfg.target.path, config_path)
     hf = read_hf_config(folder)
-    target = make_target(hf)
-    cls, cfg = type(target), target.config
-    params = abstract_params(cls, cfg, run_cfg.target.dtype)
-    target.params = params
-    aux = run_cfg.target.aux_layer_ids or target.default_aux_layer_ids()
-    aux = validate_aux_layer_ids(aux, target.num_layers)
-    draft_cfg = draft_config_for(run_cfg, target, aux)
+    target = abstract_target(run_cfg, hf)
+    cls, cfg, params = type(target), target.config, target.params
+    aux = resolve_aux_ids(run_cfg, target)
+    draft_cfg = make_draft_config(run_cfg, target, aux)
     draft_params = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
     seq = int(seq or run_cfg.data.seq_length)
 
@@ -198,8 +176,7 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
     if compile_step:
         # see the module docstring: XLA:CPU would count bf16 weights twice, so compile fp32 there
         step_dtype = "float32" if jax.default_backend() == "cpu" else run_cfg.target.dtype
-        step_params = abstract_params(cls, cfg, step_dtype)
-        mem = compiled_step_memory(run_cfg, target, step_params, draft_cfg, batch, seq)
+        mem = compiled_step_memory(run_cfg, hf, step_dtype, batch, seq)
         mem["compiled_dtype"] = step_dtype
         mem["backend"] = jax.default_backend()
         report["compiled_step"] = mem

@@ -185,7 +185,32 @@ def build_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
     tok_path = cfg.data.tokenizer or cfg.target.path
-    return AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(
+            f"cannot load the tokenizer from {tok_path!r} ({type(e).__name__}: {e}); point data.tokenizer "
+            f"(or target.path) at a folder with tokenizer.json / tokenizer_config.json.") from e
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def preflight(cfg: Config):
+    """Problems of the machine or the config that no row causes, checked before any expensive stage
+    (GGUF conversion, regeneration, the target build, compilation): jinja2 importable, and, when the
+    tokenizer is already on disk, that it loads and its chat template renders. Raises one ValueError
+    naming the cause and the fix. Returns the tokenizer when it was loaded, else None (the demo and
+    GGUF targets write theirs during the build)."""
+    from specjax.data.chat import check_chat_template
+
+    check_chat_template()
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    if not tok_path or not any(os.path.isfile(os.path.join(tok_path, f)) for f in _TOKENIZER_FILES):
+        return None
+    tokenizer = build_tokenizer(cfg)
+    check_chat_template(tokenizer, cfg.data.chat_template)
+    return tokenizer
 
 
 def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
@@ -229,6 +254,13 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
         fc_norm=d.fc_norm, norm_output=d.norm_output,
     )
 
+
+
+def make_ttt_config(cfg: Config) -> TTTConfig:
+    """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce);
+    the training loop, --compile-only and specjax.targets.shapes all build the step from this."""
+    return TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
+                     attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
 
 class DecodeEval:
     """decode_eval.*: real tau from lossless speculative decoding (specjax.eval) of held-out prompts
@@ -342,9 +374,14 @@ def train(cfg: Config) -> RunResult:
     _check_writable(out_dir)
     proc, nproc = jax.process_index(), jax.process_count()
 
+    tokenizer = preflight(cfg)  # before the target build: jinja2, the tokenizer, its template
     mesh = meshlib.make_mesh({a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES})
     target = build_target(cfg, mesh)
-    tokenizer = build_tokenizer(cfg)
+    if tokenizer is None:  # written by the build (demo, GGUF): check it now, before the data pass
+        from specjax.data.chat import check_chat_template
+
+        tokenizer = build_tokenizer(cfg)
+        check_chat_template(tokenizer, cfg.data.chat_template)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
@@ -370,8 +407,7 @@ def train(cfg: Config) -> RunResult:
     vocab = build_vocab(cfg, prepared.train, target.config.vocab_size, out_dir)
     aux_ids = resolve_aux_ids(cfg, target)
     draft_cfg = make_draft_config(cfg, target, aux_ids)
-    ttt = TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
-                    attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
+    ttt = make_ttt_config(cfg)
     compute_dtype = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
 
     n_batch_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))

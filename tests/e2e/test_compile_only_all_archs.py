@@ -1,0 +1,113 @@
+"""`python -m specjax.launch --compile-only` for every registered target architecture.
+
+Each case writes only a tiny config.json (no weights, no tokenizer, no data) built with transformers'
+config classes (the looped Llama / Qwen3 ones: a Llama / Qwen3 config plus num_loops), then lowers
+and compiles the real train step on a (data 2, fsdp 2, tensor 2) mesh of the 8 fake CPU devices and
+checks the printed report. The abstract target params come from the architecture's weight map
+(specjax.targets.shapes.abstract_params), so no architecture needs an ``init``. CASES must list the
+registry exactly: a new architecture fails test_cases_cover_the_registry until it has a case here.
+Also: specjax.targets.shapes builds the draft (fc_norm / norm_output, the hybrid KV-heads check) and
+the target's kernel choices with the training loop's own functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")  # the parity modules below importorskip torch too
+transformers = pytest.importorskip("transformers")
+
+# the tiny configs of the parity tests (tests/parity has no __init__.py; pytest imports its
+# modules by basename, so this is the same module object pytest itself uses)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
+import test_targets_hf as hf_parity  # noqa: E402
+import test_targets_moe_looped as moe_looped_parity  # noqa: E402
+import test_targets_nemotron_h as nemotron_parity  # noqa: E402
+
+from specjax.launch import main  # noqa: E402
+from specjax.targets.registry import ARCHITECTURES  # noqa: E402
+
+
+def _moe():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, max_position_embeddings=4096,
+        **moe_looped_parity.MOE_VARIANTS["mixed"])  # MoE and dense layers
+
+
+def _hrm():
+    return transformers.HrmTextConfig(vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, head_dim=16, H_cycles=2,
+                                      L_cycles=2, max_position_embeddings=4096)
+
+
+# architecture -> (transformers config factory, extra config.json keys)
+CASES = {
+    "LlamaForCausalLM": (hf_parity._llama_cfg, {}),
+    "Qwen3ForCausalLM": (hf_parity._qwen3_cfg, {}),
+    "Qwen3MoeForCausalLM": (_moe, {}),
+    "LoopedLlamaForCausalLM": (hf_parity._llama_cfg, {"num_loops": 2}),
+    "LoopedQwen3ForCausalLM": (hf_parity._qwen3_cfg, {"num_loops": 3, "loop_start": 1, "loop_end": 3}),
+    "HrmTextForCausalLM": (_hrm, {}),
+    "NemotronHForCausalLM": (nemotron_parity._hf_config, {}),  # Mamba-2, attention, MoE and MLP blocks
+}
+
+
+def _tiny_run(tmp_path, arch, yaml_extra=""):
+    """A run config for a folder holding only the case's config.json (no weights, no tokenizer)."""
+    make_config, extra = CASES[arch]
+    hf = json.loads(make_config().to_json_string())
+    hf.update(extra, architectures=[arch])
+    tdir = tmp_path / arch
+    tdir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(hf))
+    cfg = tmp_path / f"{arch}.yaml"
+    cfg.write_text(f"target:\n  path: {tdir}\n  dtype: bfloat16\ndraft:\n  draft_vocab_size: 64\n{yaml_extra}")
+    return str(cfg)
+
+
+def test_cases_cover_the_registry():
+    assert set(CASES) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_compile_only(arch, tmp_path, capsys):
+    cfg = _tiny_run(tmp_path, arch, "  ttt_steps: 2\ndata:\n  seq_length: 32\n  batch_size: 8\n"
+                    "parallelism:\n  data: 2\n  fsdp: 2\n  tensor: 2\n")
+    assert main(["--config", cfg, "--compile-only"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["architecture"] == arch and report["devices"] == 8 and report["batch"] == [8, 32]
+    assert report["target_params"] > 0 and report["draft_params"] > 0
+    assert report["flops_per_step"] > 0
+    assert report["temp_size_in_bytes"] > 0 and report["argument_size_in_bytes"] > 0
+    assert report["peak_estimate_bytes_per_device"] > 0
+    assert "XLA flops per step" in out and "per device" in out
+
+
+def test_shapes_builds_draft_and_target_like_the_loop(tmp_path, capsys):
+    """specjax.targets.shapes (and --compile-only) build the target with the configured kernel
+    choices and the draft with the loop's make_draft_config: fc_norm / norm_output count, and the
+    hybrid KV-heads check refuses what training would refuse (no compile: cheap)."""
+    from specjax.config import load_config
+    from specjax.targets import shapes
+    from specjax.train.aot import abstract_target
+    from specjax.train.loop import make_draft_config, resolve_aux_ids
+
+    moe = _tiny_run(tmp_path, "Qwen3MoeForCausalLM")
+    plain = shapes.shape_report(moe, compile_step=False)
+    normed = shapes.shape_report(moe, ["draft.fc_norm=true", "draft.norm_output=true"], compile_step=False)
+    run = load_config(moe, ["draft.fc_norm=true", "draft.norm_output=true", "kernels.moe=reference"])
+    target = abstract_target(run)
+    assert target.config.moe_implementation == "reference"
+    dcfg = make_draft_config(run, target, resolve_aux_ids(run, target))
+    assert dcfg.fc_norm and dcfg.norm_output
+    # the fc RMSNorms (one per aux chunk) add 3 * hidden draft params
+    assert normed["draft_params"] - plain["draft_params"] == 3 * target.config.hidden_size
+
+    nemotron = _tiny_run(tmp_path, "NemotronHForCausalLM", "  num_key_value_heads: 4\n")
+    assert shapes.main(["--config", nemotron, "--no-compile"]) == 2
+    assert "draft.num_key_value_heads=2" in capsys.readouterr().err
