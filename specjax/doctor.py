@@ -121,12 +121,12 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
     else:
         rep.ok("tokenizer", f"{len(tok)} tokens from {tok_path}")
     from specjax.data import prepare_examples
-    from specjax.data.chat import resolve_chat_template
+    from specjax.data.chat import check_chat_template, template_source
     from specjax.train.loop import _resolve_path
 
-    try:
-        resolve_chat_template(tok, cfg.data.chat_template)
-        rep.ok("chat template", "data.chat_template" if cfg.data.chat_template else "the tokenizer's own")
+    try:  # jinja2 importable, the template compiles and renders a probe conversation
+        check_chat_template(tok, cfg.data.chat_template)
+        rep.ok("chat template", template_source(tok, cfg.data.chat_template))
     except ValueError as e:
         rep.fail("chat template", str(e))
         return

@@ -29,7 +29,7 @@ import numpy as np
 
 __all__ = [
     "Example", "SkipRow", "ChatTemplateUnusable", "tokenize_conversation", "resolve_chat_template",
-    "render_chat", "check_chat_template", "CHAT_TEMPLATE_HINT", "REASONING_OPEN", "REASONING_CLOSE",
+    "render_chat", "check_chat_template", "template_source", "CHAT_TEMPLATE_HINT", "REASONING_OPEN", "REASONING_CLOSE",
 ]
 
 # The reasoning-trace convention of Qwen3 / DeepSeek-R1 / vLLM reasoning parsers.
@@ -106,10 +106,20 @@ def check_chat_template(tokenizer=None, template: str | None = None) -> None:
     tmpl = resolve_chat_template(tokenizer, template)
     try:
         render_chat(tokenizer, tmpl, _PROBE, add_generation_prompt=False)
-    except ChatTemplateUnusable:
-        raise
+    except ChatTemplateUnusable as e:
+        raise ChatTemplateUnusable(f"{template_source(tokenizer, template)}: {e}") from e
     except Exception:  # noqa: BLE001 - the probe's own problem, not the environment's
         pass
+
+
+def template_source(tokenizer, chat_template: str | None = None) -> str:
+    """Where the template comes from, for messages: the file or config key, or the tokenizer's folder."""
+    if chat_template:
+        if "{" not in chat_template and os.path.isfile(chat_template):
+            return f"the chat template file {chat_template}"
+        return "the chat template given inline in data.chat_template"
+    where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    return f"the tokenizer's chat template ({where})"
 
 
 class SkipRow(Exception):

@@ -38,7 +38,7 @@ def test_doctor_passes_on_a_good_setup(tiny_target, tmp_path, capsys):
     assert "[OK  ] target weights: model.safetensors" in out
     assert "[OK  ] aux layer ids: [1, 2, 3] of 4 layers (output-of-layer-k convention)" in out
     assert f"[OK  ] tokenizer: 320 tokens from {tiny_target}" in out
-    assert "[OK  ] chat template: the tokenizer's own" in out
+    assert f"[OK  ] chat template: the tokenizer's chat template ({tiny_target})" in out
     assert re.search(r"^\[OK  \] data sample: 50/50 rows usable, \d+ tokens, loss-mask density 0\.\d\d, ", out, re.M)
     assert out.rstrip().endswith("doctor: 10 ok, 0 failing")
 
@@ -146,3 +146,14 @@ def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
     assert [(c, s) for c, s in _statuses(text).items() if s != "OK"] == [("draft model.safetensors", "FAIL"),
                                                                          ("draft d2t", "FAIL")], text
     assert text.rstrip().endswith("doctor: 10 ok, 2 failing")
+
+
+def test_doctor_fails_a_template_that_does_not_compile(tiny_target, tmp_path, capsys):
+    """A Jinja syntax error is found once, up front, with the template's file named (not row by row)."""
+    bad = tmp_path / "broken.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    assert main(["--config", _yaml(tmp_path, tiny_target), f"data.chat_template={bad}", "--rows", "5"]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("[FAIL] chat template"))
+    assert f"the chat template file {bad}" in line and "does not compile (line 1" in line, line
+    assert "data sample" not in _statuses(out)  # the data pass is not attempted
