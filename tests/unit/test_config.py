@@ -119,3 +119,52 @@ def test_all_shipped_configs_load(repo_root):
     assert paths
     for p in paths:
         load_config(p)
+
+
+# ---- the config validates itself: ranges and kernel names fail at load time ---------------------
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "demo_cpu.yaml")
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=-5", "`train.steps` = -5 must be >= 1."),
+    ("train.steps=0", "`train.steps` = 0 must be >= 1."),
+    ("train.stop_at_step=-1", "`train.stop_at_step` = -1 must be >= 1."),
+    ("optim.lr=-0.01", "`optim.lr` = -0.01 must be > 0.0."),
+    ("draft.step_decay=-1", "`draft.step_decay` = -1.0 must be > 0.0 and <= 1.0."),
+    ("draft.ttt_steps=0", "`draft.ttt_steps` = 0 must be >= 1."),
+    ("train.log_every=0", "`train.log_every` = 0 must be >= 1."),
+    ("data.val_fraction=1.0", "`data.val_fraction` = 1.0 must be >= 0.0 and < 1.0."),
+    ("optim.b2=1", "`optim.b2` = 1.0 must be >= 0.0 and < 1.0."),
+    ("checkpoint.keep=0", "`checkpoint.keep` = 0 must be >= 1."),
+    ("parallelism.data=0", "`parallelism.data` = 0 must be >= 1 (or -1)."),
+    ("target.aux_layer_ids=[-1,2,3]", "`target.aux_layer_ids` = (-1, 2, 3) must be >= 0."),
+    ("decode_eval.num_spec_tokens=0", "`decode_eval.num_spec_tokens` = 0 must be >= 1."),
+    ("regenerate.top_p=0", "`regenerate.top_p` = 0.0 must be > 0.0 and <= 1.0."),
+])
+def test_out_of_range_values_fail_at_load(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, [override])
+    text = str(e.value)
+    assert text.endswith(message) and "demo_cpu.yaml" in text and override in text, text
+
+
+def test_boundary_values_load():
+    cfg = load_config(DEMO, ["parallelism.data=-1", "draft.step_decay=1.0", "optim.grad_clip=0",
+                             "checkpoint.every_steps=0", "train.eval_batches=0", "data.val_fraction=0"])
+    assert (cfg.parallelism.data, cfg.draft.step_decay, cfg.optim.grad_clip) == (-1, 1.0, 0.0)
+
+
+def test_kernel_names_are_the_ops_implementations():
+    """The config's Literals name exactly what each specjax_kernels op accepts (plus auto), so a typo
+    is a load-time error instead of a trace-time one."""
+    import typing
+
+    from specjax.config import KernelsConfig
+    from specjax_kernels.moe import api as moe
+    from specjax_kernels.soft_ce import api as soft_ce
+    from specjax_kernels.ssd import api as ssd
+    from specjax_kernels.ttt_attention import api as ttt
+
+    hints = typing.get_type_hints(KernelsConfig)
+    for key, mod in (("ttt_attention", ttt), ("soft_ce", soft_ce), ("moe", moe), ("ssd", ssd)):
+        assert set(typing.get_args(hints[key])) == {"auto"} | set(mod.IMPLEMENTATIONS), key
+    with pytest.raises(ConfigError, match="`kernels.ttt_attention` = 'trition' is not one of 'auto'"):
+        load_config(DEMO, ["kernels.ttt_attention=trition"])
