@@ -189,6 +189,11 @@ class KernelsConfig(_Checked):
     # target-side forward kernels (MoE experts: Qwen3-MoE / Nemotron-H; SSD scan: Nemotron-H)
     moe: Literal["auto", "reference", "xla"] = "auto"
     ssd: Literal["auto", "reference", "xla"] = "auto"
+    # the target's causal self-attention in the training forward: auto (the ttt_attention kernels on
+    # GPU, the plain path elsewhere), plain (the exact [B, heads, T, T] reference), or a ttt_attention
+    # implementation by name; q_block > 0 runs the plain path's queries in blocks of that many tokens
+    target_attention: Literal["auto", "plain", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
+    target_attention_q_block: int = _ranged(0, ge=0)
 
 
 @dataclass(frozen=True)

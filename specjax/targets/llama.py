@@ -56,6 +56,9 @@ class LlamaTargetConfig:
     # Runtime option, not part of the HF config: split attention queries into blocks of this many
     # tokens (0 = never) to bound the [B, N, Tq, T] score buffer on long sequences.
     attention_q_block: int = 0
+    # Runtime option (kernels.target_attention): the training forward's self-attention path, "auto",
+    # "plain" or a specjax_kernels.ttt_attention implementation (see layers/attention.py)
+    attention_implementation: str = "auto"
 
     @property
     def qk_norm(self) -> bool:
@@ -266,7 +269,8 @@ def _decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, cos_bth, sin_bth, ma
         k = rms_norm(k, attn["k_norm"]["scale"], eps)
     q = apply_rope(q, cos_bth, sin_bth)
     k = apply_rope(k, cos_bth, sin_bth)
-    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
+                              implementation=cfg.attention_implementation)
     x_btd = x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
     h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
     mlp = lp["mlp"]

@@ -205,6 +205,7 @@ class HrmTextTargetConfig:
     max_position_embeddings: int = 2048
     rope: RopeSpec = RopeSpec()
     attention_q_block: int = 0  # runtime option, see LlamaTargetConfig
+    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
 
     @property
     def num_key_value_heads(self) -> int:
@@ -318,7 +319,8 @@ def _hrm_block(lp: dict, cfg: HrmTextTargetConfig, x_btd, cos, sin, mask):
     k = apply_rope((h @ attn["k_proj"]["kernel"]).reshape(heads), cos, sin)
     v = (h @ attn["v_proj"]["kernel"]).reshape(heads)
     gate = jax.nn.sigmoid((h @ attn["gate_proj"]["kernel"]).reshape(heads))
-    o = gate * dot_product_attention(q, k, v, mask, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    o = gate * dot_product_attention(q, k, v, mask, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
+                                     implementation=cfg.attention_implementation)
     x_btd = x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
     h = _unit_rms_norm(x_btd, cfg.rms_norm_eps)
     mlp = lp["mlp"]

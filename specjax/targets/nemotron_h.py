@@ -144,6 +144,7 @@ class NemotronHTargetConfig:
     rope: RopeSpec = RopeSpec()
     # ---- runtime options, not part of the HF config ----
     attention_q_block: int = 0  # >0: queries in blocks of this size (bounds the score buffer)
+    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
     ssd_implementation: str | None = None  # specjax_kernels.ssd: None/"auto" | "xla" | "reference"
     moe_implementation: str | None = None  # specjax_kernels.moe: None/"auto" | "xla" | "reference"
     weight_prefix: str = "backbone"  # on-disk name prefix (transformers writes "backbone.")
@@ -470,7 +471,8 @@ def _attention(p, cfg: NemotronHTargetConfig, x_btd, mask_btt):
     q = (x_btd @ p["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
     k = (x_btd @ p["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
     v = (x_btd @ p["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
+                              implementation=cfg.attention_implementation)
     return o.reshape(b, t, -1) @ p["o_proj"]["kernel"]
 
 

@@ -66,6 +66,7 @@ class Qwen3MoeTargetConfig:
     rope: RopeSpec = RopeSpec()
     # Runtime options, not part of the HF config.
     attention_q_block: int = 0  # see LlamaTargetConfig
+    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
     moe_implementation: str = "auto"  # specjax_kernels.moe implementation (reference | xla | auto)
 
     qk_norm = True
@@ -218,7 +219,8 @@ def _attention_block(lp: dict, cfg: Qwen3MoeTargetConfig, x_btd, cos, sin, mask)
     v = (h @ attn["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
     q = apply_rope(rms_norm(q, attn["q_norm"]["scale"], eps), cos, sin)
     k = apply_rope(rms_norm(k, attn["k_norm"]["scale"], eps), cos, sin)
-    o = dot_product_attention(q, k, v, mask, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
+    o = dot_product_attention(q, k, v, mask, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
+                              implementation=cfg.attention_implementation)
     return x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
 
 

@@ -168,8 +168,8 @@ def build_target(cfg: Config, mesh=None):
 
 
 def kernel_overrides(cfg: Config, cls) -> dict:
-    """`kernels.moe` / `kernels.ssd` as the target config's runtime fields (for the architectures
-    that have MoE experts / an SSD scan; others ignore them)."""
+    """`kernels.moe` / `kernels.ssd` / `kernels.target_attention*` as the target config's runtime
+    fields (for the architectures that have MoE experts / an SSD scan / attention; others ignore them)."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(cls.config_class)}
@@ -178,6 +178,10 @@ def kernel_overrides(cfg: Config, cls) -> dict:
         out["moe_implementation"] = cfg.kernels.moe
     if "ssd_implementation" in fields:
         out["ssd_implementation"] = cfg.kernels.ssd
+    if "attention_implementation" in fields:
+        out["attention_implementation"] = cfg.kernels.target_attention
+    if "attention_q_block" in fields and cfg.kernels.target_attention_q_block:
+        out["attention_q_block"] = cfg.kernels.target_attention_q_block
     return out
 
 

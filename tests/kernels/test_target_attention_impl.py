@@ -37,3 +37,36 @@ def test_cpu_default_is_the_plain_path():
     a = dot_product_attention(q, k, v, mask, scale=D**-0.5)
     b = dot_product_attention(q, k, v, mask, scale=D**-0.5, implementation="plain")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_config_selects_the_target_attention_path(tiny_target, monkeypatch):
+    """kernels.target_attention / target_attention_q_block reach the target's forward: the loaded
+    target calls the chosen kernel (seen by wrapping the ttt_attention entry point), and its logits
+    equal the plain path's (2e-5, fp32)."""
+    from specjax.config import load_config
+    from specjax.train import loop
+    from specjax_kernels import ttt_attention as ttt_pkg
+
+    def build(*overrides):
+        cfg = load_config(None, [f"target.path={tiny_target}", "target.dtype=float32", *overrides])
+        return loop.build_target(cfg)
+
+    plain = build("kernels.target_attention=plain", "kernels.target_attention_q_block=8")
+    fast = build("kernels.target_attention=xla")
+    assert (plain.config.attention_implementation, plain.config.attention_q_block) == ("plain", 8)
+    assert fast.config.attention_implementation == "xla"
+    calls = []
+    real = ttt_pkg.ttt_attention
+
+    def spy(*a, **k):
+        calls.append(k.get("implementation"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ttt_pkg, "ttt_attention", spy)
+    ids = jnp.asarray(np.arange(1, 33, dtype=np.int32)[None] % 300)
+    seg = jnp.ones_like(ids)
+    want = plain(ids, segment_ids=seg).logits
+    assert calls == []  # the plain path builds its own scores
+    got = fast(ids, segment_ids=seg).logits
+    assert calls and set(calls) == {"xla"}
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
