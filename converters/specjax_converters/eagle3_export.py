@@ -28,6 +28,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from specjax.drafts import weights
 from specjax_converters.eagle3_validate import (ARCHITECTURE, ExportValidationError, Finding, check_head, errors,
                                                 target_text_config, target_virtual_depth, validate_folder)
 
@@ -37,7 +38,6 @@ __all__ = [
     "WEIGHTS_FILE",
     "eagle3_hf_config",
     "eagle3_state_dict",
-    "expected_shapes",
     "export_eagle3",
     "infer_variant",
     "normalize_dtype",
@@ -75,28 +75,6 @@ def _np_dtype(name: str):
     return np.dtype(name)
 
 
-def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape for a draft config (the key set of docs/eagle3-format.md, "Checkpoint layout";
-    weights only)."""
-    H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {
-        "fc.weight": (H, cfg.num_aux * tH),
-        "midlayer.hidden_norm.weight": (H,),
-        "midlayer.input_layernorm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
-        "norm.weight": (H,),
-        "lm_head.weight": (cfg.draft_vocab_size, H),
-    }
-
-
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     out = {}
     for name, value in tree.items():
@@ -109,22 +87,25 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def eagle3_state_dict(draft_params: Mapping, cfg, vocab, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-    """HF-named numpy tensors: `<path>.kernel` -> `<path>.weight` transposed, `<path>.scale` ->
-    `<path>.weight`; weights cast to `dtype`, plus d2t (int64) and t2d (bool)."""
+    """File-named numpy tensors, one per weight of the EAGLE-3 table (specjax.drafts.weights) for
+    `cfg`: kernels transposed to HF [out, in], norm scales as they are, cast to `dtype`; plus d2t
+    (int64) and t2d (bool) from `vocab`."""
     np_dtype = _np_dtype(normalize_dtype(dtype))
+    leaves = weights.entries(weights.EAGLE3_WEIGHTS, cfg)
+    have, want = set(_flatten(draft_params)), {".".join(e.path) for e in leaves}
+    if have != want:
+        raise ValueError(f"draft params {sorted(have - want)} are not in the EAGLE-3 weight table and "
+                         f"{sorted(want - have)} are missing for this draft config (fc_norm={getattr(cfg, 'fc_norm', False)}); "
+                         "the export knows only the layout of specjax/drafts/weights.py.")
     out: dict[str, np.ndarray] = {}
-    for path, leaf in _flatten(draft_params).items():
-        base, _, kind = path.rpartition(".")
+    for e in leaves:
         # float32 first: jax bf16 arrays and numpy ml_dtypes both convert cleanly from there.
-        arr = np.asarray(leaf, dtype=np.float32)
-        if kind == "kernel":
+        arr = np.asarray(weights.leaf(draft_params, e.path), dtype=np.float32)
+        if e.row.transpose:
             arr = arr.T
-        elif kind != "scale":
-            raise ValueError(f"draft param {path!r} is neither a kernel nor a norm scale; the export "
-                             "knows only the EAGLE-3 layout in docs/INTERFACES.md.")
-        out[f"{base}.weight"] = np.ascontiguousarray(arr.astype(np_dtype))
-    out["d2t"] = np.asarray(vocab.d2t)
-    out["t2d"] = np.asarray(vocab.t2d)
+        out[e.file_name] = np.ascontiguousarray(arr.astype(np_dtype))
+    for name in weights.EAGLE3_VOCAB_TENSORS:
+        out[name] = np.asarray(getattr(vocab, name))
     return out
 
 

@@ -5,8 +5,9 @@ Reads the two layouts other trainers publish (docs/eagle3-format.md, "Layouts ot
     `LlamaForCausalLMEagle3`, aux ids in `eagle_config` (output-of-layer) and/or top level (input);
   * speculators: `layers.0.*` keys, `speculators_model_type: eagle3`, decoder fields in
     `transformer_layer_config`, top-level aux ids in vLLM's input-of-layer convention.
-HF weights `[out, in]` become specjax kernels `[in, out]` (transposed), norms `scale`; the values
-and their dtype are kept, so import -> export in the file's dtype reproduces the tensors bit for bit.
+Which file tensor becomes which param leaf, and which are transposed (HF `[out, in]` -> kernel
+`[in, out]`), comes from the weight table (specjax.drafts.weights); the values and their dtype are
+kept, so import -> export in the file's dtype reproduces the tensors bit for bit.
 
 Heads that specjax cannot run the same way (norm_before_residual, norm_before_fc/input_norm, more
 than one layer, biases) are refused with the reason: training from them would change their function.
@@ -20,8 +21,9 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from specjax_converters.eagle3_validate import (_LEGACY_AUX_NORMS, default_aux_ids, expected_weight_shapes,
-                                                flatten_head_config, read_head_files,
+from specjax.drafts import weights
+from specjax_converters.eagle3_validate import (_LEGACY_AUX_NORMS, default_aux_ids, expected_weights,
+                                                flatten_head_config, key_layout, read_head_files,
                                                 target_virtual_depth)
 
 __all__ = ["ImportedHead", "read_head", "warm_start_params"]
@@ -44,22 +46,6 @@ class ImportedHead:
 
 def _refuse(folder: str, field: str, problem: str, fix: str) -> None:
     raise ValueError(f"cannot import {folder}: {field}: {problem}. Fix: {fix}")
-
-
-def _param_path(name: str, prefix: str) -> tuple[tuple[str, ...], str]:
-    """HF tensor name -> (specjax pytree path, leaf kind)."""
-    base = name[: -len(".weight")]
-    if base.startswith(prefix):
-        base = "midlayer." + base[len(prefix):]
-    parts = tuple(base.split("."))
-    kind = "scale" if ("norm" in parts[-1] or parts[0] == "fc_norm") else "kernel"
-    return parts, kind
-
-
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = value
 
 
 def read_head(folder: str, *, target_config: Optional[Mapping] = None,
@@ -114,14 +100,12 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     by_new = {v: k for k, v in rename.items()}
     if any(n.startswith("fc_norm.") for n in by_new) and not cfg.get("fc_norm"):
         cfg["fc_norm"] = True  # legacy aux_norm_* heads predate the flag
-    prefix = "layers.0." if (layout == "speculators" or (any(n.startswith("layers.0.") for n in by_new)
-                                                         and not any(n.startswith("midlayer.") for n in by_new))) \
-        else "midlayer."
-    shapes = expected_weight_shapes(cfg, prefix)
-    unknown = [n for n in by_new if n not in shapes and n not in ("d2t", "t2d") and n not in _IGNORED_KEYS]
+    expected = expected_weights(cfg, key_layout(layout, by_new))
+    unknown = [n for n in by_new if n not in expected and n not in weights.EAGLE3_VOCAB_TENSORS
+               and n not in _IGNORED_KEYS]
     if unknown:
         _refuse(folder, unknown[0], f"unexpected tensor(s) {unknown}", "import an EAGLE-3 (Llama) head")
-    missing = [n for n in shapes if n not in by_new]
+    missing = [n for n in expected if n not in by_new]
     if missing:
         _refuse(folder, missing[0], f"missing tensor(s) {missing}",
                 "the head must hold the full key set (docs/eagle3-format.md, \"Checkpoint layout\")")
@@ -180,20 +164,20 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     )
     draft_cfg.validate()
 
-    # --- weights
-    params: dict = {}
+    # --- weights (the table says where each file tensor goes and whether it is transposed)
+    leaves = []
     dtypes = set()
-    for name, shape in shapes.items():
+    for name, e in expected.items():
         src = by_new[name]
-        if tuple(tensors.shape(src)) != tuple(shape):
-            _refuse(folder, src, f"shape {tensors.shape(src)} but the config implies {shape}",
+        if tuple(tensors.shape(src)) != e.file_shape:
+            _refuse(folder, src, f"shape {tensors.shape(src)} but the config implies {e.file_shape}",
                     "the head's config.json must describe its weights")
         if tensors.dtype(src) not in _ST_DTYPES:
             _refuse(folder, src, f"dtype {tensors.dtype(src)}", "weights must be bf16, fp16 or fp32")
         dtypes.add(_ST_DTYPES[tensors.dtype(src)])
         a = tensors.array(src)
-        path, kind = _param_path(name, prefix)
-        _set(params, path, {kind: np.ascontiguousarray(a.T) if kind == "kernel" else a})
+        leaves.append((e.path, np.ascontiguousarray(a.T) if e.row.transpose else a))
+    params = weights.nest(leaves)
     if len(dtypes) != 1:
         notes.append(f"mixed weight dtypes {sorted(dtypes)}")
     dtype = sorted(dtypes)[0] if len(dtypes) == 1 else "float32"

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from specjax.drafts import weights
+
 __all__ = [
     "ARCHITECTURE",
     "ExportValidationError",
@@ -34,8 +36,11 @@ __all__ = [
     "default_aux_ids",
     "errors",
     "expected_weight_shapes",
+    "expected_weights",
     "flatten_head_config",
+    "head_shape",
     "is_hybrid_target",
+    "key_layout",
     "read_head_files",
     "rope_dict",
     "target_text_config",
@@ -50,12 +55,13 @@ INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 MANIFEST_FILE = "specjax_manifest.json"
 # d2t/t2d are the only non-weight tensors of a head (docs/eagle3-format.md, "d2t and t2d").
-VOCAB_KEYS = ("d2t", "t2d")
+VOCAB_KEYS = tuple(weights.EAGLE3_VOCAB_TENSORS)
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 # safetensors dtype names <-> numpy
 _ST_TO_NP = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+_VOCAB_DTYPES = {name: _NP_TO_ST[dtype] for name, dtype in weights.EAGLE3_VOCAB_TENSORS.items()}  # I64, BOOL
 # config keys that mean "this target mixes Mamba/SSM or linear-attention blocks with attention"
 _HYBRID_KEYS = ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
                 "ssm_state_size", "mamba_d_ssm", "linear_num_value_heads")
@@ -329,12 +335,15 @@ def flatten_head_config(config: Mapping) -> tuple[str, dict]:
     return "speculators", flat
 
 
-def _layer_prefix(layout: str, tensors: HeadTensors) -> str:
-    if layout == "speculators":
-        return "layers.0."
-    has_mid = any(k.startswith("midlayer.") for k in tensors.names)
-    has_l0 = any(k.startswith("layers.0.") for k in tensors.names)
-    return "layers.0." if has_l0 and not has_mid else "midlayer."
+def key_layout(layout: str, names: Iterable[str]) -> str:
+    """Which file layout a head's tensor names follow (weights.EAGLE3_FILE_LAYOUTS): "speculators"
+    (`layers.0.*`) for speculators heads and for Llama-config heads with only `layers.0.*` keys,
+    else "llama" (`midlayer.*`)."""
+    mid = weights.EAGLE3_LAYER
+    l0 = weights.EAGLE3_FILE_LAYOUTS["speculators"][mid]
+    names = list(names)
+    only_l0 = any(k.startswith(l0) for k in names) and not any(k.startswith(mid) for k in names)
+    return "speculators" if layout == "speculators" or only_l0 else "llama"
 
 
 def _num_aux(config: Mapping) -> int:
@@ -351,38 +360,36 @@ def _head_dim(config: Mapping) -> int:
     return int(config["hidden_size"]) // int(config["num_attention_heads"])
 
 
-def expected_weight_shapes(config: Mapping, prefix: str = "midlayer.") -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of every weight a one-layer Llama-EAGLE3 head with this (flat) config has
-    (the key set of docs/eagle3-format.md, "Checkpoint layout"; fc_norm.{i} only with fc_norm); d2t/t2d
-    not included."""
+def head_shape(config: Mapping) -> weights.Eagle3Shape:
+    """What the EAGLE-3 weight table reads, from a (flat) head config, with the engines' defaults
+    for absent keys (head_dim = H / nH, nKV = nH, tH = H, Vd = V, three aux states)."""
     H = int(config["hidden_size"])
-    tH = int(config.get("target_hidden_size") or H)
-    inter = int(config["intermediate_size"])
-    hd = _head_dim(config)
-    q, kv = int(config["num_attention_heads"]) * hd, int(config.get("num_key_value_heads") or
-                                                         config["num_attention_heads"]) * hd
-    n_aux = _num_aux(config)
-    Vd = int(config.get("draft_vocab_size") or config["vocab_size"])
-    p = prefix
-    out = {
-        "fc.weight": (H, n_aux * tH),
-        f"{p}hidden_norm.weight": (H,),
-        f"{p}input_layernorm.weight": (H,),
-        f"{p}post_attention_layernorm.weight": (H,),
-        f"{p}self_attn.q_proj.weight": (q, 2 * H),
-        f"{p}self_attn.k_proj.weight": (kv, 2 * H),
-        f"{p}self_attn.v_proj.weight": (kv, 2 * H),
-        f"{p}self_attn.o_proj.weight": (H, q),
-        f"{p}mlp.gate_proj.weight": (inter, H),
-        f"{p}mlp.up_proj.weight": (inter, H),
-        f"{p}mlp.down_proj.weight": (H, inter),
-        "norm.weight": (H,),
-        "lm_head.weight": (Vd, H),
-    }
-    if config.get("fc_norm"):
-        for i in range(n_aux):
-            out[f"fc_norm.{i}.weight"] = (tH,)
-    return out
+    nH = int(config["num_attention_heads"])
+    return weights.Eagle3Shape(
+        hidden_size=H,
+        target_hidden_size=int(config.get("target_hidden_size") or H),
+        intermediate_size=int(config["intermediate_size"]),
+        num_attention_heads=nH,
+        num_key_value_heads=int(config.get("num_key_value_heads") or nH),
+        head_dim=_head_dim(config),
+        num_aux=_num_aux(config),
+        draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
+        fc_norm=bool(config.get("fc_norm")),
+    )
+
+
+def expected_weights(config: Mapping, keys: str = "llama") -> dict[str, weights.Entry]:
+    """Tensor name -> table entry (specjax path, shapes) of every weight a one-layer EAGLE-3 head
+    with this (flat) config has, named as file layout `keys` writes them (see key_layout);
+    fc_norm.{i} only with fc_norm; d2t/t2d not included."""
+    rename = weights.EAGLE3_FILE_LAYOUTS[keys]
+    return {e.file_name: e for e in weights.entries(weights.EAGLE3_WEIGHTS, head_shape(config), rename)}
+
+
+def expected_weight_shapes(config: Mapping, keys: str = "llama") -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in the file of every weight (the key set of docs/eagle3-format.md,
+    "Checkpoint layout"; see expected_weights)."""
+    return {name: e.file_shape for name, e in expected_weights(config, keys).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,12 +610,12 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
             f"prefix, e.g. {prefixed[0]} (vLLM adds `model.` itself and raises on model.model.*; SGLang drops "
             "unknown keys)",
             "save the head's own keys: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d")
-    prefix = _layer_prefix(layout, tensors)
-    if layout == "llama" and prefix == "layers.0.":
+    keys = key_layout(layout, tensors.names)
+    if layout == "llama" and keys == "speculators":
         bad("keys.layout", "layers.0.*", "decoder keys are layers.0.*: tpu-inference and pre-2026 SGLang map only "
             "midlayer.* (and SGLang drops what it cannot map)", "save the decoder layer as midlayer.*", "warning")
     try:
-        shapes = expected_weight_shapes(cfg, prefix)
+        shapes = expected_weight_shapes(cfg, keys)
     except (KeyError, TypeError, ValueError) as e:
         bad("config.required", "config", f"cannot derive the tensor shapes ({e!r})", "write the Llama fields")
         return
@@ -674,9 +681,10 @@ def _check_vocab(cfg, tensors: HeadTensors, bad):
             "when draft_vocab_size < vocab_size); old SGLang crashes", "ship d2t (int64 offsets, [draft_vocab_size])",
             level)
         return
-    if tensors.dtype("d2t") != "I64" or tuple(tensors.shape("d2t")) != (Vd,):
-        bad("vocab.d2t_dtype", "d2t", f"dtype {tensors.dtype('d2t')} shape {tensors.shape('d2t')}, expected I64 "
-            f"({Vd},)", "save d2t as int64 offsets with one entry per draft token (target_id = i + d2t[i])")
+    if tensors.dtype("d2t") != _VOCAB_DTYPES["d2t"] or tuple(tensors.shape("d2t")) != (Vd,):
+        bad("vocab.d2t_dtype", "d2t", f"dtype {tensors.dtype('d2t')} shape {tensors.shape('d2t')}, expected "
+            f"{_VOCAB_DTYPES['d2t']} ({Vd},)",
+            "save d2t as int64 offsets with one entry per draft token (target_id = i + d2t[i])")
         return
     d2t = tensors.array("d2t").astype(np.int64)
     ids = np.arange(Vd, dtype=np.int64) + d2t
@@ -691,9 +699,9 @@ def _check_vocab(cfg, tensors: HeadTensors, bad):
         bad("vocab.t2d_missing", "t2d", "absent (engines ignore it, training tools read it)",
             "ship t2d (bool [vocab_size])", "warning")
         return
-    if tensors.dtype("t2d") != "BOOL" or tuple(tensors.shape("t2d")) != (V,):
-        bad("vocab.t2d_dtype", "t2d", f"dtype {tensors.dtype('t2d')} shape {tensors.shape('t2d')}, expected BOOL "
-            f"({V},) (the target's config vocab_size)", "save t2d as a bool mask over the target vocab")
+    if tensors.dtype("t2d") != _VOCAB_DTYPES["t2d"] or tuple(tensors.shape("t2d")) != (V,):
+        bad("vocab.t2d_dtype", "t2d", f"dtype {tensors.dtype('t2d')} shape {tensors.shape('t2d')}, expected "
+            f"{_VOCAB_DTYPES['t2d']} ({V},) (the target's config vocab_size)", "save t2d as a bool mask over the target vocab")
         return
     t2d = tensors.array("t2d")
     if not np.array_equal(np.flatnonzero(t2d), ids):

@@ -2,13 +2,13 @@
 [input_layernorm(embedding), hidden_norm(h)] (2H wide, embedding first), a final norm, and an
 lm_head over the draft vocab (docs/eagle3-format.md, "The draft network" and "TTT training semantics").
 
-Parameters are a plain pytree (layout in docs/INTERFACES.md); every function here is pure. The
-token embedding is the target's (frozen) and is passed in as an array.
+Parameters are a plain pytree whose leaves are the rows of specjax.drafts.weights.EAGLE3_WEIGHTS
+(also docs/INTERFACES.md); every function here is pure. The token embedding is the target's
+(frozen) and is passed in as an array.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
+from specjax.drafts import weights
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
 from specjax_kernels.ttt_attention import ttt_attention
@@ -63,70 +64,36 @@ class Eagle3Config:
             raise ValueError(f"draft hidden_act {self.hidden_act!r}: only 'silu' is supported.")
 
 
-def _dense(key, n_in, n_out, std, dtype):
-    return {"kernel": (std * jax.random.normal(key, (n_in, n_out), jnp.float32)).astype(dtype)}
+def init_params(table, cfg, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
+    """Random init of a draft from its weight table (specjax.drafts.weights) like HF `post_init`:
+    normal(0, std) for the "normal" rows (drawn in fp32, then cast), ones for the "ones" rows.
+
+    The rows that always exist draw from `jax.random.split(key, n)` in table order; the optional
+    ones (`when`) are built after them (a "normal" one from `fold_in(key, n + j)`), so a flag never
+    changes the other leaves' values."""
+    leaves = weights.entries(table, cfg)
+    always = [e.path for e in leaves if e.row.init == "normal" and e.row.when is None]
+    keys = dict(zip(always, jax.random.split(key, len(always))))
+    out = []
+    for e in leaves:
+        if e.row.init == "ones":
+            out.append((e.path, jnp.ones(e.shape, dtype)))
+            continue
+        if e.path not in keys:
+            keys[e.path] = jax.random.fold_in(key, len(keys))
+        out.append((e.path, (std * jax.random.normal(keys[e.path], e.shape, jnp.float32)).astype(dtype)))
+    return weights.nest(out)
 
 
 def init_draft_params(cfg: Eagle3Config, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
-    """Random init like HF `post_init` (normal(0, std) linears, unit norms); all trainable."""
-    H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
-    q_out = cfg.num_attention_heads * cfg.head_dim
-    kv_out = cfg.num_key_value_heads * cfg.head_dim
-    ks = jax.random.split(key, 9)
-    ones = lambda n: {"scale": jnp.ones((n,), dtype)}
-    params = {
-        "fc": _dense(ks[0], cfg.num_aux * tH, H, std, dtype),
-        "midlayer": {
-            "hidden_norm": ones(H),
-            "input_layernorm": ones(H),
-            "post_attention_layernorm": ones(H),
-            "self_attn": {
-                "q_proj": _dense(ks[1], 2 * H, q_out, std, dtype),
-                "k_proj": _dense(ks[2], 2 * H, kv_out, std, dtype),
-                "v_proj": _dense(ks[3], 2 * H, kv_out, std, dtype),
-                "o_proj": _dense(ks[4], q_out, H, std, dtype),
-            },
-            "mlp": {
-                "gate_proj": _dense(ks[5], H, I, std, dtype),
-                "up_proj": _dense(ks[6], H, I, std, dtype),
-                "down_proj": _dense(ks[7], I, H, std, dtype),
-            },
-        },
-        "norm": ones(H),
-        "lm_head": _dense(ks[8], H, cfg.draft_vocab_size, std, dtype),
-    }
-    if cfg.fc_norm:  # added after the random draws, so the other leaves equal the plain draft's
-        params["fc_norm"] = {str(i): ones(tH) for i in range(cfg.num_aux)}
-    return params
+    """Random init of the EAGLE-3 draft (weights.EAGLE3_WEIGHTS); all trainable. fc_norm.{i} (ones)
+    come after the draws, so the other leaves equal the plain draft's."""
+    return init_params(weights.EAGLE3_WEIGHTS, cfg, key, std=std, dtype=dtype)
 
 
 def param_logical_axes(cfg: Eagle3Config) -> dict:
-    """Logical axes for every draft leaf (see specjax.mesh.RULES)."""
-    norm = {"scale": ("norm",)}
-    axes = {
-        "fc": {"kernel": (None, "embed")},
-        "midlayer": {
-            "hidden_norm": norm,
-            "input_layernorm": norm,
-            "post_attention_layernorm": norm,
-            "self_attn": {
-                "q_proj": {"kernel": ("embed", "heads")},
-                "k_proj": {"kernel": ("embed", "kv_heads")},
-                "v_proj": {"kernel": ("embed", "kv_heads")},
-                "o_proj": {"kernel": ("heads", "embed")},
-            },
-            "mlp": {
-                "gate_proj": {"kernel": ("embed", "mlp")},
-                "up_proj": {"kernel": ("embed", "mlp")},
-                "down_proj": {"kernel": ("mlp", "embed")},
-            },
-        },
-        "norm": norm,
-        "lm_head": {"kernel": ("embed", "draft_vocab")},
-    }
-    if cfg.fc_norm:
-        axes["fc_norm"] = {str(i): norm for i in range(cfg.num_aux)}
-    return axes
+    """Logical axes for every draft leaf (see specjax.mesh.RULES), from weights.EAGLE3_WEIGHTS."""
+    return weights.logical_axes(weights.EAGLE3_WEIGHTS, cfg)
 
 
 def _mm(x, p):
@@ -281,6 +248,3 @@ def config_from_dict(d: dict) -> Eagle3Config:
     d["rope"] = RopeSpec(**d["rope"])
     return Eagle3Config(**d)
 
-
-def num_params(params) -> int:
-    return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
