@@ -28,7 +28,7 @@ def main():
     from specjax.drafts import eagle3
     from specjax.drafts.vocab import DraftVocab
     from specjax.targets import load_target
-    from specjax.train.loop import make_draft_config, resolve_aux_ids
+    from specjax.train.setup import make_draft_config, resolve_aux_ids
     from specjax_converters.eagle3_export import export_eagle3
 
     if (args.config is None) == (args.target is None):

@@ -122,7 +122,7 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         rep.ok("tokenizer", f"{len(tok)} tokens from {tok_path}")
     from specjax.data import prepare_examples
     from specjax.data.chat import check_chat_template, template_source
-    from specjax.train.loop import _resolve_path
+    from specjax.train.setup import resolve_path
 
     try:  # jinja2 importable, the template compiles and renders a probe conversation
         check_chat_template(tok, cfg.data.chat_template)
@@ -130,7 +130,7 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
     except ValueError as e:
         rep.fail("chat template", str(e))
         return
-    files = tuple(_resolve_path(p) for p in cfg.data.train_files)
+    files = tuple(resolve_path(p) for p in cfg.data.train_files)
     if not files:
         rep.fail("data", "data.train_files is empty")
         return

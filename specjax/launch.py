@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
     from specjax.convert import ConvertError, ensure_target_folder
 
-    from specjax.train.loop import preflight
+    from specjax.train.setup import preflight
 
     try:
         preflight(cfg)  # jinja2, tokenizer, template: before conversion, regeneration, the target build

@@ -150,10 +150,6 @@ def use_mesh(mesh: Optional[Mesh]):
         _ACTIVE.reset(token)
 
 
-def active_mesh() -> Optional[Mesh]:
-    return _ACTIVE.get()
-
-
 def context_mesh() -> Optional[Mesh]:
     """The active mesh when it shards the sequence (context > 1), else None."""
     mesh = _ACTIVE.get()

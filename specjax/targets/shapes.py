@@ -137,11 +137,10 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
                  compile_step: bool = True) -> dict:
     """Everything the CLI prints, as a dict (see module docstring). The target (with the configured
     kernel choices), aux ids, draft config (check_draft_compat, fc_norm / norm_output) and TTT
-    config are built by the training loop's own functions, via specjax.train.aot."""
+    config are built by the training run's own functions (specjax.train.setup)."""
     from specjax.config import load_config
     from specjax.drafts import eagle3
-    from specjax.train.aot import abstract_target
-    from specjax.train.loop import make_draft_config, resolve_aux_ids
+    from specjax.train.setup import abstract_target, make_draft_config, resolve_aux_ids
 
     run_cfg = load_config(config_path, list(overrides))
     folder = resolve_target_dir(run_cfg.target.path, config_path)

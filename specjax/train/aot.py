@@ -4,9 +4,9 @@
 loop would run (same shardings, same shapes) from abstract arrays, then reports XLA's per-device
 memory analysis and FLOP count. Only the target's config.json is read, so a 70B setup can be checked
 on a laptop-sized fake mesh before any weights are downloaded. The abstract target params come from
-the architecture's weight map (``specjax.targets.shapes.abstract_params``), so every registered
-architecture works; the draft config, TTT config and kernel choices come from the training loop's
-own builders (``make_draft_config``, ``make_ttt_config``, ``kernel_overrides``).
+the architecture's weight map (``specjax.train.setup.abstract_target``), so every registered
+architecture works; the draft config, TTT config, optimizer and step functions come from the same
+``specjax.train.setup.build_run_setup`` the training loop uses.
 ``specjax.targets.shapes`` compiles its memory estimate through ``lower_train_step`` too.
 """
 from __future__ import annotations
@@ -19,30 +19,11 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from specjax import mesh as meshlib
 from specjax.config import Config
 
 
 def _abstract(tree, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str | None = None):
-    """The configured target with abstract params: ShapeDtypeStructs built from the architecture's
-    weight map (``specjax.targets.shapes.abstract_params``, the tree the loader fills), so every
-    registered architecture works and nothing is allocated. The target config gets the configured
-    kernel choices (kernels.moe / kernels.ssd) as the training loop's does. ``hf`` defaults to
-    target.path's config.json, ``dtype`` to target.dtype."""
-    from specjax.targets.loading import read_hf_config
-    from specjax.targets.registry import get_target_class
-    from specjax.targets.shapes import abstract_params
-    from specjax.train.loop import kernel_overrides
-
-    if hf is None:
-        hf = read_hf_config(cfg.target.path)
-    cls = get_target_class(hf)
-    tconfig = cls.config_from_hf(hf, **kernel_overrides(cfg, cls))
-    return cls(tconfig, hf, abstract_params(cls, tconfig, dtype or cfg.target.dtype))
 
 
 @dataclass
@@ -61,21 +42,14 @@ def lower_train_step(cfg: Config, mesh, hf: Mapping[str, Any] | None = None, dty
     and optimizer) from abstract inputs, for ``abstract_target(cfg, hf, dtype)``. As in training,
     the step computes in float32 for a float32 target and in bfloat16 otherwise. Batch and sequence
     default to data.batch_size and data.seq_length."""
-    from specjax.drafts import eagle3
-    from specjax.train.loop import make_draft_config, make_ttt_config, resolve_aux_ids
-    from specjax.train.optim import make_optimizer
-    from specjax.train.step import BATCH_KEYS, build_step_fns, init_state
+    from specjax.train.setup import abstract_target, build_run_setup
+    from specjax.train.step import BATCH_KEYS, init_state
 
     dtype = dtype or cfg.target.dtype
     target = abstract_target(cfg, hf, dtype)
     tparams = target.params
-    compute_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    aux_ids = resolve_aux_ids(cfg, target)
-    dcfg = make_draft_config(cfg, target, aux_ids)
-    dparams = jax.eval_shape(lambda: eagle3.init_draft_params(dcfg, jax.random.key(0)))
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    fns = build_step_fns(target, tparams, dparams, dcfg, make_ttt_config(cfg), optimizer, mesh,
-                         compute_dtype)
+    setup = build_run_setup(cfg, target, mesh, dtype=dtype)
+    dcfg, dparams, optimizer, fns = setup.draft_config, setup.draft_params_shape, setup.optimizer, setup.fns
     state = jax.eval_shape(lambda p: init_state(p, optimizer, 0), dparams)
     B, T = int(batch_size or cfg.data.batch_size), int(seq_length or cfg.data.seq_length)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}
@@ -99,7 +73,10 @@ def compile_for_analysis(step: LoweredStep):
 
 def compile_step(cfg: Config) -> dict:
     """Compile the train step for the configured mesh; XLA's per-device memory and FLOP figures."""
-    mesh = meshlib.make_mesh({a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES})
+    from specjax.train.setup import check_batch_fits, make_mesh
+
+    mesh = make_mesh(cfg)
+    check_batch_fits(cfg, mesh)
     step = lower_train_step(cfg, mesh)
     compiled = compile_for_analysis(step)
     mem = compiled.memory_analysis()

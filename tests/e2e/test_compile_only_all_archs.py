@@ -94,8 +94,8 @@ def test_shapes_builds_draft_and_target_like_the_loop(tmp_path, capsys):
     hybrid KV-heads check refuses what training would refuse (no compile: cheap)."""
     from specjax.config import load_config
     from specjax.targets import shapes
-    from specjax.train.aot import abstract_target
-    from specjax.train.loop import make_draft_config, resolve_aux_ids
+    from specjax.train.setup import abstract_target
+    from specjax.train.setup import make_draft_config, resolve_aux_ids
 
     moe = _tiny_run(tmp_path, "Qwen3MoeForCausalLM")
     plain = shapes.shape_report(moe, compile_step=False)

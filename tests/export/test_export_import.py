@@ -215,7 +215,7 @@ def test_config_keys_reach_the_draft_config():
 
     from specjax.config import load_config
     from specjax.targets.llama import LlamaTargetConfig
-    from specjax.train.loop import make_draft_config
+    from specjax.train.setup import make_draft_config
 
     cfg = load_config(None, ["draft.fc_norm=true", "draft.norm_output=true", "draft.init_from=/heads/x",
                              "draft.draft_vocab_size=100"])

@@ -19,7 +19,7 @@ from specjax.drafts import eagle3
 from specjax.drafts.vocab import DraftVocab
 from specjax.targets import shapes
 from specjax.targets.loading import read_hf_config
-from specjax.train.loop import make_draft_config, resolve_aux_ids
+from specjax.train.setup import make_draft_config, resolve_aux_ids
 from specjax_converters.eagle3_export import export_eagle3
 from specjax_converters.eagle3_validate import errors, validate_folder
 

@@ -44,12 +44,12 @@ def test_config_selects_the_target_attention_path(tiny_target, monkeypatch):
     target calls the chosen kernel (seen by wrapping the ttt_attention entry point), and its logits
     equal the plain path's (2e-5, fp32)."""
     from specjax.config import load_config
-    from specjax.train import loop
+    from specjax.train import setup
     from specjax_kernels import ttt_attention as ttt_pkg
 
     def build(*overrides):
         cfg = load_config(None, [f"target.path={tiny_target}", "target.dtype=float32", *overrides])
-        return loop.build_target(cfg)
+        return setup.build_target(cfg)
 
     plain = build("kernels.target_attention=plain", "kernels.target_attention_q_block=8")
     fast = build("kernels.target_attention=xla")

@@ -5,7 +5,7 @@ import numpy as np
 from specjax import mesh as meshlib
 from specjax.config import load_config
 from specjax.targets import load_target
-from specjax.train.loop import build_target
+from specjax.train.setup import build_target
 
 
 def test_target_loaded_straight_to_shards(tiny_target):

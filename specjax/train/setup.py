@@ -1,0 +1,275 @@
+"""The run set-up: everything a train step needs, built from a Config in one place.
+
+The training loop, `--compile-only` (`specjax.train.aot`) and `specjax.targets.shapes` all take the
+draft config, the TTT config, the optimizer and the jitted step functions from `build_run_setup`, so
+the three cannot drift apart (one of them once dropped fc_norm and the kernel choices). The target
+is either loaded (`build_target`, weights streamed onto their shards) or abstract
+(`abstract_target`, ShapeDtypeStructs from the architecture's weight map: nothing read, nothing
+allocated); the set-up does not care which.
+
+Order of a run: `preflight` (jinja2, tokenizer, template: before anything expensive) -> target ->
+tokenizer -> data -> `build_vocab` -> `build_run_setup` -> the loop (specjax.train.loop).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from specjax import mesh as meshlib
+from specjax.config import Config
+from specjax.drafts import eagle3
+from specjax.drafts.ttt import TTTConfig
+from specjax.train.optim import lr_schedule, make_optimizer
+from specjax.train.step import StepFns, build_step_fns
+
+VOCAB_FILE = "draft_vocab.npz"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+# ---------------------------------------------------------------------------------------------
+# paths and the environment
+# ---------------------------------------------------------------------------------------------
+def resolve_path(p: str) -> str:
+    """`pkg://specjax/assets/x` -> the installed package file; other paths unchanged. Dataset presets
+    (`preset://sharegpt`) pass through: specjax.data.sources reads them (and refuses evaluation
+    presets as training data)."""
+    if p.startswith("preset://"):
+        return p
+    if p.startswith("pkg://"):
+        import importlib.resources as ir
+
+        pkg, _, rel = p[len("pkg://"):].partition("/")
+        return str(ir.files(pkg).joinpath(rel))
+    return p
+
+
+def check_writable(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe.{os.getpid()}")  # per process: hosts may share the folder
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise OSError(f"run.output_dir {path!r} is not writable ({e}); choose another run.output_dir.") from e
+
+
+def build_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    try:
+        return AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(
+            f"cannot load the tokenizer from {tok_path!r} ({type(e).__name__}: {e}); point data.tokenizer "
+            f"(or target.path) at a folder with tokenizer.json / tokenizer_config.json.") from e
+
+
+def preflight(cfg: Config):
+    """Problems of the machine or the config that no row causes, checked before any expensive stage
+    (GGUF conversion, regeneration, the target build, compilation): jinja2 importable, and, when the
+    tokenizer is already on disk, that it loads and its chat template renders. Raises one ValueError
+    naming the cause and the fix. Returns the tokenizer when it was loaded, else None (the demo and
+    GGUF targets write theirs during the build)."""
+    from specjax.data.chat import check_chat_template
+
+    check_chat_template()
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    if not tok_path or not any(os.path.isfile(os.path.join(tok_path, f)) for f in _TOKENIZER_FILES):
+        return None
+    tokenizer = build_tokenizer(cfg)
+    check_chat_template(tokenizer, cfg.data.chat_template)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# the target
+# ---------------------------------------------------------------------------------------------
+def kernel_overrides(cfg: Config, cls) -> dict:
+    """`kernels.moe` / `kernels.ssd` / `kernels.target_attention*` as the target config's runtime
+    fields (for the architectures that have MoE experts / an SSD scan / attention; others ignore them)."""
+    fields = {f.name for f in dataclasses.fields(cls.config_class)}
+    out = {}
+    if "moe_implementation" in fields:
+        out["moe_implementation"] = cfg.kernels.moe
+    if "ssd_implementation" in fields:
+        out["ssd_implementation"] = cfg.kernels.ssd
+    if "attention_implementation" in fields:
+        out["attention_implementation"] = cfg.kernels.target_attention
+    if "attention_q_block" in fields and cfg.kernels.target_attention_q_block:
+        out["attention_q_block"] = cfg.kernels.target_attention_q_block
+    return out
+
+
+def target_shardings(cls, config, mesh):
+    """NamedShardings for every target leaf from its weight map, known before any weight is read,
+    so the loader puts each tensor straight onto its shards (no full host copy of a big target)."""
+    from specjax.targets.base import tree_set
+
+    logical, shapes = {}, {}
+    for spec in cls.weight_specs(config):
+        tree_set(logical, spec.path, spec.axes)
+        tree_set(shapes, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.float32))
+    return meshlib.tree_shardings(mesh, logical, shapes)
+
+
+def build_target(cfg: Config, mesh=None):
+    """The configured target with its weights (built first for the demo, converted first from a
+    GGUF), each tensor placed on its shards of `mesh` as it is read."""
+    from specjax.targets import load_target
+    from specjax.targets.loading import read_hf_config
+    from specjax.targets.registry import get_target_class
+
+    path = cfg.target.path
+    if not path:
+        raise ValueError("target.path is empty: set it to a Hugging Face folder (config.json + *.safetensors).")
+    if cfg.target.build_demo:
+        from specjax.demo import ensure_demo_target
+
+        ensure_demo_target(path)
+    if cfg.target.gguf:
+        from specjax.convert import ensure_target_folder
+
+        ensure_target_folder(path, cfg.target.gguf)
+    hf = read_hf_config(path)
+    cls = get_target_class(hf)
+    overrides = kernel_overrides(cfg, cls)
+    shardings = None if mesh is None else target_shardings(cls, cls.config_from_hf(hf, **overrides), mesh)
+    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, **overrides)
+
+
+def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str | None = None):
+    """The configured target with abstract params: ShapeDtypeStructs built from the architecture's
+    weight map (the tree the loader fills), so every registered architecture works and nothing is
+    allocated. The target config gets the configured kernel choices as `build_target`'s does. `hf`
+    defaults to target.path's config.json, `dtype` to target.dtype."""
+    from specjax.targets.loading import read_hf_config
+    from specjax.targets.registry import get_target_class
+    from specjax.targets.shapes import abstract_params
+
+    if hf is None:
+        hf = read_hf_config(cfg.target.path)
+    cls = get_target_class(hf)
+    tconfig = cls.config_from_hf(hf, **kernel_overrides(cfg, cls))
+    return cls(tconfig, hf, abstract_params(cls, tconfig, dtype or cfg.target.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft
+# ---------------------------------------------------------------------------------------------
+def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
+    from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
+
+    path = os.path.join(out_dir, VOCAB_FILE)
+    if os.path.exists(path):  # resume: the vocab must not change under a checkpoint
+        vocab = DraftVocab.load(path)
+        if vocab.t2d.shape[0] != vocab_size or vocab.draft_ids.shape[0] != cfg.draft.draft_vocab_size:
+            raise ValueError(
+                f"{path} was built for V={vocab.t2d.shape[0]}, Vd={vocab.draft_ids.shape[0]} but this run has "
+                f"V={vocab_size}, Vd={cfg.draft.draft_vocab_size}; use a new run.output_dir."
+            )
+        return vocab
+    counts = token_counts_from_examples(examples, vocab_size)
+    vocab = build_draft_vocab(counts, cfg.draft.draft_vocab_size)
+    vocab.validate()
+    if jax.process_index() == 0:  # every process computes the same vocab; one writes it
+        vocab.save(path)
+    return vocab
+
+
+def resolve_aux_ids(cfg: Config, target) -> tuple[int, ...]:
+    from specjax.targets import validate_aux_layer_ids
+
+    ids = cfg.target.aux_layer_ids or target.default_aux_layer_ids()
+    return tuple(int(i) for i in validate_aux_layer_ids(tuple(ids), target.num_layers))
+
+
+def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
+    """The one translation of the `draft` section (+ the target's shapes) into an Eagle3Config."""
+    d = cfg.draft
+    # e.g. hybrid Mamba targets: the draft's KV heads must equal the target's (vLLM KV-cache pages);
+    # checked before training, not at export
+    check = getattr(type(target), "check_draft_compat", None)
+    if check is not None:
+        check(target.config, d.num_key_value_heads)
+    return eagle3.config_from_target(
+        target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
+        intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        fc_norm=d.fc_norm, norm_output=d.norm_output,
+    )
+
+
+def make_ttt_config(cfg: Config) -> TTTConfig:
+    """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce)."""
+    return TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
+                     attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
+
+
+def make_mesh(cfg: Config):
+    return meshlib.make_mesh({a: getattr(cfg.parallelism, a) for a in meshlib.MESH_AXES})
+
+
+def check_batch_fits(cfg: Config, mesh, batch_size: int | None = None) -> None:
+    """The global batch splits evenly over the batch-sharded mesh axes and over the processes."""
+    b = int(batch_size or cfg.data.batch_size)
+    n_batch_shards = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))
+    if b % n_batch_shards:
+        raise ValueError(
+            f"data.batch_size={b} must be divisible by data*fsdp*expert={n_batch_shards} "
+            f"(mesh {dict(mesh.shape)}); change data.batch_size or parallelism.*."
+        )
+    if b % jax.process_count():
+        raise ValueError(f"data.batch_size={b} must be divisible by the {jax.process_count()} processes.")
+
+
+# ---------------------------------------------------------------------------------------------
+# the set-up
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunSetup:
+    """What the jitted step is built from; frozen, shared by the loop, --compile-only and shapes."""
+    cfg: Config
+    mesh: Any
+    target: Any  # loaded or abstract params
+    draft_config: eagle3.Eagle3Config
+    ttt: TTTConfig
+    optimizer: Any
+    schedule: Callable[[int], Any]
+    compute_dtype: Any
+    draft_params_shape: Any  # ShapeDtypeStructs of the draft params
+    fns: StepFns
+
+    def init_draft_params(self, vocab=None):
+        """The configured initialisation: random from run.seed, then the published head of
+        draft.init_from (checked against the draft config; rows matched by target id via `vocab`)."""
+        cfg = self.cfg
+        params = eagle3.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
+        if cfg.draft.init_from:
+            from specjax_converters.eagle3_import import warm_start_params
+
+            params = warm_start_params(cfg.draft.init_from, self.draft_config, vocab, params)
+        return params
+
+
+def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunSetup:
+    """Draft config, TTT config, optimizer and step functions for `target` on `mesh`. As in every
+    run, the step computes in float32 for a float32 target and in bfloat16 otherwise (`dtype`
+    defaults to target.dtype)."""
+    aux_ids = resolve_aux_ids(cfg, target)
+    draft_cfg = make_draft_config(cfg, target, aux_ids)
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    compute_dtype = jnp.float32 if (dtype or cfg.target.dtype) == "float32" else jnp.bfloat16
+    dshape = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    fns = build_step_fns(target, target.params, dshape, draft_cfg, make_ttt_config(cfg), optimizer, mesh,
+                         compute_dtype)
+    return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, ttt=make_ttt_config(cfg),
+                    optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),
+                    compute_dtype=compute_dtype, draft_params_shape=dshape, fns=fns)
