@@ -96,7 +96,7 @@ def errors(findings: Iterable[Finding]) -> list[Finding]:
 
 
 # ---------------------------------------------------------------------------------------------
-# tensors: one interface for in-memory arrays, safetensors folders and pytorch_model.bin
+# tensors: one interface for in-memory arrays and safetensors folders (pickles are never read)
 # ---------------------------------------------------------------------------------------------
 class HeadTensors:
     """Names, dtypes (safetensors names: BF16, F32, I64, BOOL, ...) and shapes of a head's tensors,
@@ -129,25 +129,67 @@ class HeadTensors:
         return np.asarray(self._load(name))
 
 
+class UnreadableWeightsError(ValueError):
+    """A weight file that is cut short or not safetensors at all; the message names the file."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path} is truncated or not a safetensors file: {why}. Fix: download or export it again.")
+        self.path = path
+
+
 def _safetensors_header(path: str) -> dict:
+    """The tensor table of a safetensors file, after checking that the file is complete: the 8-byte
+    header length, a JSON header, and tensor data that ends exactly at the end of the file (what the
+    safetensors reader demands; a file cut short by an interrupted download fails here, by name,
+    instead of in the reader's traceback when a tensor is first loaded)."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise UnreadableWeightsError(path, f"{size} bytes, fewer than the 8 of the header length")
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise ValueError(f"{path} is not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise UnreadableWeightsError(path, f"the header length says {n} bytes, but only {size - 8} follow")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except UnicodeDecodeError:
+        raise UnreadableWeightsError(path, f"the {n}-byte header is not UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise UnreadableWeightsError(path, f"the {n}-byte header is not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(header, dict):
+        raise UnreadableWeightsError(path, f"the header is a JSON {type(header).__name__}, not a table of tensors")
     header.pop("__metadata__", None)
+    end = 0
+    for key, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise UnreadableWeightsError(path, f"tensor {key!r} has no dtype, shape or data_offsets")
+        try:
+            _, stop = (int(x) for x in info["data_offsets"])
+        except (TypeError, ValueError):
+            raise UnreadableWeightsError(path, f"tensor {key!r} has data_offsets {info['data_offsets']!r}") from None
+        end = max(end, stop)
+    have = size - 8 - n
+    if have < end:
+        raise UnreadableWeightsError(path, f"its header describes {end} bytes of tensor data, but only {have} follow")
+    if have > end:
+        raise UnreadableWeightsError(path, f"{have - end} bytes follow the last tensor")
     return header
 
 
 def _safetensors_tensors(folder: str) -> HeadTensors:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map' of "
+                             f"tensor -> file): {type(e).__name__}: {e}. Fix: download it again.") from None
+        for name in files:
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise ValueError(f"{index_path} names the shard {name}, which is not in {folder}. "
+                                 "Fix: download every shard of the head.")
     else:
         files = [WEIGHTS_FILE]
     meta, where = {}, {}
@@ -161,29 +203,24 @@ def _safetensors_tensors(folder: str) -> HeadTensors:
         import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, which safetensors asks for)
         from safetensors import safe_open
 
-        with safe_open(where[key], framework="numpy") as f:
-            return f.get_tensor(key)
+        try:
+            with safe_open(where[key], framework="numpy") as f:
+                return f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - SafetensorError is a bare Exception; the file changed since
+            raise UnreadableWeightsError(where[key], f"{type(e).__name__}: {e}") from None
 
     return HeadTensors(meta, load)
 
 
-def _bin_tensors(path: str) -> HeadTensors:
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - torch is in the test extra
-        raise ValueError(f"{path} is a pytorch_model.bin; reading it needs torch (pip install torch), "
-                         "or convert the head to model.safetensors") from e
-    sd = torch.load(path, map_location="cpu", weights_only=True)
-    arrays = {}
-    for k, t in sd.items():
-        t = t.detach()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
-            arrays[k] = t.float().numpy().astype(ml_dtypes.bfloat16)
-        else:
-            arrays[k] = t.numpy()
-    return HeadTensors.from_arrays(arrays)
+
+def _pickle_error(folder: str, pickles: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"{folder} holds only pickled PyTorch weights ({', '.join(pickles)}), no {WEIGHTS_FILE}: specjax never "
+        "unpickles weights (loading a pickle can run arbitrary code). Fix: convert them to model.safetensors in "
+        "an environment you trust (safetensors.torch.save_file, or transformers' save_pretrained with "
+        "safe_serialization=True), or download the head's safetensors weights.")
 
 
 def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], list[Finding]]:
@@ -203,13 +240,11 @@ def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], lis
     findings: list[Finding] = []
     if os.path.isfile(os.path.join(folder, WEIGHTS_FILE)) or os.path.isfile(os.path.join(folder, INDEX_FILE)):
         tensors = _safetensors_tensors(folder)
-    elif os.path.isfile(os.path.join(folder, BIN_FILE)):
-        tensors = _bin_tensors(os.path.join(folder, BIN_FILE))
-        findings.append(Finding("files.format", BIN_FILE, "weights are a pickled pytorch_model.bin",
-                                "ship model.safetensors (safe to load, memory-mapped; every engine reads it)",
-                                "warning"))
     else:
-        raise ValueError(f"{folder} has no {WEIGHTS_FILE}, {INDEX_FILE} or {BIN_FILE}; nothing to validate.")
+        pickles = sorted(n for n in os.listdir(folder) if n.endswith(_PICKLE_SUFFIXES))
+        if pickles:  # pytorch_model.bin and friends: refused, never unpickled
+            raise _pickle_error(folder, pickles)
+        raise ValueError(f"{folder} has no {WEIGHTS_FILE} or {INDEX_FILE}; nothing to validate.")
     manifest = None
     mpath = os.path.join(folder, MANIFEST_FILE)
     if os.path.isfile(mpath):

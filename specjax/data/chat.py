@@ -137,7 +137,7 @@ class Example:
     input_ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # int32 [n], 1 on assistant tokens
     source: str = ""  # file the row came from (for error reports)
-    row: int = -1  # row index in that file
+    row: int = -1  # N of the row's location `source:N`, from 1 (the JSONL line, the JSON / parquet row)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -299,6 +299,20 @@ def _reasoning_ranges(full: str, s: int, e: int) -> list[tuple[int, int]]:
     return out
 
 
+def _raise_if_unencodable(messages: list[dict], full: str) -> None:
+    """SkipRow("invalid Unicode") naming the turn (or the templated text) that holds text no tokenizer
+    can encode. The readers already skip such rows; this covers messages passed in directly."""
+    from specjax.data.sources import unencodable
+
+    for i, m in enumerate(messages):
+        bad = unencodable(m["content"])
+        if bad is not None:
+            raise SkipRow("invalid Unicode", f"turn {i} content has {bad}")
+    bad = unencodable(full)
+    if bad is not None:
+        raise SkipRow("invalid Unicode", f"the templated text has {bad}")
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],
@@ -350,6 +364,9 @@ def tokenize_conversation(
             "the tokenizer cannot return character offsets; load a fast tokenizer "
             "(AutoTokenizer.from_pretrained(..., use_fast=True))"
         ) from e
+    except TypeError:  # tokenizers' "TextEncodeInput must be ..." for text with a lone surrogate
+        _raise_if_unencodable(messages, full)
+        raise
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     if ids.size == 0:
         raise SkipRow("empty after templating")

@@ -7,27 +7,54 @@ shuffle -> first-fit packing to a static length (segment ids + per-segment posit
 
 Packed batch (all int32 [B, T]): input_ids, loss_mask, segment_ids (0 = padding, 1..n per
 document inside a row), positions (restart at 0 for every document).
+
+Skipped rows: `Prepared.skips` lists every one (``file:N``, N counted from 1: the line of a JSONL
+file, the row of a JSON list or parquet file; see `specjax.data.sources`), and `write_skip_report`
+(or ``prepare_examples(..., skip_report_dir=run_dir)``) writes them all to
+``<run_dir>/skipped_rows.jsonl``, one JSON object per row: ``{"where", "file", "row", "reason",
+"detail"}`` (``row`` is N, or null for a problem of the whole file).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import socket
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import grain
 import numpy as np
 
 from specjax.data.chat import Example, SkipRow, resolve_chat_template, tokenize_conversation
-from specjax.data.sources import read_conversations
+from specjax.data.sources import format_skip, read_conversations
 
-__all__ = ["Prepared", "prepare_examples", "make_train_iterator", "make_eval_batches", "split_is_val"]
+__all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "SKIP_REPORT_FILE", "make_train_iterator",
+           "make_eval_batches", "split_is_val"]
 
 log = logging.getLogger(__name__)
 
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
-_MAX_KEPT_MESSAGES = 100
+SKIP_REPORT_FILE = "skipped_rows.jsonl"  # in the run folder: every skipped row, one JSON object a line
+LOCATIONS = ("locations are file:N, N counted from 1: the line of a .jsonl file, the row of a .json list or a "
+             ".parquet file")
+_LOGGED_SKIPS = 5  # messages quoted in the log line and the no-usable-example error
+
+
+class Skip(NamedTuple):
+    """One skipped row. ``row`` is N of ``file:N`` (from 1), None for a problem of the whole file."""
+
+    where: str
+    file: str
+    row: int | None
+    reason: str
+    detail: str
+
+    @property
+    def message(self) -> str:
+        return format_skip(self.reason, self.where, self.detail)
 
 
 @dataclasses.dataclass
@@ -36,8 +63,12 @@ class Prepared:
     val: list[Example]
     skipped: dict[str, int]  # reason -> number of rows
     n_rows: int  # rows read (good and bad)
-    # The first few full skip messages (with file:line) so a log can show where the problems are.
-    skip_messages: list[str] = dataclasses.field(default_factory=list)
+    skips: list[Skip] = dataclasses.field(default_factory=list)  # every skipped row, in reading order
+
+    @property
+    def skip_messages(self) -> list[str]:
+        """Every skip as one line, ``file:N: reason (detail)``."""
+        return [s.message for s in self.skips]
 
 
 def split_is_val(source: str, index: int, seed: int, val_fraction: float) -> bool:
@@ -62,11 +93,14 @@ def prepare_examples(
     *,
     mask_reasoning_content: bool = False,
     mask_generation_prompt: bool = False,
+    skip_report_dir: str | os.PathLike | None = None,
 ) -> Prepared:
-    """Read, template, tokenize and split. Bad rows are counted in ``skipped``, never raised;
-    a missing file, a tokenizer without a chat template, or no usable example at all raise.
-    The two mask flags are `data.mask_reasoning_content` / `data.mask_generation_prompt`
-    (see `specjax.data.chat`)."""
+    """Read, template, tokenize and split. Bad rows are counted in ``skipped`` and listed in
+    ``skips``, never raised; a missing file, a tokenizer without a chat template, or no usable
+    example at all raise. The two mask flags are `data.mask_reasoning_content` /
+    `data.mask_generation_prompt` (see `specjax.data.chat`). With ``skip_report_dir`` (the run
+    folder) every skipped row is written to ``<skip_report_dir>/skipped_rows.jsonl`` (see
+    `write_skip_report`), also when no usable example is left, and the log line names the file."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_rows is not None and max_rows <= 0:
@@ -76,20 +110,25 @@ def prepare_examples(
     train: list[Example] = []
     val: list[Example] = []
     skipped: dict[str, int] = {}
-    messages: list[str] = []
+    skips: list[Skip] = []
     n_rows = 0
 
-    def skip(reason: str, message: str):
+    def skip(row, reason: str, where: str, detail: str):
         skipped[reason] = skipped.get(reason, 0) + 1
-        if len(messages) < _MAX_KEPT_MESSAGES:
-            messages.append(message)
+        source = str(row.source)
+        skips.append(Skip(where, source, None if where == source else int(row.index) + 1, reason, detail))
 
     for row in read_conversations(paths):
         if max_rows is not None and n_rows >= max_rows:
             break
         n_rows += 1
         if row.error is not None:
-            skip(getattr(row.error, "kind", "bad row"), str(row.error))
+            err = row.error
+            where = getattr(err, "where", None)
+            if where is None:  # a plain string error from another reader
+                skip(row, getattr(err, "kind", "bad row"), f"{row.source}:{row.index + 1}", str(err))
+            else:
+                skip(row, err.kind, where, err.detail)
             continue
         try:
             ex = tokenize_conversation(
@@ -97,22 +136,51 @@ def prepare_examples(
                 mask_reasoning_content=mask_reasoning_content, mask_generation_prompt=mask_generation_prompt,
             )
         except SkipRow as e:
-            skip(e.reason, f"{row.source}[{row.index}]: {e}")
+            skip(row, e.reason, f"{row.source}:{row.index + 1}", e.detail)
             continue
-        ex = dataclasses.replace(ex, source=str(row.source), row=int(row.index))
+        ex = dataclasses.replace(ex, source=str(row.source), row=int(row.index) + 1)  # as in file:N
         (val if split_is_val(row.source, row.index, seed, val_fraction) else train).append(ex)
 
+    prepared = Prepared(train=train, val=val, skipped=skipped, n_rows=n_rows, skips=skips)
+    first = [s.message for s in skips[:_LOGGED_SKIPS]]
+    listed = ""
+    if skip_report_dir is not None:
+        path = _write_report(skips, skip_report_dir)
+        listed = f"all {len(skips)} are listed in {path} ({LOCATIONS}); "
     if skipped:
-        log.warning(
-            "skipped %d of %d rows: %s; first: %s",
-            sum(skipped.values()), n_rows, skipped, messages[: min(5, len(messages))],
-        )
+        log.warning("skipped %d of %d rows %s; %sfirst %d: %s", len(skips), n_rows, skipped, listed, len(first), first)
     if not train:
         raise ValueError(
             f"no usable training example: {n_rows} rows read, {len(val)} went to validation, "
-            f"skipped {skipped}; first problems: {messages[:5]}"
+            f"skipped {skipped}; first problems: {first}"
+            + (f"; all {len(skips)} skipped rows are listed in {path}" if skip_report_dir is not None else "")
         )
-    return Prepared(train=train, val=val, skipped=skipped, n_rows=n_rows, skip_messages=messages)
+    return prepared
+
+
+def _write_report(skips: Sequence[Skip], out_dir: str | os.PathLike) -> str:
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SKIP_REPORT_FILE)
+    # Every process of a multi-host run writes the same list: a private temporary name, then an atomic
+    # rename, so readers never see a half-written file and writers do not interleave.
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for s in skips:
+            f.write(json.dumps({"where": s.where, "file": s.file, "row": s.row, "reason": s.reason,
+                                "detail": s.detail}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_skip_report(prepared: Prepared, out_dir: str | os.PathLike) -> str:
+    """Write every skipped row of ``prepared`` to ``<out_dir>/skipped_rows.jsonl`` (one JSON object
+    a line: where, file, row, reason, detail; an empty file when nothing was skipped, so a stale list
+    from an earlier run does not survive) and log where it is. Returns the path."""
+    path = _write_report(prepared.skips, out_dir)
+    if prepared.skips:
+        log.warning("all %d skipped rows are listed in %s (%s)", len(prepared.skips), path, LOCATIONS)
+    return path
 
 
 def _check_lengths(examples: Sequence[Example], seq_length: int) -> None:

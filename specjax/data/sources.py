@@ -2,9 +2,17 @@
 dataset presets (``preset://sharegpt``; see `specjax.data.presets`).
 
 Every row comes back as a `Row`. A row that cannot be used carries an error string saying what is
-wrong and where (``file:line`` for JSONL, ``file[row]`` for JSON lists and parquet) instead of
-raising, so one bad line never stops a long preprocessing run. Files that cannot be opened at all
-are an exception: that is a configuration mistake, not a data problem.
+wrong and where instead of raising, so one bad line never stops a long preprocessing run. Files that
+cannot be opened at all are an exception: that is a configuration mistake, not a data problem.
+
+Locations are ``file:N`` with N counted from 1 everywhere: the line of a JSONL file (blank lines
+count, so it is the line an editor shows), the element of a JSON list, the row of a parquet file.
+A problem of a whole file (empty, not a list, unreadable) is located by the file name alone.
+`Row.index` is N - 1 (it keys the train/val split, so it must not change).
+
+Text that no tokenizer can encode is a bad row too: a lone surrogate (``"\\ud800"`` is valid JSON)
+in JSON / JSONL rows (``invalid Unicode``), a string of a parquet file that is not UTF-8
+(``invalid UTF-8``). NUL and other control characters are ordinary text: tokenizers accept them.
 
 JSON lists are decoded one element at a time, so a huge list costs one element of memory and a
 list cut short (a truncated download, e.g. the ShareGPT dump) yields its complete rows followed by
@@ -22,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 __all__ = ["Row", "RowError", "read_conversations", "read_records", "iter_json_list", "normalize_messages",
-           "resolve_data_paths", "ROLES", "PRESET_SCHEME"]
+           "resolve_data_paths", "format_skip", "unencodable", "ROLES", "PRESET_SCHEME"]
 
 PRESET_SCHEME = "preset://"
 
@@ -39,27 +47,28 @@ _SHAREGPT_ROLES = {
 }
 
 
+def format_skip(kind: str, where: str, detail: str = "") -> str:
+    """The one-line form of a skipped row: ``where: kind (detail)``."""
+    return f"{where}: {kind}" + (f" ({detail})" if detail else "")
+
+
 class RowError(str):
-    """An error message (a plain ``str``) that also remembers a short category in ``.kind``.
+    """An error message (a plain ``str``) that also remembers its parts: ``.kind`` (a short
+    category), ``.where`` (``file:N`` or the file alone) and ``.detail``.
 
     The pipeline counts skipped rows per category; the full message keeps the location."""
 
     kind: str
+    where: str
+    detail: str
 
     def __new__(cls, kind: str, where: str, detail: str = "") -> "RowError":
-        text = f"{where}: {kind}" + (f" ({detail})" if detail else "")
-        obj = super().__new__(cls, text)
-        obj.kind = kind
+        obj = super().__new__(cls, format_skip(kind, where, detail))
+        obj.kind, obj.where, obj.detail = kind, where, detail
         return obj
 
-    def __reduce__(self):  # keep .kind when pickled (e.g. sent to a worker process)
-        return (_rebuild_row_error, (str(self), self.kind))
-
-
-def _rebuild_row_error(text: str, kind: str) -> RowError:
-    obj = str.__new__(RowError, text)
-    obj.kind = kind
-    return obj
+    def __reduce__(self):  # keep the parts when sent to a worker process
+        return (RowError, (self.kind, self.where, self.detail))
 
 
 class Row(NamedTuple):
@@ -67,6 +76,20 @@ class Row(NamedTuple):
     index: int
     messages: list[dict] | None
     error: str | None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unencodable(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized, or None. Of the strings Python can hold, tokenizers refuse
+    only those with an unpaired surrogate (they have no UTF-8 encoding; a JSON ``\\ud800`` escape
+    without its pair decodes to one). NUL, control characters, noncharacters are accepted."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    return (f"an unpaired surrogate U+{ord(m.group()):04X} at character offset {m.start()}, "
+            "which no tokenizer can encode")
 
 
 def normalize_messages(row: Any) -> tuple[list[dict] | None, tuple[str, str] | None]:
@@ -98,6 +121,9 @@ def normalize_messages(row: Any) -> tuple[list[dict] | None, tuple[str, str] | N
             return None, ("unknown role", f"turn {turn_no} has role {role!r}")
         if not isinstance(content, str):
             return None, ("non-string content", f"turn {turn_no} content is {type(content).__name__}")
+        bad = unencodable(content)
+        if bad is not None:
+            return None, ("invalid Unicode", f"turn {turn_no} content has {bad}")
         out.append({"role": mapped, "content": content})
     return out, None
 
@@ -185,13 +211,14 @@ def iter_json_list(path: str, *, label: str | None = None) -> Iterator[Record]:
             if buf[pos] != "[":
                 while more():
                     pass
-                try:
-                    obj = json.loads(state["buf"][state["pos"]:])
+                try:  # the whole text (json allows the leading whitespace), so line numbers are the file's
+                    obj = json.loads(state["buf"] if not state["dropped"] else state["buf"][state["pos"]:])
                 except json.JSONDecodeError as e:
-                    yield 0, label, RowError("malformed JSON", f"{label}:{e.lineno}", e.msg + " (whole file unreadable)")
+                    yield 0, label, RowError("malformed JSON", label, f"{e.msg} at line {e.lineno} column "
+                                             f"{e.colno}; the whole file is unreadable")
                     return
                 if isinstance(obj, dict) and ("messages" in obj or "conversations" in obj):
-                    yield 0, f"{label}[0]", obj  # a single conversation stored as one object
+                    yield 0, f"{label}:1", obj  # a single conversation stored as one object
                 else:
                     yield 0, label, RowError("no messages", label, "a .json file must hold a list of rows")
                 return
@@ -202,8 +229,8 @@ def iter_json_list(path: str, *, label: str | None = None) -> Iterator[Record]:
                 if pos >= len(buf):
                     if more():
                         continue
-                    yield index, f"{label}[{index}]", RowError(
-                        "truncated file", f"{label}[{index}]",
+                    yield index, f"{label}:{index + 1}", RowError(
+                        "truncated file", f"{label}:{index + 1}",
                         f"the file ends before the list's closing ']'; the {index} complete rows before are used")
                     return
                 if buf[pos] == "]":
@@ -216,7 +243,7 @@ def iter_json_list(path: str, *, label: str | None = None) -> Iterator[Record]:
                     near_end = e.pos >= len(buf) - 8 or e.msg.startswith("Unterminated string")
                     if near_end and more():
                         continue
-                    where = f"{label}[{index}]"
+                    where = f"{label}:{index + 1}"
                     offset = state["dropped"] + pos
                     if near_end:
                         yield index, where, RowError(
@@ -230,11 +257,11 @@ def iter_json_list(path: str, *, label: str | None = None) -> Iterator[Record]:
                     return
                 if end >= len(buf) and more():
                     continue  # a bare number may go on in the next chunk: decode it again
-                yield index, f"{label}[{index}]", obj
+                yield index, f"{label}:{index + 1}", obj
                 index += 1
                 state["pos"] = end
         except _BadUtf8 as e:
-            where = f"{label}[{index}]"
+            where = f"{label}:{index + 1}"
             yield index, where, RowError("invalid UTF-8", where, f"{e.error.reason}; the rest of the file is skipped")
 
 
@@ -255,9 +282,21 @@ def _records_parquet(path: str) -> Iterator[Record]:
     pf = pq.ParquetFile(path)
     index = 0
     for batch in pf.iter_batches(batch_size=1024):
-        for obj in batch.to_pylist():
-            yield index, f"{path}[{index}]", obj
+        try:
+            objs = batch.to_pylist()
+        except UnicodeDecodeError:  # a string column holds bytes that are not UTF-8: find the rows
+            objs = [_parquet_row(batch, i, f"{path}:{index + i + 1}") for i in range(batch.num_rows)]
+        for obj in objs:
+            yield index, f"{path}:{index + 1}", obj
             index += 1
+
+
+def _parquet_row(batch, i: int, where: str):
+    try:
+        return batch.slice(i, 1).to_pylist()[0]
+    except UnicodeDecodeError as e:
+        return RowError("invalid UTF-8", where, f"a string holds byte 0x{e.object[e.start]:02X} at byte offset "
+                        f"{e.start}, which is not UTF-8: {e.reason}")
 
 
 def _reader_for(path: str):

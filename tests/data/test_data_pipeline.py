@@ -202,7 +202,7 @@ def test_json_list_file_and_missing_file(tmp_path):
     p.write_text(json.dumps([GOOD, {"conversations": [{"from": "alien", "value": "x"}]}, SHAREGPT]))
     rows = list(read_conversations(str(p)))
     assert [r.error is None for r in rows] == [True, False, True]
-    assert f"{p}[1]" in rows[1].error and "unknown role" in rows[1].error
+    assert f"{p}:2: unknown role" in rows[1].error  # file:N, N from 1 (the second element)
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         read_conversations([p, missing])  # raised at call time, before any row

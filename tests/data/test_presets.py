@@ -112,7 +112,7 @@ def test_json_list_reader_chunks_truncation_and_errors(tmp_path, monkeypatch):
     whole.write_text(full)
     rows = list(read_conversations(str(whole)))
     assert [r.error is None for r in rows] == [True, False, True]
-    assert rows[1].error.kind == "unknown role" and f"{whole}[1]" in rows[1].error
+    assert rows[1].error.kind == "unknown role" and f"{whole}:2: unknown role" in rows[1].error
     assert rows[0].messages == [{"role": "user", "content": convs[0]["conversations"][0]["value"]},
                                 {"role": "assistant", "content": convs[0]["conversations"][1]["value"]}]
     assert [m["role"] for m in rows[2].messages] == ["system", "user", "assistant"]

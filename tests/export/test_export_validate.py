@@ -300,11 +300,13 @@ def test_validate_cli_in_a_fresh_interpreter(tmp_path):
     assert "OK: 0 error(s), 0 warning(s)" in r.stdout
 
 
-def test_pickled_bin_head_is_read_and_flagged(good, tmp_path):
-    """Older published heads ship pytorch_model.bin: validated the same way, with a format warning."""
+def test_pickled_bin_head_is_refused_not_read(good, tmp_path):
+    """Older published heads ship pytorch_model.bin: refused (specjax never unpickles), naming the file
+    and the fix. The CLI cases are in tests/reliability/test_validate_files.py."""
     torch = pytest.importorskip("torch")
     config, tensors, _ = read_folder(good["dir"])
     torch.save({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    findings, _ = validate_folder(str(tmp_path), target=good["target_dir"])
-    assert [f.rule for f in findings] == ["files.format"] and findings[0].level == "warning"
+    with pytest.raises(ValueError, match=r"holds only pickled PyTorch weights \(pytorch_model\.bin\), no "
+                                         r"model\.safetensors: specjax never unpickles weights"):
+        validate_folder(str(tmp_path), target=good["target_dir"])
