@@ -159,6 +159,9 @@ class CheckpointConfig(_Checked):
     every_steps: int = _ranged(500, ge=0)  # 0 = only at the end
     keep: int = _ranged(3, ge=1)
     restore_from: str = "latest"  # latest | none | <checkpoint step dir>
+    # resume although data, model, objective or schedule settings changed since the checkpoint was
+    # written (the old run_meta.json is kept as run_meta.before_step<N>.json)
+    allow_config_change: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,9 +231,10 @@ class RegenerateConfig(_Checked):
 
 @dataclass(frozen=True)
 class DecodeEvalConfig(_Checked):
-    """Real acceptance (tau) from lossless speculative decoding with the JAX target and the draft
-    being trained, on a held-out prompt set, every `every_steps` (0 = off) and at the end if
-    `at_end`."""
+    """Real acceptance (tau) of the draft being trained, on a held-out prompt set, every `every_steps`
+    (0 = off) and at the end if `at_end`: lossless speculative decoding with the JAX target
+    (backend jax), or the draft exported and served by vLLM, tau read from its counters (backend
+    vllm; specjax.train.decode_eval)."""
     SECTION: ClassVar[str] = "decode_eval"
     every_steps: int = _ranged(0, ge=0)
     at_end: bool = False
@@ -239,6 +243,12 @@ class DecodeEvalConfig(_Checked):
     num_spec_tokens: int = _ranged(5, ge=1)
     max_new_tokens: int = _ranged(64, ge=1)
     temperature: float = _ranged(0.0, ge=0.0)
+    backend: Literal["jax", "vllm"] = "jax"
+    # backend vllm: the python of an environment with vLLM (None: $SPECJAX_VLLM_PYTHON, else this one),
+    # extra server flags (e.g. [--max-model-len, "2048"]) and how long a server may take to start
+    vllm_python: Optional[str] = None
+    vllm_args: tuple[str, ...] = ()
+    vllm_start_timeout_s: float = _ranged(900.0, gt=0.0)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
 from specjax.drafts import eagle3
+from specjax.train.decode_eval import make_decode_eval
 from specjax.train.metrics import MetricsWriter, summarize
 from specjax.train.setup import (
     VOCAB_FILE, build_run_setup, build_target, build_tokenizer, build_vocab, check_batch_fits, check_writable,
@@ -67,16 +68,45 @@ class _TooManySkips(Exception):
 
 
 class _StopSignal:
-    """SIGTERM/SIGINT ask the loop to finish the current step, checkpoint and exit cleanly."""
+    """SIGTERM/SIGINT, at any moment of the run (set-up, steps, final validation, save, export), ask it
+    to finish what it is doing, checkpoint and exit cleanly; nothing is killed half-way. A second
+    SIGINT exits at once.
+
+    Python runs signal handlers between bytecodes of the main thread, so while XLA compiles (one long
+    C++ call) two Ctrl-C's would reach the handler as one, late. The signal numbers are therefore
+    also written to a wakeup pipe (`signal.set_wakeup_fd`, done in C when each signal arrives) that a
+    watcher thread reads: it sees the second SIGINT when it arrives and ends the process there.
+    Raising KeyboardInterrupt instead could land inside XLA's compiler or a runtime thread (a
+    segfault was seen); checkpoints on disk are complete or absent (atomic saves), so exiting the
+    process directly loses nothing saved."""
 
     def __init__(self):
         self.requested = False
+        self._sigints = 0
 
     def _handler(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        if not self.requested:
+            log.warning("received %s: finishing the current stage, then checkpointing and exiting",
+                        signal.Signals(signum).name)
         self.requested = True
-        log.warning("received %s: finishing the current step, then checkpointing", signal.Signals(signum).name)
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                data = b""
+            if not data:  # the write end was closed: the run is over
+                os.close(fd)
+                return
+            for signum in data:
+                if signum in (signal.SIGINT, signal.SIGTERM):
+                    self.requested = True
+                if signum == signal.SIGINT:
+                    self._sigints += 1
+                    if self._sigints >= 2:
+                        os.write(2, b"\nsecond interrupt: exiting now; the last saved checkpoint is intact\n")
+                        os._exit(130)
 
     @contextlib.contextmanager
     def installed(self):
@@ -84,9 +114,15 @@ class _StopSignal:
             yield self  # signal handlers can only be set from the main thread
             return
         old = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(r,), name="specjax-signals", daemon=True).start()
         try:
             yield self
         finally:
+            signal.set_wakeup_fd(old_fd)
+            os.close(w)  # the watcher reads EOF and ends
             for sig, h in old.items():
                 signal.signal(sig, h)
 
@@ -98,95 +134,56 @@ def _source_rows(examples, example_ids) -> list[str]:
     return [f"{examples[i - 1].source}:{examples[i - 1].row}" for i in ids if 0 < i <= len(examples)]
 
 
+def _disk_full(e: BaseException) -> bool:
+    text = str(e)
+    return getattr(e, "errno", None) == 28 or "RESOURCE_EXHAUSTED" in text or "No space left" in text
+
+
 def _save(mngr, step, state, data_iter, result) -> None:
+    """A checkpoint, or one error that says the previous one is intact. A full disk reaches us as an
+    OSError, or as orbax/tensorstore's ValueError(RESOURCE_EXHAUSTED ...); what the failed save left
+    behind is removed so it does not keep the disk full."""
     try:
         ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
-    except OSError as e:
+    except ckpt.NonFiniteState:
+        raise
+    except (OSError, ValueError) as e:
+        if isinstance(e, ValueError) and not _disk_full(e):
+            raise
+        removed = ckpt.remove_partial_saves(str(mngr.directory), step)
+        mngr.reload()
         latest = mngr.latest_step()
         raise ckpt.CheckpointSaveError(
-            f"saving the checkpoint for step {step} in {mngr.directory} failed: {e}. The previous checkpoint "
-            f"(step {latest}) is intact and a restart resumes from it. Free disk space or point "
-            f"run.output_dir at a volume with room."
+            f"saving the checkpoint for step {step} in {mngr.directory} failed: {str(e).splitlines()[0][:300]}. "
+            f"The previous checkpoint (step {latest}) is intact and a restart resumes from it"
+            f"{f'; the partial save was removed ({len(removed)} folder(s))' if removed else ''}. Free disk space "
+            f"or point run.output_dir at a volume with room."
         ) from e
 
 
-class DecodeEval:
-    """decode_eval.*: real tau from lossless speculative decoding (specjax.eval) of held-out prompts
-    with the target and the draft being trained, logged beside the training proxies.
+# Settings that may change between a run and its resumption without changing what is trained: how
+# long this invocation runs and reports, where it checkpoints and exports, how it is parallelised
+# and which kernels compute it. Any other difference is refused unless checkpoint.allow_config_change.
+_RESUME_MAY_CHANGE = ("run.output_dir", "run.name", "train.stop_at_step", "train.progress", "train.log_every",
+                      "train.eval_every", "train.eval_batches", "train.max_consecutive_skips", "checkpoint.",
+                      "export.", "parallelism.", "kernels.", "decode_eval.", "regenerate.")
 
-    Processes: a computation on a target sharded across processes is collective, so every process
-    would have to run it identically (only process 0 writing metrics); the speculative decoder,
-    however, reads each step's accepted count back to the host, which a value spanning several
-    processes' devices does not allow. So multi-process runs refuse decode_eval at start (measure
-    the exported draft with `python -m specjax.eval` instead); one process with many devices works
-    (the target stays sharded on the mesh). The prompts are loaded when the run starts, so a bad
-    preset name fails before any training step."""
 
-    def __init__(self, cfg: Config, target, tokenizer, draft_cfg, vocab, mesh=None):
-        from specjax.data.chat import resolve_chat_template
-        from specjax.data.presets import load_eval_prompts
-        from specjax.eval.cli import eos_token_ids
-
-        de = cfg.decode_eval  # ranges are checked by the config
-        if not de.prompts:
-            raise ValueError("decode_eval.prompts is empty: give presets (mtbench, humaneval) or JSONL/parquet paths.")
-        target.require_decoding()
-        if jax.process_count() > 1:
-            # the decoder reads accepted counts back to the host after every step, which a value
-            # spanning several processes' devices does not allow
-            raise ValueError(
-                "decode_eval runs only in single-process jobs for now; set decode_eval.every_steps=0 and "
-                "decode_eval.at_end=false, and measure the exported draft with `python -m specjax.eval`.")
-        self.cfg, self.target, self.tokenizer, self.draft_cfg, self.vocab = de, target, tokenizer, draft_cfg, vocab
-        self.mesh = mesh
-        self.prompts = [p for name in de.prompts for p in load_eval_prompts(resolve_path(name), limit=de.limit)]
-        if not self.prompts:
-            raise ValueError(f"decode_eval.prompts {list(de.prompts)} gave no prompts.")
-        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template)
-        self.eos = eos_token_ids(cfg.target.path, tokenizer)
-
-    def due(self, step: int, total_steps: int, final: bool) -> bool:
-        """In the loop (final=False) at every multiple of every_steps before the last step; after the
-        last step (final=True) when at_end or the last step is such a multiple."""
-        every = self.cfg.every_steps and step % self.cfg.every_steps == 0
-        if final:
-            return bool(self.cfg.at_end or every)
-        return bool(every and step < total_steps)
-
-    def __call__(self, params) -> tuple[dict, dict]:
-        """(flat metrics for the log, per-dataset summaries) for the draft `params` (device arrays,
-        possibly sharded over this process's devices)."""
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from specjax.eval.cli import measure, summarize
-        from specjax.eval.spec_decode import Draft, SpecDecoder
-
-        # one full copy of the draft on every device of the target's mesh (the decoder's programs
-        # mix it with the target's arrays, which live there); without a mesh, a host copy
-        host = (jax.device_put(params, NamedSharding(self.mesh, PartitionSpec())) if self.mesh is not None
-                else jax.device_get(params))
-        decoder = SpecDecoder(self.target, Draft(params=host, config=self.draft_cfg, vocab=self.vocab),
-                              num_spec_tokens=self.cfg.num_spec_tokens)
-        t0 = time.time()
-        # warmup=0: compiles are counted in the wall time, but tau does not depend on time
-        records = measure(decoder, self.tokenizer, self.template, self.prompts,
-                          num_spec_tokens=self.cfg.num_spec_tokens, max_new_tokens=self.cfg.max_new_tokens,
-                          temperature=self.cfg.temperature, eos_ids=self.eos, with_greedy=False, warmup=0,
-                          retime=False)
-        summaries = summarize(records, self.cfg.num_spec_tokens)
-        flat, short = {"decode_wall_s": time.time() - t0}, {}
-        for name, s in summaries.items():
-            tau = s["tau"]
-            flat[f"decode_tau/{name}"] = tau["value"]
-            flat[f"decode_tau_lo/{name}"] = tau["lo"]
-            flat[f"decode_tau_hi/{name}"] = tau["hi"]
-            accept = [e["value"] for e in s["acceptance"]["unconditional"]]
-            for i, a in enumerate(accept):
-                flat[f"decode_accept_{i}/{name}"] = a
-            flat[f"decode_tok_s/{name}"] = s["spec_tok_s"]["value"]
-            short[name] = {"tau": tau["value"], "tau_lo": tau["lo"], "tau_hi": tau["hi"], "accept": accept,
-                           "n_prompts": s["n_prompts"], "steps": s["steps"], "tok_s": s["spec_tok_s"]["value"]}
-        return flat, short
+def config_differences(saved: dict, now: dict) -> list[str]:
+    """`key: saved -> now` for every setting that differs and matters to a resumed run. A key the saved
+    config lacks (written by an older specjax) counts as its default."""
+    defaults = config_to_dict(Config())
+    out = []
+    for section in sorted(set(saved) | set(now)):
+        a, b, d = saved.get(section) or {}, now.get(section) or {}, defaults.get(section) or {}
+        for key in sorted(set(a) | set(b)):
+            name = f"{section}.{key}"
+            if any(name == p or (p.endswith(".") and name.startswith(p)) for p in _RESUME_MAY_CHANGE):
+                continue
+            old, new = a.get(key, d.get(key)), b.get(key, d.get(key))
+            if old != new:
+                out.append(f"{name}: {old!r} -> {new!r}")
+    return out
 
 
 def _global_batch(np_batch: dict, sharding) -> dict:
@@ -248,9 +245,10 @@ def every(n: int, before: int) -> Callable[[int], bool]:
 class _Trainer:
     """One run: set-up done in __init__, `fit()` trains and exports."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: "_StopSignal"):
         self.t_start = time.time()
         self.cfg = cfg
+        self.stop = stop
         self.out_dir = out_dir = os.path.abspath(cfg.run.output_dir)
         check_writable(out_dir)
         self.proc, self.nproc = jax.process_index(), jax.process_count()
@@ -279,6 +277,7 @@ class _Trainer:
             max_rows=cfg.data.max_rows, truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
             mask_reasoning_content=cfg.data.mask_reasoning_content,
             mask_generation_prompt=cfg.data.mask_generation_prompt,
+            skip_report_dir=out_dir,  # every skipped row, file:line and reason: <output_dir>/skipped_rows.jsonl
         )
         n_skipped = sum(prepared.skipped.values())
         log.info("data: %d rows -> %d train / %d val examples; skipped %d %s", prepared.n_rows,
@@ -305,26 +304,51 @@ class _Trainer:
         self.data_iter = make_train_iterator(prepared.train, cfg.data.seq_length, cfg.data.batch_size,
                                              cfg.data.shuffle_seed)
         self.mngr = ckpt.manager(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep)
-        self._write_run_meta()
         state, start_step = self._restore(state)
+        self._write_run_meta(resumed_at=start_step)
 
         self.decode_eval = None
         if cfg.decode_eval.every_steps or cfg.decode_eval.at_end:
-            self.decode_eval = DecodeEval(cfg, target, tokenizer, setup.draft_config, vocab, mesh)
-            log.info("decode_eval: %d prompts from %s, every %s steps%s", len(self.decode_eval.prompts),
-                     list(cfg.decode_eval.prompts), cfg.decode_eval.every_steps or "-",
-                     " and at the end" if cfg.decode_eval.at_end else "")
+            self.decode_eval = make_decode_eval(cfg, target, tokenizer, setup.draft_config, vocab, mesh, out_dir)
+            log.info("decode_eval (%s): %d prompts from %s, every %s steps%s", cfg.decode_eval.backend,
+                     len(self.decode_eval.prompts), list(cfg.decode_eval.prompts),
+                     cfg.decode_eval.every_steps or "-", " and at the end" if cfg.decode_eval.at_end else "")
         self.val_batches = make_eval_batches(prepared.val, cfg.data.seq_length,
                                              cfg.data.batch_size)[: cfg.train.eval_batches]
         self.writer = MetricsWriter(out_dir, enabled=self.proc == 0)
         end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         self.loop = _Loop(state=state, step=start_step, start_step=start_step, end_step=end_step,
                           total_steps=cfg.train.steps, result=RunResult(output_dir=out_dir, final_step=start_step))
-        self.stop = _StopSignal()
         self.hooks = self._hooks()
 
     # ---- set-up pieces -------------------------------------------------------------------------
-    def _write_run_meta(self) -> None:
+    def _check_config_unchanged(self, step: int) -> None:
+        """A resumed run trains what the checkpoint's run trained: the same data, model, objective and
+        schedule. Differences are refused with the list and the override that allows them."""
+        path = os.path.join(self.out_dir, RUN_META_FILE)
+        if not os.path.exists(path):
+            return
+        try:
+            with open(path) as f:
+                saved = json.load(f).get("config") or {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} cannot be read ({e}); it records the configuration the checkpoints were "
+                             f"trained with. Restore it, or set checkpoint.restore_from=none to start fresh.") from e
+        diff = config_differences(saved, config_to_dict(self.cfg))
+        if not diff:
+            return
+        if not self.cfg.checkpoint.allow_config_change:
+            raise ValueError(
+                f"resuming {self.out_dir} at step {step} with a different configuration than it was trained with:\n  "
+                + "\n  ".join(diff) + "\nUse a new run.output_dir, set checkpoint.restore_from=none to start "
+                "fresh, or set checkpoint.allow_config_change=true to resume with the new settings.")
+        kept = os.path.join(self.out_dir, f"run_meta.before_step{step}.json")
+        if self.proc == 0:
+            os.replace(path, kept)
+        log.warning("resuming at step %d with a changed configuration (checkpoint.allow_config_change): %s; "
+                    "the previous run_meta.json is kept as %s", step, "; ".join(diff), kept)
+
+    def _write_run_meta(self, resumed_at: int = 0) -> None:
         meta = {
             "config": config_to_dict(self.cfg),
             "draft_config": eagle3.config_to_dict(self.setup.draft_config),
@@ -332,26 +356,53 @@ class _Trainer:
             "target_config": self.target.hf_config,
             "vocab_file": VOCAB_FILE,
         }
+        if resumed_at:
+            meta["resumed_at_step"] = resumed_at
         if self.proc == 0:
             with open(os.path.join(self.out_dir, RUN_META_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
 
     def _restore(self, state):
+        """latest: the newest checkpoint that verifies (damaged ones are moved aside, see
+        specjax.checkpoint); an explicit <run>/checkpoints/<step>: that one, or an error naming its damage."""
         restore_from = self.cfg.checkpoint.restore_from
-        if restore_from == "none" or (self.mngr.latest_step() is None and restore_from == "latest"):
+        if restore_from == "none" or (not self.mngr.all_steps() and restore_from == "latest"):
             return state, 0
-        rmngr, step = self.mngr, None
-        if restore_from != "latest":
+        abstract = ckpt.abstract_like(state)
+        if restore_from == "latest":  # before the data position is restored into another dataset
+            try:  # shapes first: a draft of other shapes can never resume, whatever the settings allow
+                ckpt.check_compatible(self.mngr, self.mngr.latest_step(), abstract)
+            except ckpt.CheckpointMismatch:
+                raise
+            except Exception:  # noqa: BLE001 - unreadable metadata: restore_verified handles the damage
+                pass
+            self._check_config_unchanged(self.mngr.latest_step())
+            restored, _, _ = ckpt.restore_verified(self.mngr, abstract, self.data_iter)
+            if restored is None:  # every step folder was damaged and moved aside: start fresh
+                return state, 0
+            rdir = self.mngr.directory
+        else:
             rdir, step = os.path.split(os.path.abspath(restore_from))
             if not step.isdigit() or not os.path.isdir(restore_from):
                 raise FileNotFoundError(
                     f"checkpoint.restore_from={restore_from!r} is not a saved checkpoint; give a "
                     f"<run>/checkpoints/<step> folder, 'latest' (default) or 'none'.")
-            rmngr, step = ckpt.manager(rdir, read_only=True), int(step)
-        state, _ = ckpt.restore(rmngr, ckpt.abstract_like(state), self.data_iter, step=step)
-        start_step = int(state["step"])
-        log.info("resumed from %s at step %d", rmngr.directory, start_step)
-        return state, start_step
+            problem = ckpt.verify(rdir, int(step))
+            if problem is not None:
+                raise ckpt.CheckpointDamaged(
+                    f"checkpoint.restore_from={restore_from!r} is damaged: {problem}. Give an older "
+                    f"<run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
+            rmngr = ckpt.manager(rdir, read_only=True)
+            ckpt.check_compatible(rmngr, int(step), abstract)
+            self._check_config_unchanged(int(step))
+            restored, _ = ckpt.restore(rmngr, abstract, self.data_iter, step=int(step))
+            if not ckpt.all_finite({"params": restored["params"], "opt_state": restored["opt_state"]}):
+                raise ckpt.CheckpointDamaged(
+                    f"checkpoint.restore_from={restore_from!r} holds NaN/Inf params or optimizer state; give an "
+                    f"older <run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
+        start_step = int(restored["step"])
+        log.info("resumed from %s at step %d", rdir, start_step)
+        return restored, start_step
 
     def _hooks(self) -> list[Hook]:
         cfg, L = self.cfg, self.loop
@@ -390,7 +441,7 @@ class _Trainer:
 
     def _decode_eval(self, step: int) -> None:
         t0 = time.time()
-        flat, short = self.decode_eval(self.loop.state["params"])
+        flat, short = self.decode_eval(self.loop.state["params"], step)
         self.loop.t_since += time.time() - t0  # keep decoding time out of the training tokens/s
         self.writer.write(step, "decode", flat)
         self.loop.result.decode_eval[step] = short
@@ -466,12 +517,13 @@ class _Trainer:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.train.steps, initial=lp.start_step, desc="train", dynamic_ncols=True)
+        if self.stop.requested:  # a signal during the set-up: nothing trained, nothing to save
+            return self._stopped()
         if lp.start_step == 0:
             result.initial_val_metrics = self._validate(0)  # the untrained draft, for comparison
         lp.tokens_since, lp.t_since = 0, time.time()
         try:
-            with self.stop.installed():
-                self._train_steps()
+            self._train_steps()
         except _TooManySkips as e:
             self._checkpoint(lp.step)
             self.writer.close()
@@ -486,28 +538,38 @@ class _Trainer:
             if self.bar is not None:
                 self.bar.close()
         step = lp.step
-        if result.preempted:
-            self._checkpoint(step)
-            self.writer.close()
-            result.final_step, result.stopped_early = step, True
-            result.wall_time_s = time.time() - self.t_start
-            log.warning("stop requested (SIGTERM/SIGINT or preemption): checkpoint saved at step %d in %s; "
-                        "run the same command again to resume.", step, self.mngr.directory)
-            return result
+        if result.preempted or self.stop.requested:
+            return self._stopped()
 
         result.final_step = step
         result.stopped_early = step < cfg.train.steps
         result.val_metrics = self._validate(step)
         # the last step (a stop_at_step run was already measured in the loop at its multiples)
-        if (self.decode_eval is not None and not result.stopped_early
+        if (self.decode_eval is not None and not result.stopped_early and not self.stop.requested
                 and self.decode_eval.due(step, cfg.train.steps, final=True)):
             self._decode_eval(step)
         if self.mngr.latest_step() != step:
             self._checkpoint(step)
+        if self.stop.requested:  # during the final validation or save: the checkpoint is there
+            return self._stopped()
         self.writer.close()
         if cfg.export.at_end and not result.stopped_early:
             result.export_dir = self._export(step)
         result.wall_time_s = time.time() - self.t_start
+        return result
+
+    def _stopped(self) -> RunResult:
+        """A signal asked the run to stop: checkpoint what was trained since the last save, then return
+        (a rerun of the same command resumes there, and exports when the schedule is done)."""
+        lp, result = self.loop, self.loop.result
+        if lp.step > lp.start_step and self.mngr.latest_step() != lp.step:
+            self._checkpoint(lp.step)
+        self.writer.close()
+        result.preempted = True
+        result.final_step, result.stopped_early = lp.step, True
+        result.wall_time_s = time.time() - self.t_start
+        log.warning("stop requested (SIGTERM/SIGINT or preemption): checkpoint at step %s in %s; run the same "
+                    "command again to resume.", self.mngr.latest_step(), self.mngr.directory)
         return result
 
     def _export(self, step: int) -> str:
@@ -530,5 +592,8 @@ class _Trainer:
 
 
 def train(cfg: Config) -> RunResult:
-    """Build the run from `cfg`, train (resuming from the latest checkpoint by default), export."""
-    return _Trainer(cfg).fit()
+    """Build the run from `cfg`, train (resuming from the latest checkpoint by default), export.
+    SIGTERM/SIGINT are handled from the first line to the export (see _StopSignal)."""
+    stop = _StopSignal()
+    with stop.installed():
+        return _Trainer(cfg, stop).fit()

@@ -206,7 +206,7 @@ def test_tau_counts_as_vllm_does():
     accepts an EOS at draft position 0 (so the output keeps 1 token of it). vLLM's
     `1 + num_accepted_tokens / num_drafts` is 1 + 6/3 = 3.0; tokens emitted per step (4, 2, 1) give
     7/3, the figure specjax printed as tau before. Both, through the CLI's per-dataset summary."""
-    from specjax.eval.cli import summarize_dataset
+    from specjax.eval.report import summarize_dataset
 
     per_pos = [3, 2, 1]  # steps whose draft i was accepted: a = 3, 1, 2
     res = sd.SpecResult(tokens=list(range(8)), accept_lengths=[4, 2, 1], accepted_per_position=per_pos,

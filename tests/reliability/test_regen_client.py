@@ -184,13 +184,12 @@ def test_concurrency_bodies_and_output(server, tmp_path):
     server.default = {"status": 200, "sleep": 0.25}
     src = _write_input(tmp_path, 8)
     out = tmp_path / "out"
-    t = time.monotonic()
     s = regenerate(input=str(src), out_dir=str(out), backend="openai", endpoint=server.url, model="tiny",
                    concurrency=4, max_new_tokens=16, temperature=0.5, top_p=0.9, shard_size=3,
                    extra_body={"seed": 1}, backoff_base_s=0.01)
-    wall = time.monotonic() - t
-    assert server.max_in_flight >= 3, server.max_in_flight  # concurrency 4 (3 per shard here)
-    assert wall < 8 * 0.25  # sequential would take at least 2 s
+    # concurrency 4 (3 per shard here): requests really overlapped at the server. (Wall time is no
+    # evidence on a loaded 2-core CI machine: it was 2.10 s for 2.0 s of sequential sleeps once.)
+    assert server.max_in_flight >= 3, server.max_in_flight
     assert s.written == 8 and s.skipped == {"no user turn to answer": 1} and s.tokens_generated == 8 * 7
     assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.parquet", "shard-000001.parquet",
                                        "shard-000002.parquet"]
