@@ -462,10 +462,11 @@ def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tpara
     # what-if (not the product path): the target's O(T^2) masked attention swapped for the TTT attention
     # kernel at k=0 (causal flash attention; these rows hold one document each, so no segment ids)
     jaxpr_before = str(jax.make_jaxpr(tfwd)(tparams, b))
-    from specjax.targets import llama as llama_mod
+    from specjax.targets.layers import attention as attn_mod  # where every target's attention block calls it
     from specjax_kernels.ttt_attention import ttt_attention
-    orig = llama_mod.dot_product_attention
-    llama_mod.dot_product_attention = lambda q, k, v, mask, scale, q_block=0: ttt_attention(q, k, v, scale=scale)
+    orig = attn_mod.dot_product_attention
+    attn_mod.dot_product_attention = (lambda q, k, v, mask, scale, q_block=0, implementation=None:
+                                      ttt_attention(q, k, v, scale=scale))
 
     def tfwd_whatif(p, b):  # a new function object: jax would reuse the cached trace of `tfwd`
         return tfwd(p, b)
@@ -477,7 +478,7 @@ def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tpara
     except Exception as e:
         out["target_forward_flash_whatif_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
-        llama_mod.dot_product_attention = orig
+        attn_mod.dot_product_attention = orig
     if job.get("teacher", False):  # off by default: its FLOPs (~8% of the step) say enough
         out["target_forward_teacher_s"] = bench(jax.jit(tfwd_teacher), tparams, b, vocab)
     for fused in (True, False):  # the fused step's executable is the fixed job's (same shape), if it ran

@@ -1,7 +1,9 @@
-"""Shared pieces of every frozen target: output type, aux-id rules, weight-map rows, Target wrapper.
+"""Shared pieces of every frozen target: output type, aux-id rules, HF config reading, weight-map
+rows, Target wrapper.
 
-A concrete architecture (see ``llama.py``) subclasses :class:`Target` and supplies
-``config_from_hf``, ``weight_specs`` and static ``forward_fn`` / ``embed_fn`` / ``lm_head_fn``.
+A concrete architecture (see ``llama.py``) subclasses :class:`Target`, registers it
+(``registry.register``) and supplies ``config_class`` (whose ``from_hf`` starts with
+:func:`resolve_hf_config`), ``weight_specs`` and static ``forward_fn`` / ``embed_fn`` / ``lm_head_fn``.
 The wrapper holds ``config``/``hf_config``/``params`` and a jitted ``__call__`` (one trace per
 config, static ``aux_layer_ids`` and input shapes, shared by all instances).
 """
@@ -12,6 +14,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from specjax.targets import registry
 
 
 class TargetOutput(NamedTuple):
@@ -53,6 +57,35 @@ def validate_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int)
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise ValueError(f"aux_layer_ids {ids} must be strictly increasing (valid range 0..{num_layers - 1})")
     return ids
+
+
+def resolve_hf_config(
+    hf: Mapping[str, Any] | Any,
+    handles: Sequence[str],
+    owner: str,
+    *,
+    unsupported_flags: Sequence[str] = (),
+    silu_keys: Sequence[str] = (),
+) -> tuple[dict, str]:
+    """The start of every target config's ``from_hf``: (the HF config as a new plain dict, its
+    architecture). ``hf`` is a config.json dict or a ``PretrainedConfig`` (``to_dict()``); the
+    architecture is ``architectures[0]``, else the registry's model_type map. ValueError unless
+    ``owner`` (the config class name) handles it, a flag in ``unsupported_flags`` is set, or an
+    activation in ``silu_keys`` is other than SiLU (the default when absent)."""
+    if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
+        hf = hf.to_dict()
+    hf = dict(hf)
+    arch = registry.architecture_of(hf, strict=False)
+    if arch not in handles:
+        raise ValueError(f"{owner} handles {sorted(handles)}, got architecture {arch!r}")
+    for flag in unsupported_flags:
+        if hf.get(flag):
+            raise ValueError(f"{arch} with {flag}=true is not supported by specjax targets")
+    for key in silu_keys:
+        act = hf.get(key, "silu")
+        if act != "silu":
+            raise ValueError(f"{key}={act!r} is not supported (only 'silu')")
+    return hf, arch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +148,6 @@ class WeightSpec:
         return [((j, e), self.hf_name.format(i=i, e=e)) for j, i in enumerate(layers) for e in range(n_experts)]
 
 
-def split_at_taps(start: int, stop: int, taps: Sequence[int]) -> list[tuple[int, int, bool]]:
-    """Layer range [start, stop) cut after every tap inside it: (a, b, ends_at_tap) pieces. Each
-    piece becomes one layer scan, so only the tapped states are kept, never every layer's output."""
-    pieces, a = [], start
-    for k in taps:
-        if start <= k < stop:
-            pieces.append((a, k + 1, True))
-            a = k + 1
-    if a < stop:
-        pieces.append((a, stop, False))
-    return pieces
-
-
 def tree_get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
     for key in path:
         tree = tree[key]
@@ -169,7 +189,7 @@ class Target:
     # Cached decoding (generation / speculative decoding), optional per architecture:
     # decode_fn(params, config, cache, input_ids, positions, start, *, aux_layer_ids, chunk_mask_btt,
     #           valid_from_b, logits_index) -> (logits, aux, final_hidden, cache)   (see llama.decode_chunk)
-    # init_cache_fn(config, batch_size, max_len, dtype) -> cache pytree
+    # init_cache_fn(config, batch_size, max_len, dtype) -> cache pytree (layout: layers/attention.py "KV cache")
     decode_fn: Callable[..., Any] | None = None
     init_cache_fn: Callable[..., Any] | None = None
 
@@ -228,11 +248,6 @@ class Target:
         """[V, H] output projection in HF layout (rows = vocab; tied -> the embedding table)."""
         return type(self).lm_head_fn(params, self.config)
 
-    def logits(self, params, final_hidden_btd) -> jax.Array:
-        """fp32 logits: final_hidden @ lm_head^T with fp32 accumulation."""
-        w_vd = self.lm_head_weight(params)
-        return jnp.einsum("btd,vd->btv", final_hidden_btd, w_vd, preferred_element_type=jnp.float32)
-
     # ---- cached decoding ------------------------------------------------------------------------
     @property
     def supports_decoding(self) -> bool:
@@ -242,9 +257,7 @@ class Target:
         """Raise NotImplementedError naming the architectures with cached decoding."""
         if self.supports_decoding:
             return
-        from specjax.targets.registry import ARCHITECTURES  # lazy: the registry imports this module
-
-        ok = sorted(a for a, cls in ARCHITECTURES.items() if cls.decode_fn is not None)
+        ok = sorted(a for a, cls in registry.ARCHITECTURES.items() if cls.decode_fn is not None)
         raise NotImplementedError(
             f"speculative decoding/regeneration supports {', '.join(ok)}; got {self.arch}. Use one of "
             f"those targets, or regenerate through an OpenAI-compatible endpoint (regenerate.backend=openai)."

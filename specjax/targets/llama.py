@@ -1,6 +1,7 @@
 """Llama-family frozen target (``LlamaForCausalLM`` and ``Qwen3ForCausalLM``) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> init -> forward -> HF export -> Target class.
+Read top to bottom: config -> HF weight map (+ init and HF export) -> decoder layer -> forward ->
+cached decoding -> Target class.
 
 Differences handled by one code path:
   * Qwen3 adds a per-head RMSNorm on q and k (``q_norm``/``k_norm`` over head_dim, before RoPE) and
@@ -24,14 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, tree_get, tree_set, validate_aux_layer_ids, split_at_taps
-from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_get, tree_set, validate_aux_layer_ids
+from specjax.targets.layers.attention import (
+    AttentionConfig, attention_block, attention_inputs, cache_attention_mask, cache_size_for,
+)
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.targets.layers.scan import index_layer, scan_layers
+from specjax.targets.registry import model_type_of, register
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 
 # =============================================================================================
@@ -66,25 +70,17 @@ class LlamaTargetConfig:
 
     @property
     def model_type(self) -> str:
-        return _MODEL_TYPES[self.architecture]
+        return model_type_of(self.architecture)
+
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig.of(self, qk_norm=self.qk_norm)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "LlamaTargetConfig":
         """From an HF config dict (config.json contents, or ``PretrainedConfig.to_dict()``)."""
-        if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
-            hf = hf.to_dict()
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-            hf.get("model_type"), hf.get("model_type")
-        )
-        if arch not in LLAMA_ARCHS:
-            raise ValueError(f"LlamaTargetConfig handles {LLAMA_ARCHS}, got architecture {arch!r}")
-        for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise ValueError(f"{arch} with {flag}=true is not supported by specjax targets")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        hf, arch = resolve_hf_config(hf, LLAMA_ARCHS, "LlamaTargetConfig",
+                                     unsupported_flags=("attention_bias", "mlp_bias"), silu_keys=("hidden_act",))
         layer_types = hf.get("layer_types") or []
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
             raise ValueError(f"{arch} with sliding-window attention layers is not supported")
@@ -165,7 +161,7 @@ def hf_config_dict(
     rope.update(rope_parameters or {})
     d: dict[str, Any] = {
         "architectures": [architecture],
-        "model_type": _MODEL_TYPES[architecture],
+        "model_type": model_type_of(architecture),
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -229,15 +225,8 @@ def weight_specs(cfg: LlamaTargetConfig) -> list[WeightSpec]:
     return specs
 
 
-def param_logical_axes(cfg: LlamaTargetConfig) -> dict:
-    tree: dict = {}
-    for spec in weight_specs(cfg):
-        tree_set(tree, spec.path, spec.axes)
-    return tree
-
-
 # =============================================================================================
-# Init (toy targets for tests and smoke runs)
+# Init (toy targets for tests and smoke runs) and HF export (the inverse of the weight map)
 # =============================================================================================
 def init_params(cfg: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     """Random params: normal(0, 0.02) matrices, ones for norm scales."""
@@ -253,109 +242,6 @@ def init_params(cfg: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> di
     return params
 
 
-# =============================================================================================
-# Forward
-# =============================================================================================
-def _decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, cos_bth, sin_bth, mask_btt):
-    b, t, _ = x_btd.shape
-    eps = cfg.rms_norm_eps
-    attn = lp["self_attn"]
-    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
-    q = (h @ attn["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = (h @ attn["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = (h @ attn["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-        q = rms_norm(q, attn["q_norm"]["scale"], eps)
-        k = rms_norm(k, attn["k_norm"]["scale"], eps)
-    q = apply_rope(q, cos_bth, sin_bth)
-    k = apply_rope(k, cos_bth, sin_bth)
-    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
-                              implementation=cfg.attention_implementation)
-    x_btd = x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
-    h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
-    mlp = lp["mlp"]
-    return x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
-
-
-def _run_layers(layers: dict, cfg: LlamaTargetConfig, x_btd, start: int, stop: int, cos, sin, mask):
-    """Apply decoder layers [start, stop) with one lax.scan.
-
-    The scan runs over layer *indices* and slices the full stacked weights inside the body, rather
-    than scanning over ``layers[start:stop]``: a static slice of the stack fed to a loop would make
-    XLA materialise a copy of those weights, while a per-step dynamic index reads one layer in place.
-    """
-    if stop <= start:
-        return x_btd
-
-    def body(x, i):
-        lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), layers)
-        return _decoder_layer(lp, cfg, x, cos, sin, mask), None
-
-    x_btd, _ = jax.lax.scan(body, x_btd, jnp.arange(start, stop, dtype=jnp.int32))
-    return x_btd
-
-
-def forward(
-    params: dict,
-    cfg: LlamaTargetConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward. Returns (final_hidden [B,T,D] after the final norm, aux tuple of [B,T,D]).
-
-    aux id k is the residual stream after decoder layer k (HF ``hidden_states[k+1]``; for
-    k = L-1 this is the pre-final-norm state, whereas HF's last hidden_states entry is post-norm).
-    The layer stack is split at the taps, so only the tapped states are kept, not all L outputs.
-    Compute runs in the params dtype; RMSNorm statistics and the softmax run in fp32.
-    """
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    mask, cos, sin = attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
-    aux = []
-    for a, b, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
-        x = _run_layers(params["layers"], cfg, x, a, b, cos, sin, mask)
-        if tapped:
-            aux.append(x)
-    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
-
-
-def attention_inputs(cfg, shape_bt, positions, segment_ids, dtype):
-    """(segment-causal mask, RoPE cos, sin) shared by every layer; positions default to arange and
-    segment ids to one segment per row. Used by all RoPE targets of the Llama family."""
-    b, t = shape_bt
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
-    cos, sin = rope_cos_sin(positions, inverse_frequencies(cfg.rope, cfg.head_dim), dtype)
-    return segment_causal_mask(segment_ids), cos, sin
-
-
-def embed_table(params: dict, cfg: LlamaTargetConfig | None = None) -> jax.Array:
-    """[V, D] token embedding table."""
-    return params["embed_tokens"]["embedding"]
-
-
-def lm_head_weight(params: dict, cfg: LlamaTargetConfig) -> jax.Array:
-    """[V, D] output projection in HF layout (tied -> the embedding table)."""
-    if cfg.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"]
-    return params["lm_head"]["kernel"].T
-
-
-def logits(params: dict, cfg: LlamaTargetConfig, final_hidden_btd: jax.Array) -> jax.Array:
-    """fp32 logits with fp32 accumulation."""
-    return jnp.einsum(
-        "btd,vd->btv", final_hidden_btd, lm_head_weight(params, cfg), preferred_element_type=jnp.float32
-    )
-
-
-# =============================================================================================
-# HF export: the inverse of the weight map
-# =============================================================================================
 def save_hf_checkpoint(
     params: dict, cfg: LlamaTargetConfig, out_dir: str | os.PathLike, hf_config: Mapping[str, Any] | None = None
 ) -> None:
@@ -397,72 +283,88 @@ def save_hf_checkpoint(
 
 
 # =============================================================================================
+# Decoder layer
+# =============================================================================================
+def decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, rope, mask, *, cache: dict | None = None, layer=None,
+                  slots_bt=None):
+    """x + attn(norm(x)), then + SwiGLU(norm(x)): (new x, new cache or None). ``cache``/``layer``/
+    ``slots_bt``: cached decoding (see layers/attention.attention_block)."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
+    o, cache = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=cache, layer=layer,
+                               slots_bt=slots_bt)
+    x_btd = x_btd + o
+    h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
+    mlp = lp["mlp"]
+    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+    return x_btd, cache
+
+
+# =============================================================================================
+# Forward
+# =============================================================================================
+def forward(
+    params: dict,
+    cfg: LlamaTargetConfig,
+    input_ids_bt: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, tuple]:
+    """Pure forward. Returns (final_hidden [B,T,D] after the final norm, aux tuple of [B,T,D]).
+
+    aux id k is the residual stream after decoder layer k (HF ``hidden_states[k+1]``; for
+    k = L-1 this is the pre-final-norm state, whereas HF's last hidden_states entry is post-norm).
+    The layer stack is split at the taps, so only the tapped states are kept, not all L outputs.
+    Compute runs in the params dtype; RMSNorm statistics and the softmax run in fp32.
+    """
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
+    return forward_over(params, cfg, input_ids_bt, range(cfg.num_hidden_layers), aux_ids, positions, segment_ids)
+
+
+def forward_over(params: dict, cfg: LlamaTargetConfig, input_ids_bt: jax.Array, layer_ids: Sequence[int],
+                 aux_ids: Sequence[int], positions: jax.Array | None, segment_ids: jax.Array | None):
+    """:func:`forward` through the decoder layers ``layer_ids`` in this order (every layer once for
+    Llama; the unroll for a looped target); aux id k is the state after the k-th of them."""
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
+    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
+
+    def step(x, i):
+        return decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask)[0]
+
+    x, aux = scan_layers(step, x, np.asarray(layer_ids, np.int32), aux_ids)
+    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), aux
+
+
+def embed_table(params: dict, cfg: LlamaTargetConfig | None = None) -> jax.Array:
+    """[V, D] token embedding table."""
+    return params["embed_tokens"]["embedding"]
+
+
+def lm_head_weight(params: dict, cfg: LlamaTargetConfig) -> jax.Array:
+    """[V, D] output projection in HF layout (tied -> the embedding table)."""
+    if cfg.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"]
+    return params["lm_head"]["kernel"].T
+
+
+def logits(params: dict, cfg: LlamaTargetConfig, final_hidden_btd: jax.Array) -> jax.Array:
+    """fp32 logits with fp32 accumulation."""
+    return jnp.einsum(
+        "btd,vd->btv", final_hidden_btd, lm_head_weight(params, cfg), preferred_element_type=jnp.float32
+    )
+
+
+# =============================================================================================
 # Cached decoding (generation, regeneration, speculative decoding)
 # =============================================================================================
-# The cache is a fixed-size buffer {"k", "v"}: [L, B, S, Hkv, D] each, S static. A call runs a
-# chunk of T new tokens per row, writes their K/V at slots start[b] .. start[b]+T-1 and attends to
-# every slot < start[b] (the row's valid prefix) plus the chunk itself under `chunk_mask`
-# (causal by default; a tree mask for tree verification). Slots >= start + T are never read, so
-# rolling back rejected draft tokens is just passing a smaller `start` next time: the stale
-# entries are masked, then overwritten. Writes past S are dropped (never clamped onto live slots).
-CACHE_MULTIPLE = 256  # static cache sizes are rounded up to this, so few distinct shapes compile
-
-
-def cache_size_for(max_len: int, multiple: int = CACHE_MULTIPLE) -> int:
-    """The static cache length for `max_len` slots (rounded up to a multiple, at least one)."""
-    if max_len < 1:
-        raise ValueError(f"cache max_len must be >= 1, got {max_len}")
-    return -(-int(max_len) // multiple) * multiple
-
-
+# A static-size KV cache {"k", "v"} [L, B, S, Hkv, D]; rollback = a shorter valid length. The
+# layout, the slot rules and the mask: layers/attention.py "KV cache".
 def init_kv_cache(cfg: LlamaTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
     """Zeroed KV cache for `max_len` slots per row (rounded up by :func:`cache_size_for`)."""
     shape = (cfg.num_hidden_layers, int(batch_size), cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def cache_attention_mask(start_b: jax.Array, num_slots: int, chunk_mask_btt: jax.Array,
-                         valid_from_b: jax.Array | None = None) -> jax.Array:
-    """bool [B, T, S]: slot j is visible to chunk query i iff valid_from[b] <= j < start[b], or j is
-    chunk slot start[b]+c with chunk_mask[b, i, c]. (valid_from > 0 skips left padding.)"""
-    b, t, _ = chunk_mask_btt.shape
-    rel = jnp.arange(num_slots, dtype=jnp.int32)[None, :] - start_b[:, None]  # [B, S] slot - start
-    prefix = rel < 0
-    if valid_from_b is not None:
-        prefix = prefix & (jnp.arange(num_slots, dtype=jnp.int32)[None, :] >= valid_from_b[:, None])
-    in_chunk = (rel >= 0) & (rel < t)
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, num_slots))
-    chunk = jnp.take_along_axis(chunk_mask_btt, idx, axis=2)
-    return prefix[:, None, :] | (in_chunk[:, None, :] & chunk)
-
-
-def _cached_decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, cos_bth, sin_bth, cache, layer, slots_bt, mask_bts):
-    """`_decoder_layer` with the new K/V written into the cache at `slots` and attention over the
-    whole cache row (same math and op order as the uncached layer)."""
-    b, t, _ = x_btd.shape
-    eps = cfg.rms_norm_eps
-    attn = lp["self_attn"]
-    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
-    q = (h @ attn["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = (h @ attn["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = (h @ attn["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, attn["q_norm"]["scale"], eps)
-        k = rms_norm(k, attn["k_norm"]["scale"], eps)
-    q = apply_rope(q, cos_bth, sin_bth)
-    k = apply_rope(k, cos_bth, sin_bth)
-    rows = jnp.arange(b)[:, None]
-    # scatter into the carried full cache (in place inside the layer loop); out-of-range slots drop
-    kc = cache["k"].at[layer, rows, slots_bt].set(k.astype(cache["k"].dtype), mode="drop")
-    vc = cache["v"].at[layer, rows, slots_bt].set(v.astype(cache["v"].dtype), mode="drop")
-    k_all = jax.lax.dynamic_index_in_dim(kc, layer, axis=0, keepdims=False).astype(q.dtype)
-    v_all = jax.lax.dynamic_index_in_dim(vc, layer, axis=0, keepdims=False).astype(q.dtype)
-    o = dot_product_attention(q, k_all, v_all, mask_bts, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block)
-    x_btd = x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
-    h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
-    mlp = lp["mlp"]
-    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
-    return x_btd, {"k": kc, "v": vc}
 
 
 def decode_chunk(
@@ -484,7 +386,7 @@ def decode_chunk(
     input_ids/positions [B,T] int (positions are the RoPE positions, independent of slots);
     start [B]: the row's valid cache length, where the chunk is written. chunk_mask [B,T,T] bool
     (default causal). logits [B,T,V], or [B,n,V] at chunk indices `logits_index` [B,n] (a prefill
-    then never forms [B,T,V]).
+    then never forms [B,T,V]). Same layers and op order as :func:`forward`.
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
     b, t = input_ids_bt.shape
@@ -495,28 +397,24 @@ def decode_chunk(
     mask = cache_attention_mask(start_b, num_slots, chunk_mask_btt, valid_from_b)
     slots = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    cos, sin = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-    layers = params["layers"]
+    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
 
-    def body(carry, i):
+    def step(carry, i):
         x, c = carry
-        lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), layers)
-        return _cached_decoder_layer(lp, cfg, x, cos, sin, c, i, slots, mask), None
+        return decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask, cache=c, layer=i, slots_bt=slots)
 
-    aux = []
-    for a, bnd, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
-        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(a, bnd, dtype=jnp.int32))
-        if tapped:
-            aux.append(x)
+    (x, cache), aux = scan_layers(step, (x, cache), np.arange(cfg.num_hidden_layers, dtype=np.int32), aux_ids,
+                                  tapped=lambda carry: carry[0])
     final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
     picked = final if logits_index is None else jnp.take_along_axis(final, logits_index[:, :, None], axis=1)
     logits_btv = logits(params, cfg, picked)
-    return logits_btv, tuple(aux), final, cache
+    return logits_btv, aux, final, cache
 
 
 # =============================================================================================
 # Target wrapper
 # =============================================================================================
+@register(*LLAMA_ARCHS)  # Qwen3 = Llama + per-head q/k RMSNorm, explicit head_dim
 class LlamaTarget(Target):
     """Frozen Llama / Qwen3 target (see module docstring)."""
 

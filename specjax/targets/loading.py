@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 
 from specjax.targets.base import Target, tree_get, tree_set
+from specjax.targets.registry import get_target_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -227,8 +228,6 @@ def load_target(
     shardings: optional pytree like the params (leaves jax.sharding.Sharding or None).
     config_overrides: runtime config fields, e.g. ``attention_q_block=1024``.
     """
-    from specjax.targets.registry import get_target_class  # registry imports the architectures
-
     hf_config = read_hf_config(hf_dir)
     cls = get_target_class(hf_config)
     config = cls.config_from_hf(hf_config, **config_overrides)

@@ -1,7 +1,7 @@
 """Nemotron-H frozen target (``NemotronHForCausalLM``): hybrid Mamba-2 / attention / MoE / MLP stack.
 
-Read top to bottom: block types -> config -> HF weight map -> init -> forward -> draft check ->
-Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
+Read top to bottom: block types -> config -> HF weight map -> init -> blocks -> forward -> draft
+check -> Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
 
   block i (type from ``layers_block_type``):  x = x + mixer_i(RMSNorm_i(x))
     linear_attention  Mamba-2 mixer (layers/mamba2.py; SSD scan in specjax_kernels.ssd)
@@ -37,14 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, tree_set, validate_aux_layer_ids
-from specjax.targets.layers.attention import dot_product_attention, segment_causal_mask
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_set, validate_aux_layer_ids
+from specjax.targets.layers.attention import AttentionConfig, attention_block, segment_causal_mask
 from specjax.targets.layers.mamba2 import Mamba2Dims, mamba2_mixer
 from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
+from specjax.targets.registry import model_type_of, register
 from specjax_kernels.moe import moe_experts
 
 ARCHITECTURE = "NemotronHForCausalLM"
-MODEL_TYPE = "nemotron_h"
+MODEL_TYPE = model_type_of(ARCHITECTURE)
 
 # =============================================================================================
 # Block types (transformers 5.24 names) and the older spellings configs still carry
@@ -163,6 +165,10 @@ class NemotronHTargetConfig:
         return MODEL_TYPE
 
     @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig.of(self)  # no q/k norm; the forward passes no RoPE
+
+    @property
     def mamba_dims(self) -> Mamba2Dims:
         return Mamba2Dims(
             num_heads=self.mamba_num_heads, head_dim=self.mamba_head_dim, n_groups=self.n_groups,
@@ -192,16 +198,10 @@ class NemotronHTargetConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "NemotronHTargetConfig":
         """From an HF config dict (config.json contents or ``NemotronHConfig.to_dict()``)."""
-        if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
-            hf = hf.to_dict()
-        hf = dict(hf)
+        hf, _ = resolve_hf_config(hf, (ARCHITECTURE,), "NemotronHTargetConfig", silu_keys=("mamba_hidden_act",))
         for old, new in _KEY_ALIASES.items():
             if old in hf and new not in hf:
                 hf[new] = hf[old]
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else ARCHITECTURE if hf.get("model_type") == MODEL_TYPE else hf.get("model_type")
-        if arch != ARCHITECTURE:
-            raise ValueError(f"NemotronHTargetConfig handles {ARCHITECTURE}, got architecture {arch!r}")
         types = parse_block_types(hf)
         n_declared = hf.get("num_hidden_layers")
         if n_declared is not None and int(n_declared) != len(types):
@@ -219,8 +219,6 @@ class NemotronHTargetConfig:
                 "Nemotron-H with tie_word_embeddings=true is not supported (transformers' "
                 "NemotronHForCausalLM never ties lm_head to the embeddings)"
             )
-        if hf.get("mamba_hidden_act", "silu") != "silu":
-            raise ValueError(f"mamba_hidden_act={hf['mamba_hidden_act']!r} is not supported (only 'silu')")
         act = hf.get("mlp_hidden_act", "relu2")
         if act not in _ACTIVATIONS:
             raise ValueError(f"mlp_hidden_act={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
@@ -453,7 +451,7 @@ _init_params_jit = jax.jit(_init_params, static_argnums=(0, 2, 3))
 
 
 # =============================================================================================
-# Forward
+# Blocks
 # =============================================================================================
 def rms_norm_fp32_weight(x, scale, eps):
     """NemotronHRMSNorm: normalise in fp32, multiply by the weight in fp32, then cast to x's dtype."""
@@ -464,16 +462,6 @@ def rms_norm_fp32_weight(x, scale, eps):
 
 def _ffn(p, act: str, x):
     return _ACTIVATIONS[act](x @ p["up_proj"]["kernel"]) @ p["down_proj"]["kernel"]
-
-
-def _attention(p, cfg: NemotronHTargetConfig, x_btd, mask_btt):
-    b, t, _ = x_btd.shape
-    q = (x_btd @ p["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = (x_btd @ p["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = (x_btd @ p["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    o = dot_product_attention(q, k, v, mask_btt, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
-                              implementation=cfg.attention_implementation)
-    return o.reshape(b, t, -1) @ p["o_proj"]["kernel"]
 
 
 def route(x_nd, gate: dict, cfg: NemotronHTargetConfig):
@@ -517,8 +505,8 @@ def _block(kind: str, lp: dict, cfg: NemotronHTargetConfig, x_btd, segment_ids, 
     mixer = lp["mixer"]
     if kind == MAMBA:
         out = mamba2_mixer(mixer, cfg.mamba_dims, h, segment_ids)
-    elif kind == ATTENTION:
-        out = _attention(mixer, cfg, h, mask)
+    elif kind == ATTENTION:  # GQA with no positional encoding
+        out = attention_block(mixer, cfg.attention, h, mask)[0]
     elif kind == MOE:
         out = _moe(mixer, cfg, h)
     else:
@@ -526,12 +514,13 @@ def _block(kind: str, lp: dict, cfg: NemotronHTargetConfig, x_btd, segment_ids, 
     return x_btd + out.astype(x_btd.dtype)
 
 
+# =============================================================================================
+# Forward
+# =============================================================================================
 def _run_layers(params, cfg: NemotronHTargetConfig, x_btd, start: int, stop: int, segment_ids, mask):
     """Blocks [start, stop): one lax.scan over layer indices; each step picks its block type with
     lax.switch (one branch per type present) and reads that type's stack at the layer's slot with a
     dynamic index (in place, no weight copies). The carry is only the residual stream."""
-    if stop <= start:
-        return x_btd
     kinds = cfg.layer_types[start:stop]
     present = [k for k in BLOCK_TYPES if k in kinds]
     slots = cfg.layer_slots
@@ -540,24 +529,22 @@ def _run_layers(params, cfg: NemotronHTargetConfig, x_btd, start: int, stop: int
         stack = params[_PARAM_KEY[kind]]
 
         def apply(x, slot):
-            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, axis=0, keepdims=False), stack)
-            return _block(kind, lp, cfg, x, segment_ids, mask)
+            return _block(kind, index_layer(stack, slot), cfg, x, segment_ids, mask)
         return apply
 
     branches = [branch(k) for k in present]
     if stop - start == 1:
         return branches[0](x_btd, slots[start])
-    kind_idx = jnp.asarray([present.index(k) for k in kinds], jnp.int32)
-    slot_idx = jnp.asarray(slots[start:stop], jnp.int32)
+    kind_idx = np.asarray([present.index(k) for k in kinds], np.int32)
+    slot_idx = np.asarray(slots[start:stop], np.int32)
 
-    def body(x, ks):
+    def step(x, ks):
         kind, slot = ks
         if len(branches) == 1:
-            return branches[0](x, slot), None
-        return jax.lax.switch(kind, branches, x, slot), None
+            return branches[0](x, slot)
+        return jax.lax.switch(kind, branches, x, slot)
 
-    x_btd, _ = jax.lax.scan(body, x_btd, (kind_idx, slot_idx))
-    return x_btd
+    return layer_scan(step, x_btd, (kind_idx, slot_idx))
 
 
 def forward(
@@ -583,14 +570,12 @@ def forward(
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
     mask = segment_causal_mask(segment_ids) if ATTENTION in cfg.layer_types else None
-    aux = []
-    start = 0
-    for k in aux_ids:
-        x = _run_layers(params, cfg, x, start, k + 1, segment_ids, mask)
-        aux.append(x)
-        start = k + 1
-    x = _run_layers(params, cfg, x, start, cfg.num_hidden_layers, segment_ids, mask)
-    return rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon), tuple(aux)
+
+    def run_span(x, a, b):
+        return _run_layers(params, cfg, x, a, b, segment_ids, mask)
+
+    x, aux = scan_at_taps(run_span, x, cfg.num_hidden_layers, aux_ids)
+    return rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon), aux
 
 
 def embed_table(params: dict, cfg: NemotronHTargetConfig | None = None) -> jax.Array:
@@ -631,6 +616,7 @@ def check_draft_compat(target_config: NemotronHTargetConfig | Mapping[str, Any],
 # =============================================================================================
 # Target wrapper
 # =============================================================================================
+@register(ARCHITECTURE)  # hybrid Mamba-2 / attention / MoE / MLP blocks
 class NemotronHTarget(Target):
     """Frozen Nemotron-H target (see module docstring)."""
 

@@ -1,6 +1,6 @@
 """Qwen3-MoE frozen target (``Qwen3MoeForCausalLM``) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> forward -> Target class.
+Read top to bottom: config -> HF weight map -> blocks (router, feed-forwards) -> forward -> Target class.
 
 Layout (transformers' Qwen3MoeForCausalLM): Qwen3 attention (GQA, per-head q/k RMSNorm before RoPE,
 explicit head_dim, no biases) in every layer; the feed-forward of layer i is
@@ -29,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from specjax_kernels.moe import moe_experts
 
-from specjax.targets import llama
-from specjax.targets.base import Target, WeightSpec, split_at_taps, validate_aux_layer_ids
-from specjax.targets.layers.attention import dot_product_attention
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
+from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
+from specjax.targets.llama import embed_table, lm_head_weight  # same embedding / lm_head layout
+from specjax.targets.registry import register
 
 ARCH = "Qwen3MoeForCausalLM"
 
@@ -71,6 +73,10 @@ class Qwen3MoeTargetConfig:
 
     qk_norm = True
 
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig.of(self, qk_norm=self.qk_norm)
+
     def is_moe(self, layer: int) -> bool:
         """transformers' Qwen3MoeDecoderLayer rule for a sparse (MoE) feed-forward."""
         return (
@@ -94,17 +100,8 @@ class Qwen3MoeTargetConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "Qwen3MoeTargetConfig":
-        if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
-            hf = hf.to_dict()
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else ("Qwen3MoeForCausalLM" if hf.get("model_type") == "qwen3_moe" else None)
-        if arch != ARCH:
-            raise ValueError(f"Qwen3MoeTargetConfig handles {ARCH}, got architecture {arch!r}")
-        if hf.get("attention_bias"):
-            raise ValueError(f"{ARCH} with attention_bias=true is not supported by specjax targets")
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu')")
+        hf, arch = resolve_hf_config(hf, (ARCH,), "Qwen3MoeTargetConfig",
+                                     unsupported_flags=("attention_bias",), silu_keys=("hidden_act",))
         if hf.get("use_sliding_window"):
             raise ValueError(f"{ARCH} with use_sliding_window=true is not supported (full attention only)")
         if hf.get("shared_expert_intermediate_size"):
@@ -202,28 +199,8 @@ def weight_specs(cfg: Qwen3MoeTargetConfig) -> list[WeightSpec]:
 
 
 # =============================================================================================
-# Forward
+# Blocks: router, MoE and dense feed-forwards (attention: layers/attention.attention_block)
 # =============================================================================================
-def _index(tree, i):
-    """Layer i of a stacked subtree, read in place (dynamic index, no copy of the stack)."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
-
-
-def _attention_block(lp: dict, cfg: Qwen3MoeTargetConfig, x_btd, cos, sin, mask):
-    """x + self_attn(input_layernorm(x)), Qwen3 style (q/k RMSNorm per head before RoPE)."""
-    b, t, _ = x_btd.shape
-    eps, attn = cfg.rms_norm_eps, lp["self_attn"]
-    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
-    q = (h @ attn["q_proj"]["kernel"]).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = (h @ attn["k_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = (h @ attn["v_proj"]["kernel"]).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    q = apply_rope(rms_norm(q, attn["q_norm"]["scale"], eps), cos, sin)
-    k = apply_rope(rms_norm(k, attn["k_norm"]["scale"], eps), cos, sin)
-    o = dot_product_attention(q, k, v, mask, scale=cfg.head_dim**-0.5, q_block=cfg.attention_q_block,
-                              implementation=cfg.attention_implementation)
-    return x_btd + o.reshape(b, t, -1) @ attn["o_proj"]["kernel"]
-
-
 def route(h_td, router_de, cfg: Qwen3MoeTargetConfig):
     """Softmax router (fp32) -> top-k expert ids [T, k] and weights [T, k] (in h's dtype)."""
     logits = h_td @ router_de
@@ -250,40 +227,41 @@ def _dense_ffn(mp: dict, h_btd):
     return swiglu_mlp(h_btd, mp["gate_proj"]["kernel"], mp["up_proj"]["kernel"], mp["down_proj"]["kernel"])
 
 
-def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence[int], cos, sin, mask):
+# =============================================================================================
+# Forward
+# =============================================================================================
+def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence[int], rope, mask):
     """Apply decoder ``layers`` (consecutive ids) with one lax.scan over a static schedule.
 
     Each step reads its attention weights from ``layers`` and its feed-forward from the MoE or the
     dense stack at the scheduled slot. A segment with only one kind calls that kind directly; a
     mixed segment (interleaved MoE / dense layers) picks per layer with ``lax.cond``.
     """
-    if not layers:
-        return x_btd
     kinds = {cfg.is_moe(i) for i in layers}
     xs = (
-        jnp.asarray(layers, jnp.int32),
-        jnp.asarray([cfg.slot(i) for i in layers], jnp.int32),
-        jnp.asarray([cfg.is_moe(i) for i in layers]),
+        np.asarray(layers, np.int32),
+        np.asarray([cfg.slot(i) for i in layers], np.int32),
+        np.asarray([cfg.is_moe(i) for i in layers]),
     )
 
     def ffn(h, slot, is_moe):
-        moe = lambda h, s: _moe_ffn(_index(params["moe_layers"], s), cfg, h)  # noqa: E731
-        dense = lambda h, s: _dense_ffn(_index(params["mlp_layers"], s), h)  # noqa: E731
+        moe = lambda h, s: _moe_ffn(index_layer(params["moe_layers"], s), cfg, h)  # noqa: E731
+        dense = lambda h, s: _dense_ffn(index_layer(params["mlp_layers"], s), h)  # noqa: E731
         if kinds == {True}:
             return moe(h, slot)
         if kinds == {False}:
             return dense(h, slot)
         return jax.lax.cond(is_moe, moe, dense, h, slot)
 
-    def body(x, step):
-        i, slot, is_moe = step
-        lp = _index(params["layers"], i)
-        x = _attention_block(lp, cfg, x, cos, sin, mask)
+    def step(x, layer):
+        i, slot, is_moe = layer
+        lp = index_layer(params["layers"], i)
+        h = rms_norm(x, lp["input_layernorm"]["scale"], cfg.rms_norm_eps)
+        x = x + attention_block(lp["self_attn"], cfg.attention, h, mask, rope)[0]
         h = rms_norm(x, lp["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-        return x + ffn(h, slot, is_moe), None
+        return x + ffn(h, slot, is_moe)
 
-    x_btd, _ = jax.lax.scan(body, x_btd, xs)
-    return x_btd
+    return layer_scan(step, x_btd, xs)
 
 
 def forward(
@@ -302,23 +280,19 @@ def forward(
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    mask, cos, sin = llama.attention_inputs(cfg, input_ids_bt.shape, positions, segment_ids, x.dtype)
-    aux = []
-    for a, b, tapped in split_at_taps(0, cfg.num_hidden_layers, aux_ids):
-        x = _run_layers(params, cfg, x, range(a, b), cos, sin, mask)
-        if tapped:
-            aux.append(x)
-    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), tuple(aux)
+    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
 
+    def run_span(x, a, b):
+        return _run_layers(params, cfg, x, range(a, b), rope, mask)
 
-# same embedding / lm_head layout as the dense family
-embed_table = llama.embed_table
-lm_head_weight = llama.lm_head_weight
+    x, aux = scan_at_taps(run_span, x, cfg.num_hidden_layers, aux_ids)
+    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), aux
 
 
 # =============================================================================================
 # Target wrapper
 # =============================================================================================
+@register(ARCH)  # Qwen3 attention + softmax top-k routed SwiGLU experts
 class Qwen3MoeTarget(Target):
     """Frozen Qwen3-MoE target (see module docstring)."""
 

@@ -1,32 +1,24 @@
-"""Target registry keyed by HF ``config.architectures[0]`` (``model_type`` as fallback)."""
+"""Target registry: HF ``config.architectures[0]`` -> Target class, and the one model_type map.
+
+Every architecture file registers its Target class with ``@register(<architecture names>)``;
+``specjax/targets/__init__.py`` imports every architecture file, and Python runs that package file
+before any of its modules, so the table is complete wherever it is read. This module imports no
+target code (``base.py`` and the architecture files import it), so there is no import cycle.
+"""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from specjax.targets.base import Target
-from specjax.targets.llama import LlamaTarget
-from specjax.targets.looped import HrmTextTarget, LoopedLlamaTarget
-from specjax.targets.nemotron_h import NemotronHTarget
-from specjax.targets.qwen3_moe import Qwen3MoeTarget
+if TYPE_CHECKING:
+    from specjax.targets.base import Target
 
-ARCHITECTURES: dict[str, type[Target]] = {
-    # dense
-    "LlamaForCausalLM": LlamaTarget,
-    "Qwen3ForCausalLM": LlamaTarget,  # Llama + per-head q/k RMSNorm, explicit head_dim
-    # mixture of experts
-    "Qwen3MoeForCausalLM": Qwen3MoeTarget,  # Qwen3 attention + softmax top-k routed SwiGLU experts
-    # looped / weight-shared (aux ids address the unrolled virtual depth)
-    "LoopedLlamaForCausalLM": LoopedLlamaTarget,  # Llama config + num_loops / loop_start / loop_end
-    "LoopedQwen3ForCausalLM": LoopedLlamaTarget,  # the same over Qwen3 layers
-    "HrmTextForCausalLM": HrmTextTarget,  # transformers' HRM-Text: H/L stacks, H_cycles x L_cycles
-    # hybrid Mamba-2 / attention / MoE
-    "NemotronHForCausalLM": NemotronHTarget,  # Mamba-2 / attention / MoE / MLP blocks
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(ARCHITECTURES))
+# HF architecture -> Target class, filled by @register (see specjax/targets/__init__.py for the files)
+ARCHITECTURES: dict[str, "type[Target]"] = {}
 
-# Configs saved without a model (config.save_pretrained) carry no "architectures" field.
-# (Looped Llama configs keep their base model_type, so they must name their architecture.)
-_MODEL_TYPE_TO_ARCH = {
+# Configs saved without a model (config.save_pretrained) carry no "architectures" field; their
+# model_type names the architecture. Looped Llama configs keep their base model_type (so that
+# transformers reads them) and must name their architecture.
+MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -35,26 +27,55 @@ _MODEL_TYPE_TO_ARCH = {
 }
 
 
-def architecture_of(hf_config: Mapping[str, Any]) -> str:
-    """HF architecture name of a config dict: architectures[0], else mapped from model_type."""
+def register(*architectures: str):
+    """Class decorator: ``cls`` serves these HF architecture names."""
+
+    def add(cls):
+        for arch in architectures:
+            if arch in ARCHITECTURES and ARCHITECTURES[arch] is not cls:
+                raise ValueError(f"{arch} is registered twice: {ARCHITECTURES[arch].__name__} and {cls.__name__}")
+            ARCHITECTURES[arch] = cls
+        return cls
+
+    return add
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(ARCHITECTURES))
+
+
+def model_type_of(architecture: str) -> str:
+    """The model_type config.json carries for a (non-looped) architecture."""
+    for model_type, arch in MODEL_TYPE_TO_ARCH.items():
+        if arch == architecture:
+            return model_type
+    raise ValueError(f"no model_type known for architecture {architecture!r}")
+
+
+def architecture_of(hf_config: Mapping[str, Any], *, strict: bool = True) -> str | None:
+    """HF architecture name of a config dict: architectures[0], else mapped from model_type. An
+    unknown model_type raises ValueError, or with ``strict=False`` is returned as it is (so the
+    caller's own "handles X, got Y" error names it)."""
     archs = hf_config.get("architectures") or []
     if archs:
         return archs[0]
     model_type = hf_config.get("model_type")
-    if model_type in _MODEL_TYPE_TO_ARCH:
-        return _MODEL_TYPE_TO_ARCH[model_type]
+    if model_type in MODEL_TYPE_TO_ARCH:
+        return MODEL_TYPE_TO_ARCH[model_type]
+    if not strict:
+        return model_type
     raise ValueError(
         f"config has no 'architectures' and unknown model_type {model_type!r}; "
-        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"supported architectures: {', '.join(supported_architectures())}"
     )
 
 
-def get_target_class(arch_or_config: str | Mapping[str, Any]) -> type[Target]:
+def get_target_class(arch_or_config: str | Mapping[str, Any]) -> "type[Target]":
     """Target class for an architecture name or an HF config dict; ValueError if unsupported."""
     arch = arch_or_config if isinstance(arch_or_config, str) else architecture_of(arch_or_config)
     try:
         return ARCHITECTURES[arch]
     except KeyError:
         raise ValueError(
-            f"unsupported target architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported target architecture {arch!r}; supported: {', '.join(supported_architectures())}"
         ) from None

@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from specjax.targets import SUPPORTED_ARCHITECTURES, default_aux_layer_ids, get_target_class, load_target  # noqa: E402
-from specjax.targets.looped import HrmTextTargetConfig, LoopedLlamaConfig  # noqa: E402
+from specjax.targets.hrm_text import HrmTextTargetConfig  # noqa: E402
+from specjax.targets.looped import LoopedLlamaConfig  # noqa: E402
 from specjax.targets.qwen3_moe import Qwen3MoeTargetConfig  # noqa: E402
 
 REL_TOL = 1e-4

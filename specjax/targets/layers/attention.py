@@ -1,8 +1,12 @@
 """Grouped-query attention for frozen targets: causal, segment-aware, fp32 softmax.
 
-This is the plain-jnp reference path (it materialises [B, N, Tq, T] scores). For long sequences
-``q_block`` splits the queries into blocks processed one after another with ``lax.map``, which
-bounds the score buffer at [B, N, q_block, T] without changing the result.
+Read top to bottom: the attention block every target layer calls (projections, optional per-head
+q/k RMSNorm, RoPE, attention, optional output gate, o_proj; with an optional KV cache), its
+per-forward inputs (mask, RoPE tables), the KV cache of cached decoding, then the attention itself.
+
+``dot_product_attention`` is the plain-jnp reference path (it materialises [B, N, Tq, T] scores).
+For long sequences ``q_block`` splits the queries into blocks processed one after another with
+``lax.map``, which bounds the score buffer at [B, N, q_block, T] without changing the result.
 
 The training-time mask is a ``SegmentCausalMask``: it keeps only the [B, T] segment ids and builds
 the [B, q_block, T] rows each query block needs, so no [B, T, T] buffer exists when queries run in
@@ -12,14 +16,139 @@ shard keeps its query rows, all-gathers K/V and runs the same math (docs/archite
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
+from specjax.targets.layers.norms import rms_norm
+from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
 
 # query block used under context parallelism when the target config sets none (same result)
 CP_Q_BLOCK = 512
+
+
+# =============================================================================================
+# Attention block
+# =============================================================================================
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static shape and options of a target's attention block (hashable; a target config builds it
+    in its ``attention`` property with :meth:`of`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm_eps: float | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3); None = none
+    output_gate: bool = False  # HRM-Text: sigmoid(h @ gate_proj) per head dim times the attention output
+    q_block: int = 0  # queries in blocks of this many tokens (0 = one block); bounds the score buffer
+    implementation: str | None = None  # training self-attention path (see dot_product_attention)
+
+    @classmethod
+    def of(cls, cfg: Any, *, qk_norm: bool = False, output_gate: bool = False) -> "AttentionConfig":
+        """From a target config's num_attention_heads, num_key_value_heads, head_dim,
+        attention_q_block, attention_implementation (and rms_norm_eps with ``qk_norm``)."""
+        return cls(
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            qk_norm_eps=cfg.rms_norm_eps if qk_norm else None, output_gate=output_gate,
+            q_block=cfg.attention_q_block, implementation=cfg.attention_implementation,
+        )
+
+
+def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, cache: dict | None = None,
+                    layer=None, slots_bt=None):
+    """Self-attention of a (normed) hidden state [B,T,D]: (o_proj output [B,T,D], new cache or None).
+
+    ``p``: {"q_proj", "k_proj", "v_proj", "o_proj": {"kernel"}}, plus {"q_norm", "k_norm": {"scale"}}
+    with ``spec.qk_norm_eps`` and {"gate_proj": {"kernel"}} with ``spec.output_gate``. ``rope``:
+    (cos, sin) [B,T,head_dim] from :func:`attention_inputs`, or None (no positional encoding).
+    Training forward: no cache; ``mask`` is the SegmentCausalMask of the chunk itself. Cached
+    decoding: ``cache`` {"k", "v"} [L,B,S,Hkv,D], this ``layer``'s index and the ``slots_bt`` [B,T]
+    its new K/V go to; attention runs over the layer's whole cache row under the bool [B,T,S]
+    ``mask`` of :func:`cache_attention_mask`.
+    """
+    b, t, _ = h_btd.shape
+    q = (h_btd @ p["q_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)
+    k = (h_btd @ p["k_proj"]["kernel"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = (h_btd @ p["v_proj"]["kernel"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:  # Qwen3: per-head RMSNorm before RoPE
+        q = rms_norm(q, p["q_norm"]["scale"], spec.qk_norm_eps)
+        k = rms_norm(k, p["k_norm"]["scale"], spec.qk_norm_eps)
+    if rope is not None:
+        q = apply_rope(q, *rope)
+        k = apply_rope(k, *rope)
+    if cache is not None:
+        k, v, cache = _write_kv_cache(cache, layer, slots_bt, k, v)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    o = dot_product_attention(q, k, v, mask, scale=spec.head_dim**-0.5, q_block=spec.q_block,
+                              implementation=spec.implementation)
+    if spec.output_gate:
+        o = jax.nn.sigmoid((h_btd @ p["gate_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)) * o
+    return o.reshape(b, t, -1) @ p["o_proj"]["kernel"], cache
+
+
+def attention_inputs(shape_bt, positions, segment_ids, rope: RopeSpec, head_dim: int, dtype):
+    """(segment-causal mask, RoPE (cos, sin)) that every layer of a training forward shares;
+    positions default to arange and segment ids to one segment per row."""
+    b, t = shape_bt
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    return segment_causal_mask(segment_ids), rope_cos_sin(positions, inverse_frequencies(rope, head_dim), dtype)
+
+
+# =============================================================================================
+# KV cache (cached decoding: generation, regeneration, speculative decoding)
+# =============================================================================================
+# The cache is a fixed-size buffer {"k", "v"}: [L, B, S, Hkv, D] each, S static. A call runs a
+# chunk of T new tokens per row, writes their K/V at slots start[b] .. start[b]+T-1 and attends to
+# every slot < start[b] (the row's valid prefix) plus the chunk itself under `chunk_mask`
+# (causal by default; a tree mask for tree verification). Slots >= start + T are never read, so
+# rolling back rejected draft tokens is just passing a smaller `start` next time: the stale
+# entries are masked, then overwritten. Writes past S are dropped (never clamped onto live slots).
+CACHE_MULTIPLE = 256  # static cache sizes are rounded up to this, so few distinct shapes compile
+
+
+def cache_size_for(max_len: int, multiple: int = CACHE_MULTIPLE) -> int:
+    """The static cache length for `max_len` slots (rounded up to a multiple, at least one)."""
+    if max_len < 1:
+        raise ValueError(f"cache max_len must be >= 1, got {max_len}")
+    return -(-int(max_len) // multiple) * multiple
+
+
+def cache_attention_mask(start_b: jax.Array, num_slots: int, chunk_mask_btt: jax.Array,
+                         valid_from_b: jax.Array | None = None) -> jax.Array:
+    """bool [B, T, S]: slot j is visible to chunk query i iff valid_from[b] <= j < start[b], or j is
+    chunk slot start[b]+c with chunk_mask[b, i, c]. (valid_from > 0 skips left padding.)"""
+    b, t, _ = chunk_mask_btt.shape
+    rel = jnp.arange(num_slots, dtype=jnp.int32)[None, :] - start_b[:, None]  # [B, S] slot - start
+    prefix = rel < 0
+    if valid_from_b is not None:
+        prefix = prefix & (jnp.arange(num_slots, dtype=jnp.int32)[None, :] >= valid_from_b[:, None])
+    in_chunk = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, num_slots))
+    chunk = jnp.take_along_axis(chunk_mask_btt, idx, axis=2)
+    return prefix[:, None, :] | (in_chunk[:, None, :] & chunk)
+
+
+def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh):
+    """Scatter the chunk's K/V into the carried full cache at (layer, row, slot) (in place inside the
+    layer loop; out-of-range slots drop); returns (the layer's K row, V row, new cache)."""
+    rows = jnp.arange(k_btkh.shape[0])[:, None]
+    kc = cache["k"].at[layer, rows, slots_bt].set(k_btkh.astype(cache["k"].dtype), mode="drop")
+    vc = cache["v"].at[layer, rows, slots_bt].set(v_btkh.astype(cache["v"].dtype), mode="drop")
+    k_all = jax.lax.dynamic_index_in_dim(kc, layer, axis=0, keepdims=False)
+    v_all = jax.lax.dynamic_index_in_dim(vc, layer, axis=0, keepdims=False)
+    return k_all, v_all, {"k": kc, "v": vc}
+
+
+# =============================================================================================
+# Attention (mask, plain / blocked / kernel / context-parallel paths)
+# =============================================================================================
 
 
 def _rows(q_seg_bn, q_idx_n, k_seg_bs):
