@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -56,13 +57,20 @@ def assert_same_head(got, want):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def _stopped_at_6(tiny_target, out):
-    """A run checkpointed at 4 and 6 (keep=2) that stopped at 6, to be resumed to 8."""
+@pytest.fixture(scope="module")
+def stopped_run(tiny_target, tmp_path_factory):
+    """A run checkpointed at 4 and 6 (keep=2) that stopped at 6, to be resumed to 8 (copied per test)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
     res = train(cfg(tiny_target, out, "train.stop_at_step=6"))
     assert res.final_step == 6
     assert sorted(ckpt.manager(str(out / "checkpoints"), read_only=True).all_steps()) == [4, 6]
     for step in (4, 6):
         assert ckpt.verify(str(out / "checkpoints"), step) is None
+    return out
+
+
+def _stopped_at_6(stopped_run, out):
+    shutil.copytree(stopped_run, out)
     return out / "checkpoints"
 
 
@@ -108,9 +116,9 @@ def _stray_empty_step(d):
 @pytest.mark.parametrize("damage", [_damage_tensor_bytes, _delete_metadata, _garbage_data_iter, _stray_empty_step],
                          ids=["flipped_tensor_bytes", "deleted_metadata", "garbage_data_iter", "stray_empty_step"])
 def test_damaged_latest_checkpoint_falls_back_and_ends_like_an_uninterrupted_run(
-        tiny_target, tmp_path, reference, caplog, damage):
+        tiny_target, stopped_run, tmp_path, reference, caplog, damage):
     out = tmp_path / "run"
-    d = _stopped_at_6(tiny_target, out)
+    d = _stopped_at_6(stopped_run, out)
     reason = damage(d)
     damaged_step = 50 if damage is _stray_empty_step else 6
     with caplog.at_level(logging.WARNING, logger="specjax"):
@@ -127,9 +135,9 @@ def test_damaged_latest_checkpoint_falls_back_and_ends_like_an_uninterrupted_run
     assert_same_head(exported(out), reference)
 
 
-def test_every_checkpoint_damaged_is_one_error_naming_each(tiny_target, tmp_path):
+def test_every_checkpoint_damaged_is_one_error_naming_each(tiny_target, stopped_run, tmp_path):
     out = tmp_path / "run"
-    d = _stopped_at_6(tiny_target, out)
+    d = _stopped_at_6(stopped_run, out)
     for step in (4, 6):
         _flip_bytes(_largest_state_file(str(d / str(step))))
     with pytest.raises(ckpt.CheckpointDamaged, match=r"no checkpoint in .*checkpoints verifies \(6: .*sha256.*; 4: .*"
@@ -137,21 +145,21 @@ def test_every_checkpoint_damaged_is_one_error_naming_each(tiny_target, tmp_path
         train(cfg(tiny_target, out))
 
 
-def test_explicit_restore_from_a_damaged_checkpoint_names_the_damage(tiny_target, tmp_path):
+def test_explicit_restore_from_a_damaged_checkpoint_names_the_damage(tiny_target, stopped_run, tmp_path):
     out = tmp_path / "run"
-    d = _stopped_at_6(tiny_target, out)
+    d = _stopped_at_6(stopped_run, out)
     os.remove(d / "4" / "state" / "_METADATA")
     with pytest.raises(ckpt.CheckpointDamaged, match=re.escape(
             f"checkpoint.restore_from='{d / '4'}' is damaged: {d / '4' / 'state' / '_METADATA'} is missing.")):
         train(cfg(tiny_target, tmp_path / "other", f"checkpoint.restore_from={d / '4'}"))
 
 
-def test_non_finite_state_is_never_saved_nor_resumed(tiny_target, tmp_path):
+def test_non_finite_state_is_never_saved_nor_resumed(stopped_run, tmp_path):
     import jax
     import jax.numpy as jnp
 
     out = tmp_path / "run"
-    d = _stopped_at_6(tiny_target, out)
+    d = _stopped_at_6(stopped_run, out)
     import orbax.checkpoint as ocp
 
     mngr = ckpt.manager(str(d), keep=2)
