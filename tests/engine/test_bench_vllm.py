@@ -72,12 +72,12 @@ def _start_server(target: str, port: int, log_path, speculative_config=None) -> 
            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+    from _engine_harness import vllm_env
+
+    env = vllm_env()  # one OMP thread, no thread binding, a 1 GiB KV cache, offline
     # tests/conftest.py sets TORCHDYNAMO_DISABLE for torch in this process; vLLM's CPU worker needs
     # torch.compile ("aot_compile is not supported by the current configuration" otherwise)
-    for var in ("JAX_PLATFORMS", "TORCHDYNAMO_DISABLE"):
-        env.pop(var, None)
+    env.pop("TORCHDYNAMO_DISABLE", None)
     log = open(log_path, "wb")
     # its own session: the API server, its engine core and worker form one process group to kill
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
