@@ -50,7 +50,7 @@ import traceback
 
 import numpy as np
 
-PEAK_FLOPS = 789e12  # bf16 matmul ceiling measured on this H200 (/work/.library/device KINDS.md, 2026-10-28)
+PEAK_FLOPS = 789e12  # bf16 matmul ceiling measured on this H200 (the device notes for the lent H200, 2026-10-28)
 # fixed-length jobs cycle through POOL random batches, so the loss trend compares the same batches
 # (first POOL steps against the last POOL); batch-to-batch differences would hide it at tiny sizes
 POOL = 2

@@ -94,11 +94,8 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, met
 # integrity
 # ---------------------------------------------------------------------------------------------
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(root: str) -> list[str]:

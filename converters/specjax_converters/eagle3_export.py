@@ -30,7 +30,8 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax_converters.eagle3_validate import (ARCHITECTURE, ExportValidationError, Finding, check_head, errors,
-                                                target_text_config, target_virtual_depth, validate_folder)
+                                                file_sha256, target_text_config, target_virtual_depth,
+                                                validate_folder)
 
 __all__ = [
     "CONFIG_FILE",
@@ -217,13 +218,6 @@ def target_config_sha256(target_hf_config: Mapping) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def _json_default(x):
     if isinstance(x, np.generic):
@@ -302,7 +296,7 @@ def export_eagle3(
             json.dump(config, f, indent=2)
             f.write("\n")
         files = {
-            name: {"sha256": _sha256(os.path.join(tmp, name)), "bytes": os.path.getsize(os.path.join(tmp, name))}
+            name: {"sha256": file_sha256(os.path.join(tmp, name)), "bytes": os.path.getsize(os.path.join(tmp, name))}
             for name in (WEIGHTS_FILE, CONFIG_FILE)
         }
         manifest = {

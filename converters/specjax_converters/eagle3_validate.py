@@ -258,19 +258,17 @@ def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], lis
             if not os.path.isfile(path):
                 findings.append(Finding("files.manifest_hash", name, f"listed in {MANIFEST_FILE} but missing",
                                         "copy the whole export folder, or re-export"))
-            elif _sha256(path) != want:
+            elif file_sha256(path) != want:
                 findings.append(Finding("files.manifest_hash", name,
                                         f"sha256 differs from {MANIFEST_FILE} (the file changed after export)",
                                         "re-export instead of editing exported files"))
     return config, tensors, manifest, findings
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: str) -> str:
+    """sha256 of a file's bytes (streamed by the standard library)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 # Build (idempotently) the venv the engine tier (tests/engine/) runs vLLM in, and print its python.
 #
 #   tests/engine/setup_vllm_venv.sh [VENV_DIR]        # or SPECJAX_VLLM_VENV=VENV_DIR
-#   export SPECJAX_VLLM_PYTHON=$(tests/engine/setup_vllm_venv.sh /work/vllm-venv | tail -n1)
+#   export SPECJAX_VLLM_PYTHON=$(tests/engine/setup_vllm_venv.sh ~/vllm-venv | tail -n1)
 #
 # VENV_DIR defaults to $SPECJAX_VLLM_VENV, else .vllm-venv in the repository root. An existing venv
 # that already has the pinned wheel is reused (only the workarounds below are re-applied), so a

@@ -9,6 +9,20 @@ import numpy as np
 import yaml
 
 
+def inprocess_config(target, out, *extra):
+    """A small fp32 run on the tiny target for in-process train() calls (8 fake devices, batch 8);
+    `extra` overrides are applied after these, so they win."""
+    from specjax.config import load_config
+
+    return load_config(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
+        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=120",
+        "data.seq_length=64", "data.batch_size=8", "data.val_fraction=0.0", "train.eval_batches=0",
+        "draft.ttt_steps=2", "draft.draft_vocab_size=96", "train.steps=2", "train.log_every=1",
+        "train.progress=false", "export.at_end=false", *extra,
+    ])
+
+
 def write_config(path, target, out_dir, **sections):
     cfg = {
         "run": {"output_dir": str(out_dir), "seed": 0},

@@ -11,18 +11,13 @@ import numpy as np
 import pytest
 
 from specjax import checkpoint as ckpt
-from specjax.config import load_config
 from specjax.train.loop import NonFiniteTrainingError, train
+
+from _runs import inprocess_config
 
 
 def cfg(target, out, *extra):
-    return load_config(None, [
-        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
-        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=120",
-        "data.seq_length=64", "data.batch_size=8", "data.val_fraction=0.0", "train.eval_batches=0",
-        "draft.ttt_steps=2", "draft.draft_vocab_size=96", "train.steps=2", "train.log_every=1",
-        "train.progress=false", "export.at_end=false", *extra,
-    ])
+    return inprocess_config(target, out, *extra)
 
 
 def test_draft_vocab_larger_than_target_vocab(tiny_target, tmp_path):

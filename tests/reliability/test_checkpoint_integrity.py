@@ -21,21 +21,14 @@ import numpy as np
 import pytest
 
 from specjax import checkpoint as ckpt
-from specjax.config import load_config
 from specjax.train.loop import train
 
-from _runs import write_config
+from _runs import inprocess_config, write_config
 
 
 def cfg(target, out, *extra):
-    return load_config(None, [
-        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
-        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=120",
-        "data.seq_length=64", "data.batch_size=8", "data.val_fraction=0.0", "train.eval_batches=0",
-        "draft.ttt_steps=2", "draft.draft_vocab_size=96", "train.steps=8", "train.log_every=1",
-        "checkpoint.every_steps=2", "checkpoint.keep=2", "train.progress=false", "export.at_end=true",
-        "export.dtype=float32", *extra,
-    ])
+    return inprocess_config(target, out, "train.steps=8", "checkpoint.every_steps=2", "checkpoint.keep=2",
+                            "export.at_end=true", "export.dtype=float32", *extra)
 
 
 def exported(out):
