@@ -139,7 +139,7 @@ class Bench:
         def abstract(tree, sh):
             return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
 
-        state_abs = jax.eval_shape(lambda p: init_state(p, opt, 0), dparams)
+        state_abs = jax.eval_shape(lambda p: init_state(p, opt), dparams)
         batch_abs = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}
         with meshlib.use_mesh(mesh):  # the explicit context-parallel paths are traced under the mesh
             lowered = fns.train_step.lower(abstract(state_abs, fns.state_shardings),
@@ -155,7 +155,7 @@ class Bench:
                     - mem.alias_size_in_bytes)
 
         def materialise():
-            state = jax.device_put(init_state(dparams, opt, 0), fns.state_shardings)
+            state = jax.device_put(init_state(dparams, opt), fns.state_shardings)
             tparams = jax.device_put(self.target.params, fns.target_shardings)
             v = jax.device_put(vocab, fns.vocab_shardings)
             b = {k: jax.device_put(batch[k], fns.batch_sharding) for k in BATCH_KEYS}

@@ -322,17 +322,17 @@ def run_specjax(plan: dict, emit) -> None:
     setup_s = time.perf_counter() - t0
     fns_cache: dict = {}
 
-    def fns_for(fused=True):
-        if fused not in fns_cache:
-            ttt = TTTConfig(ttt_steps=plan["K"], step_decay=0.8, fused_soft_ce=fused)
-            fns_cache[fused] = (build_step_fns(target, tparams, draft0, dcfg, ttt, opt, mesh, dtype), ttt)
-        return fns_cache[fused]
+    def fns_for():
+        if not fns_cache:
+            ttt = TTTConfig(ttt_steps=plan["K"], step_decay=0.8)
+            fns_cache["step"] = (build_step_fns(target, tparams, draft0, dcfg, ttt, opt, mesh, dtype), ttt)
+        return fns_cache["step"]
 
     def to_dev(b, fns):
         return {k: jax.device_put(jnp.asarray(v, jnp.int32), fns.batch_sharding) for k, v in b.items()}
 
     def new_state(fns):
-        return jax.jit(lambda p: init_state(p, opt, 0), out_shardings=fns.state_shardings)(draft0)
+        return jax.jit(lambda p: init_state(p, opt), out_shardings=fns.state_shardings)(draft0)
 
     # CPU smoke runs: LLVM -O0 halves XLA:CPU compile time and does not change what is computed
     copts = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
@@ -355,7 +355,7 @@ def run_specjax(plan: dict, emit) -> None:
         return compiled, time.perf_counter() - t, plan_b
 
     def train_job(job, batches_np, warm_np):
-        fns, _ = fns_for(True)
+        fns, _ = fns_for()
         batches = [to_dev(b, fns) for b in batches_np]
         warm = [to_dev(b, fns) for b in warm_np]
         state = new_state(fns)
@@ -417,7 +417,7 @@ def run_specjax(plan: dict, emit) -> None:
 
 def _jax_try_len(T, fns_for, to_dev, new_state, compile_step, tparams, vocab, V):
     import jax
-    fns, _ = fns_for(True)
+    fns, _ = fns_for()
     b = to_dev(fixed_batch(1, T, V, 5), fns)
     state = new_state(fns)
     compiled, cs, plan_b = compile_step(fns, state, b, keep=False)
@@ -430,9 +430,10 @@ def _jax_try_len(T, fns_for, to_dev, new_state, compile_step, tparams, vocab, V)
 
 def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tparams, vocab, dcfg, aux, V,
                     make_loss_fn, teacher_from_hidden, dtype):
-    """Timing by elimination at one shape: target forward, target forward + teacher, full step (fused
-    soft-CE) and full step with the previous unfused soft-CE path; plus a what-if target forward with a
-    flash-style attention kernel."""
+    """Timing by elimination at one shape: target forward, target forward + teacher and the full step;
+    plus a what-if target forward with a flash-style attention kernel. (Until 2026-12 it also timed the
+    step with the unfused soft-CE; that path now lives only in tests/unit/test_ttt_reference.py as the
+    reference, and earlier results files keep its figures.)"""
     import jax
 
     B, T = job["batch"], job["seq"]
@@ -446,7 +447,7 @@ def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tpara
         jax.block_until_ready(r)
         return (time.perf_counter() - t) / n
 
-    fns, ttt = fns_for(True)
+    fns, ttt = fns_for()
     b = to_dev(fixed_batch(B, T, V, 3), fns)
 
     def tfwd(p, b):
@@ -481,24 +482,23 @@ def profile_specjax(job, fns_for, to_dev, new_state, compile_step, target, tpara
         attn_mod.dot_product_attention = orig
     if job.get("teacher", False):  # off by default: its FLOPs (~8% of the step) say enough
         out["target_forward_teacher_s"] = bench(jax.jit(tfwd_teacher), tparams, b, vocab)
-    for fused in (True, False):  # the fused step's executable is the fixed job's (same shape), if it ran
-        f, _ = fns_for(fused)
-        st = new_state(f)
-        compiled, cs, plan_b = compile_step(f, st, b, keep=fused)
+    # the step's executable is the fixed job's (same shape), if it ran
+    st = new_state(fns)
+    compiled, cs, plan_b = compile_step(fns, st, b)
 
-        def run(st, step, n=3):
-            for _ in range(n):
-                st, m = step(st, tparams, vocab, b)
-            return st, m
+    def run(st, step, n=3):
+        for _ in range(n):
+            st, m = step(st, tparams, vocab, b)
+        return st, m
 
-        st, _ = run(st, compiled, 1)
-        jax.block_until_ready(st)
-        t = time.perf_counter()
-        st, m = run(st, compiled)
-        jax.block_until_ready(st)
-        out[f"step_{'fused' if fused else 'unfused'}_s"] = (time.perf_counter() - t) / 3
-        out[f"plan_bytes_{'fused' if fused else 'unfused'}"] = plan_b
-        del st, compiled
+    st, _ = run(st, compiled, 1)
+    jax.block_until_ready(st)
+    t = time.perf_counter()
+    st, m = run(st, compiled)
+    jax.block_until_ready(st)
+    out["step_fused_s"] = (time.perf_counter() - t) / 3
+    out["plan_bytes_fused"] = plan_b
+    del st, compiled
     return out
 
 

@@ -1,5 +1,5 @@
-"""Checkpoints: orbax CheckpointManager holding the train state (draft params, optimizer state, step,
-RNG), the grain iterator position and a small JSON of run metadata. Saves are atomic (orbax writes
+"""Checkpoints: orbax CheckpointManager holding the train state (draft params, optimizer state, step),
+the grain iterator position and a small JSON of run metadata. Saves are atomic (orbax writes
 to a temporary folder and renames), so a killed save never becomes the latest checkpoint.
 
 Integrity: a state with non-finite params or optimizer moments is never saved; after each save the
@@ -26,6 +26,10 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
 STATE, DATA, META = "state", "data_iter", "meta"
+# state entries that older specjax versions saved and nothing reads any more: restored (orbax
+# restores whole trees) and dropped, so their checkpoints still resume. "rng": a PRNG key the
+# train step never used (removed 2026-12).
+LEGACY_STATE_KEYS = ("rng",)
 CHECKSUMS_FILE = "specjax_checksums.json"
 
 log = logging.getLogger("specjax")
@@ -235,13 +239,30 @@ def _shape_diff(expected, found) -> list[str]:
     return out
 
 
+def _saved_state(mngr: ocp.CheckpointManager, step: int):
+    saved = mngr.item_metadata(step)
+    return saved[STATE] if saved is not None and STATE in saved else None
+
+
+def _legacy_entries(saved_state, abstract_state) -> dict:
+    """Abstract values for the LEGACY_STATE_KEYS that checkpoint holds and this version's state lacks
+    (replicated like the step counter)."""
+    # orbax describes a saved tree with a Mapping-like TreeMetadata, not a dict
+    if not hasattr(saved_state, "keys") or not isinstance(abstract_state, dict):
+        return {}
+    sharding = getattr(abstract_state.get("step"), "sharding", None)
+    return {k: jax.ShapeDtypeStruct(tuple(saved_state[k].shape), saved_state[k].dtype, sharding=sharding)
+            for k in LEGACY_STATE_KEYS if k in saved_state and k not in abstract_state}
+
+
 def check_compatible(mngr: ocp.CheckpointManager, step: int, abstract_state: Any) -> None:
     """CheckpointMismatch (with the shape diff) when checkpoint `step` holds a state of other shapes
     than `abstract_state`, i.e. was written by a different draft configuration."""
-    saved = mngr.item_metadata(step)
-    saved_state = saved[STATE] if saved is not None and STATE in saved else None
+    saved_state = _saved_state(mngr, step)
     if saved_state is not None:
-        diff = _shape_diff(abstract_state, saved_state)
+        legacy = _legacy_entries(saved_state, abstract_state)
+        expected = {**abstract_state, **legacy} if legacy else abstract_state
+        diff = _shape_diff(expected, saved_state)
         if diff:
             raise CheckpointMismatch(
                 f"checkpoint {mngr.directory}/{step} was written by a different configuration:\n"
@@ -259,11 +280,16 @@ def restore(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter=None, st
     if step is None:
         return None, None
     check_compatible(mngr, step, abstract_state)
-    items = {STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
+    legacy = _legacy_entries(_saved_state(mngr, step), abstract_state)
+    items = {STATE: ocp.args.StandardRestore({**abstract_state, **legacy} if legacy else abstract_state),
+             META: ocp.args.JsonRestore()}
     if data_iter is not None:
         items[DATA] = grain.checkpoint.CheckpointRestore(data_iter)
     restored = mngr.restore(step, args=ocp.args.Composite(**items))
-    return restored[STATE], restored[META]
+    state = restored[STATE]
+    if legacy:
+        state = {k: v for k, v in state.items() if k not in legacy}
+    return state, restored[META]
 
 
 def abstract_like(tree) -> Any:

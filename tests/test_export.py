@@ -201,7 +201,7 @@ def _fake_run(run_dir, cfg, target_hf, vocab, params_by_step):
     vocab.save(os.path.join(run_dir, "draft_vocab.npz"))
     mngr = ckpt.manager(os.path.join(run_dir, "checkpoints"))
     for step, params in params_by_step.items():
-        state = init_state(params, optax.adamw(1e-3), seed=0)
+        state = init_state(params, optax.adamw(1e-3))
         state["step"] = jnp.asarray(step, jnp.int32)
         ckpt.save(mngr, step, state, meta={"step": step, "metrics": {"loss": 10.0 - step}})
 

@@ -16,12 +16,13 @@ target's full-vocab argmax) over the loss mask. tau_sim = sum_k prod_{i<=k} acc_
 The teacher is computed here from the target's final hidden state and its lm_head rows for the
 draft vocab; the full-vocab argmax is taken in vocab chunks, so no [B,T,V] fp32 tensor exists.
 
-Loss kernel (fused_soft_ce=True, the default): each step's soft CE goes through the fused linear +
+Loss kernel: each step's soft CE goes through the fused linear +
 soft-CE kernel (specjax_kernels.soft_ce), so the draft logits [B,T,Vd] are never stored in fp32 and
 nothing of size Vd is saved for the backward but the one teacher-logits buffer. The step is computed
 in the *target frame*: the draft rows are shifted right by 1+k (row t -> t+1+k) instead of shifting
 the teacher left, so all K steps read the same unshifted teacher buffer (no K shifted [B,T,Vd] copies
-kept alive as residuals). Sums over rows are unchanged by the relabelling.
+kept alive as residuals). Sums over rows are unchanged by the relabelling. The same objective written
+in the loss frame with plain fp32 logits is the reference in tests/unit/test_ttt_reference.py.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, next_step_hidden, project_aux
+from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, next_step_hidden, project_aux
 from specjax.targets.layers.norms import rms_norm
-from specjax_kernels.soft_ce import fused_linear_soft_ce, soft_cross_entropy
+from specjax_kernels.soft_ce import fused_linear_soft_ce
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,6 @@ class TTTConfig:
     vocab_chunk: int = 8192
     attention_impl: Optional[str] = None
     soft_ce_impl: Optional[str] = None
-    # False: the previous path (fp32 draft logits per step + the logits soft-CE API); kept for
-    # timing-by-elimination and as a cross-check.
-    fused_soft_ce: bool = True
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
@@ -144,22 +142,14 @@ def ttt_loss(
         emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
         h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
         kv_cache.append(kv)
-        if ttt.fused_soft_ce:
-            # target frame: draft row t sits at row t+1+k, next to its teacher row (see module doc)
-            hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
-            ce, pred = fused_linear_soft_ce(
-                shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
-                mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
-            losses.append(jnp.sum(ce) / (B * T))
-            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
-            correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
-        else:
-            logits = draft_logits(params, cfg, h)
-            ce = soft_cross_entropy(logits, shift_left(teacher_logits, 1 + k), implementation=ttt.soft_ce_impl)
-            losses.append(jnp.sum(ce * pos_mask) / (B * T))
-            pred = jnp.argmax(logits, axis=-1)
-            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
-            correct = jnp.sum((pred_target == tgt_ids) * step_mask)
+        # target frame: draft row t sits at row t+1+k, next to its teacher row (see module doc)
+        hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
+        ce, pred = fused_linear_soft_ce(
+            shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
+            mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
+        losses.append(jnp.sum(ce) / (B * T))
+        pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+        correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
         h = next_step_hidden(params, cfg, h)  # the same array unless cfg.norm_output (EAGLE-3.1)
         denom = jnp.sum(step_mask)
         accs.append(correct / jnp.maximum(denom, 1e-6))

@@ -50,7 +50,7 @@ def lower_train_step(cfg: Config, mesh, hf: Mapping[str, Any] | None = None, dty
     tparams = target.params
     setup = build_run_setup(cfg, target, mesh, dtype=dtype)
     dcfg, dparams, optimizer, fns = setup.draft_config, setup.draft_params_shape, setup.optimizer, setup.fns
-    state = jax.eval_shape(lambda p: init_state(p, optimizer, 0), dparams)
+    state = jax.eval_shape(lambda p: init_state(p, optimizer), dparams)
     B, T = int(batch_size or cfg.data.batch_size), int(seq_length or cfg.data.seq_length)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}
     Vd, V = dcfg.draft_vocab_size, dcfg.vocab_size

@@ -295,7 +295,7 @@ class _Trainer:
         self.vocab_arrays = jax.device_put(
             {"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
              "d2t": jnp.asarray(vocab.d2t, jnp.int32)}, setup.fns.vocab_shardings)
-        state = jax.jit(lambda p: init_state(p, setup.optimizer, cfg.run.seed),
+        state = jax.jit(lambda p: init_state(p, setup.optimizer),
                         out_shardings=setup.fns.state_shardings)(draft_params)
         del draft_params
 

@@ -1,7 +1,8 @@
 """The train step: one pure function of (train state, target params, vocab arrays, batch), jitted
 once with explicit in/out shardings and the train state donated.
 
-state = {"step": int32[], "params": draft params, "opt_state": optax state, "rng": key data}
+state = {"step": int32[], "params": draft params, "opt_state": optax state}. Nothing in the step is
+random (no dropout), so the state holds no RNG; the draft's initial params come from run.seed.
 """
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
         "step": replicated,
         "params": param_sh,
         "opt_state": opt_state_shardings(optimizer, draft_params, param_sh, mesh),
-        "rng": replicated,
     }
     target_sh = meshlib.tree_shardings(mesh, target.param_logical_axes(), target_params)
     vocab_sh = {"draft_ids": replicated, "t2d": replicated, "d2t": replicated}
@@ -88,7 +88,7 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
         keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
-                     "opt_state": keep(opt_state, state["opt_state"]), "rng": state["rng"]}
+                     "opt_state": keep(opt_state, state["opt_state"])}
         return new_state, metrics
 
     def eval_step(params, target_params, vocab, batch):
@@ -110,10 +110,9 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
     return StepFns(train_jit, eval_jit, state_sh, target_sh, vocab_sh, batch_sh)
 
 
-def init_state(draft_params, optimizer, seed: int):
+def init_state(draft_params, optimizer):
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": draft_params,
         "opt_state": optimizer.init(draft_params),
-        "rng": jax.random.key_data(jax.random.key(seed)),
     }

@@ -102,7 +102,7 @@ def train_and_export(kind, tmp_path):
     target_params = jax.device_put(target.params, fns.target_shardings)
     vocab_arrays = jax.device_put({"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
                                    "d2t": jnp.asarray(vocab.d2t, jnp.int32)}, fns.vocab_shardings)
-    state = jax.jit(lambda p: init_state(p, optimizer, 0), out_shardings=fns.state_shardings)(draft_params)
+    state = jax.jit(lambda p: init_state(p, optimizer), out_shardings=fns.state_shardings)(draft_params)
     dev_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, fns.batch_sharding)
 
     losses, accs = [], []

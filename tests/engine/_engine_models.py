@@ -183,7 +183,7 @@ def train_direct_head(target_path: str, out_dir, corpus: np.ndarray | None, *, s
         tparams = jax.device_put(target.params, fns.target_shardings)
         varr = jax.device_put({"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
                                "d2t": jnp.asarray(vocab.d2t, jnp.int32)}, fns.vocab_shardings)
-        state = jax.jit(lambda p: init_state(p, optimizer, 0), out_shardings=fns.state_shardings)(params)
+        state = jax.jit(lambda p: init_state(p, optimizer), out_shardings=fns.state_shardings)(params)
         t = corpus.shape[1]
         fixed = {"loss_mask": np.ones((batch_size, t), np.int32), "segment_ids": np.ones((batch_size, t), np.int32),
                  "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (batch_size, t)).copy()}

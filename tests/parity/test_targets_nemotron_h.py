@@ -369,7 +369,7 @@ def test_eagle3_training_steps_and_export(tiny, tmp_path):
     optimizer = make_optimizer(OptimConfig(lr=3e-3, warmup_ratio=0.0), total_steps=8)
     draft_params = eagle3.init_draft_params(draft_cfg, jax.random.key(0))
     fns = build_step_fns(target, target.params, draft_params, draft_cfg, TTTConfig(ttt_steps=2), optimizer, mesh)
-    state = jax.device_put(init_state(draft_params, optimizer, 0), fns.state_shardings)
+    state = jax.device_put(init_state(draft_params, optimizer), fns.state_shardings)
     tparams = jax.device_put(target.params, fns.target_shardings)
     vocab_arrays = jax.device_put({"draft_ids": vocab.draft_ids, "t2d": vocab.t2d, "d2t": vocab.d2t},
                                   fns.vocab_shardings)

@@ -186,7 +186,7 @@ def test_skipped_step_leaves_params_bitwise_unchanged(tiny_target):
              "segment_ids": jnp.ones((1, 16), jnp.int32), "positions": jnp.arange(16, dtype=jnp.int32)[None]}
     poisoned = jax.tree_util.tree_map(lambda x: x, target.params)
     poisoned["embed_tokens"]["embedding"] = jnp.full_like(target.params["embed_tokens"]["embedding"], jnp.nan)
-    state = init_state(params, opt, 0)
+    state = init_state(params, opt)
     before = jax.tree_util.tree_map(np.asarray, state["params"])
     state, m = fns.train_step(state, poisoned, vocab, batch)
     assert float(m["skipped"]) == 1.0

@@ -53,7 +53,7 @@ def _train(mesh_sizes, n_devices):
     mesh = meshlib.make_mesh(mesh_sizes, jax.devices()[:n_devices])
     opt = make_optimizer(OptimConfig(lr=1e-4, warmup_ratio=0.0), 10)  # the default lr
     fns = build_step_fns(target, target.params, params, dcfg, TTTConfig(ttt_steps=3, vocab_chunk=64), opt, mesh)
-    state = jax.device_put(init_state(params, opt, 0), fns.state_shardings)
+    state = jax.device_put(init_state(params, opt), fns.state_shardings)
     tparams = jax.device_put(target.params, fns.target_shardings)
     vocab = jax.device_put(vocab, fns.vocab_shardings)
     gbatch = {k: jax.device_put(batch[k], fns.batch_sharding) for k in BATCH_KEYS}

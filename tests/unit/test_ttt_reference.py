@@ -1,0 +1,83 @@
+"""The TTT objective against its reference: the same loss written in the *loss frame* with plain fp32
+draft logits per step and a jnp soft cross entropy (the teacher shifted left by 1+k, as the objective
+is stated in docs/eagle3-format.md, "TTT training semantics"). specjax.drafts.ttt computes it in the
+target frame through the fused linear + soft-CE kernel; loss, per-step losses, accuracies and
+gradients must agree (fp32, packed rows with padding; rtol 1e-5)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafts import eagle3
+from specjax.drafts.ttt import TTTConfig, shift_left, teacher_from_hidden, ttt_loss
+from specjax.targets.layers.rope import RopeSpec
+
+
+def reference_ttt_loss(draft_params, cfg, ttt, *, input_ids, loss_mask, segment_ids, positions, aux_hidden,
+                       final_hidden, embed_table, lm_head, draft_ids, t2d, d2t):
+    """Loss frame: row t of step k is scored against the teacher at t+1+k; draft logits in fp32."""
+    B, T = input_ids.shape
+    sg = jax.lax.stop_gradient
+    teacher, target_argmax = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk)
+    teacher = sg(teacher)
+    seg = segment_ids.astype(jnp.int32)
+    lmask = loss_mask.astype(jnp.float32)
+    h = eagle3.project_aux(draft_params, tuple(sg(a) for a in aux_hidden), cfg, jnp.float32)
+    cache, losses, accs = [], [], []
+    for k in range(ttt.ttt_steps):
+        tok = shift_left(input_ids, 1 + k)
+        same_doc = (shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0)
+        step_mask = shift_left(lmask, k) * same_doc
+        tgt_ids = shift_left(target_argmax, 1 + k)
+        pos_mask = step_mask * jnp.take(t2d, tgt_ids).astype(jnp.float32)
+        emb = sg(jnp.take(embed_table, tok, axis=0))
+        h, kv = eagle3.decoder_layer(draft_params, cfg, emb, h, positions, seg, cache)
+        cache.append(kv)
+        logits = eagle3.draft_logits(draft_params, cfg, h).astype(jnp.float32)
+        p_teacher = jax.nn.softmax(shift_left(teacher, 1 + k).astype(jnp.float32), axis=-1)
+        ce = -jnp.sum(p_teacher * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        losses.append(jnp.sum(ce * pos_mask) / (B * T))
+        pred = jnp.argmax(logits, axis=-1)
+        correct = jnp.sum(((pred + jnp.take(d2t, pred)) == tgt_ids) * step_mask)
+        accs.append(correct / jnp.maximum(jnp.sum(step_mask), 1e-6))
+        h = eagle3.next_step_hidden(draft_params, cfg, h)
+    losses = jnp.stack(losses)
+    total = jnp.sum(ttt.step_decay ** jnp.arange(ttt.ttt_steps, dtype=jnp.float32) * losses)
+    return total, {"loss_k": losses, "acc_k": jnp.stack(accs)}
+
+
+def _problem(norm_output):
+    H, V, VD, T = 32, 13, 6, 24  # a small vocab, so untrained drafts still agree with the target on some rows
+    cfg = eagle3.Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,
+                              aux_layer_ids=(0, 1, 2), rope=RopeSpec("default", 10000.0), norm_output=norm_output)
+    ks = jax.random.split(jax.random.key(0), 9)
+    ids = jnp.asarray(np.sort(np.random.default_rng(0).choice(V, VD, replace=False)), jnp.int32)
+    seg = jnp.asarray([[1] * 11 + [2] * 9 + [0] * 4, [1] * 24], jnp.int32)
+    pos = jnp.asarray([list(range(11)) + list(range(9)) + list(range(4)), list(range(24))], jnp.int32)
+    batch = dict(input_ids=jax.random.randint(ks[0], (2, T), 0, V),
+                 loss_mask=(jax.random.uniform(ks[1], (2, T)) > 0.2).astype(jnp.int32) * (seg > 0),
+                 segment_ids=seg, positions=pos,
+                 aux_hidden=tuple(jax.random.normal(ks[2 + i], (2, T, H)) for i in range(3)),
+                 final_hidden=3 * jax.random.normal(ks[5], (2, T, H)), embed_table=jax.random.normal(ks[6], (V, H)),
+                 lm_head=jax.random.normal(ks[7], (V, H)), draft_ids=ids,
+                 t2d=jnp.zeros((V,), bool).at[ids].set(True), d2t=ids - jnp.arange(VD))
+    return cfg, eagle3.init_draft_params(cfg, ks[8], std=0.2), batch
+
+
+def _run(loss, cfg, params, batch):
+    ttt = TTTConfig(ttt_steps=4, vocab_chunk=16)
+    f = jax.jit(jax.value_and_grad(lambda p: loss(p, cfg, ttt, **batch), has_aux=True))
+    (total, m), g = f(params)
+    return float(total), np.asarray(m["loss_k"]), np.asarray(m["acc_k"]), g
+
+
+def test_ttt_loss_equals_the_loss_frame_reference():
+    for norm_output in (False, True):  # EAGLE-3 and EAGLE-3.1
+        cfg, params, batch = _problem(norm_output)
+        got, want = _run(ttt_loss, cfg, params, batch), _run(reference_ttt_loss, cfg, params, batch)
+        assert want[0] > 0 and np.all(want[1] > 0) and np.any(want[2] > 0), want[:3]
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+        np.testing.assert_array_equal(got[2], want[2])
+        for x, y in zip(jax.tree_util.tree_leaves(got[3]), jax.tree_util.tree_leaves(want[3])):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6 * float(np.abs(y).max()))
