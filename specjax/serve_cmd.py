@@ -31,8 +31,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from specjax_converters.eagle3_validate import (default_aux_ids, errors, is_hybrid_target, read_head_files,
-                                                target_text_config, target_virtual_depth, validate_folder)
+from specjax.aux_ids import default_aux_layer_ids
+from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.head_files import read_head_files
+from specjax_converters.target_facts import is_hybrid_target, target_text_config, target_virtual_depth
 
 ENGINES = ("vllm", "sglang")
 
@@ -166,7 +168,8 @@ def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list
         out["vllm"].append(note)
         out["sglang"].append(note)
     nested = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested and [int(i) for i in nested] != default_aux_ids(target_virtual_depth(target_config)):
+    if nested and (tuple(int(i) for i in nested)
+                   != default_aux_layer_ids(target_virtual_depth(target_config), clamp=False)):
         out["all"].append(f"non-default aux taps {nested} (output convention): vLLM and SGLang read them from "
                           "config.json; tpu-inference ignores them (hard-coded (2, L//2, L-3)).")
     return out

@@ -29,9 +29,9 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from specjax.drafts import weights
-from specjax_converters.eagle3_validate import (ARCHITECTURE, ExportValidationError, Finding, check_head, errors,
-                                                file_sha256, target_text_config, target_virtual_depth,
-                                                validate_folder)
+from specjax_converters.eagle3_validate import ARCHITECTURE, ExportValidationError, check_head, errors, validate_folder
+from specjax_converters.head_files import Finding, file_sha256
+from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
     "CONFIG_FILE",

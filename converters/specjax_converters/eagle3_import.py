@@ -21,10 +21,11 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
-from specjax_converters.eagle3_validate import (_LEGACY_AUX_NORMS, default_aux_ids, expected_weights,
-                                                flatten_head_config, key_layout, read_head_files,
-                                                target_virtual_depth)
+from specjax_converters.eagle3_validate import _LEGACY_AUX_NORMS, expected_weights, flatten_head_config, key_layout
+from specjax_converters.head_files import read_head_files
+from specjax_converters.target_facts import target_virtual_depth
 
 __all__ = ["ImportedHead", "read_head", "warm_start_params"]
 
@@ -126,7 +127,7 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     elif top:
         aux = tuple(int(i) - 1 for i in top)
     elif target_config is not None:
-        aux = tuple(default_aux_ids(target_virtual_depth(target_config)))
+        aux = default_aux_layer_ids(target_virtual_depth(target_config), clamp=False)
         notes.append(f"no aux ids in the head: using the engines' default taps {list(aux)} (output convention)")
     elif assume_aux_ids is not None:
         aux = tuple(int(i) for i in assume_aux_ids)

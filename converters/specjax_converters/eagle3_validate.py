@@ -12,73 +12,43 @@ anything); `validate_folder` runs them on any head folder, including other train
 
 Each finding names a rule id, the field (config key or tensor name), the problem and the fix.
 Errors make a head unservable or silently wrong; warnings are portability notes.
+
+Reading a head folder is specjax_converters.head_files (read_head_files, HeadTensors, Finding);
+facts about the target config are specjax_converters.target_facts.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import os
-import struct
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
+from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, NP_TO_ST, ST_TO_NP, Finding, HeadTensors,
+                                           read_head_files)
+from specjax_converters.target_facts import is_hybrid_target, rope_dict, target_text_config, target_virtual_depth
 
 __all__ = [
     "ARCHITECTURE",
     "ExportValidationError",
-    "Finding",
-    "HeadTensors",
     "check_head",
-    "default_aux_ids",
     "errors",
     "expected_weight_shapes",
     "expected_weights",
     "flatten_head_config",
     "head_shape",
-    "is_hybrid_target",
     "key_layout",
-    "read_head_files",
-    "rope_dict",
-    "target_text_config",
-    "target_virtual_depth",
     "validate_folder",
 ]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-BIN_FILE = "pytorch_model.bin"
-MANIFEST_FILE = "specjax_manifest.json"
 # d2t/t2d are the only non-weight tensors of a head (docs/eagle3-format.md, "d2t and t2d").
 VOCAB_KEYS = tuple(weights.EAGLE3_VOCAB_TENSORS)
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
-# safetensors dtype names <-> numpy
-_ST_TO_NP = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
-_VOCAB_DTYPES = {name: _NP_TO_ST[dtype] for name, dtype in weights.EAGLE3_VOCAB_TENSORS.items()}  # I64, BOOL
-# config keys that mean "this target mixes Mamba/SSM or linear-attention blocks with attention"
-_HYBRID_KEYS = ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
-                "ssm_state_size", "mamba_d_ssm", "linear_num_value_heads")
-_HYBRID_MODEL_TYPES = ("nemotron_h", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
-                       "qwen3_next", "lfm2", "plamo2")
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    rule: str  # stable id, e.g. "aux.convention"
-    field: str  # config key or tensor name the problem is in
-    problem: str
-    fix: str
-    level: str = "error"  # "error" | "warning"
-
-    def __str__(self) -> str:
-        return f"{self.level}: {self.field}: {self.problem}. Fix: {self.fix} [{self.rule}]"
+_VOCAB_DTYPES = {name: NP_TO_ST[dtype] for name, dtype in weights.EAGLE3_VOCAB_TENSORS.items()}  # I64, BOOL
 
 
 class ExportValidationError(ValueError):
@@ -93,245 +63,6 @@ class ExportValidationError(ValueError):
 
 def errors(findings: Iterable[Finding]) -> list[Finding]:
     return [f for f in findings if f.level == "error"]
-
-
-# ---------------------------------------------------------------------------------------------
-# tensors: one interface for in-memory arrays and safetensors folders (pickles are never read)
-# ---------------------------------------------------------------------------------------------
-class HeadTensors:
-    """Names, dtypes (safetensors names: BF16, F32, I64, BOOL, ...) and shapes of a head's tensors,
-    with the arrays loaded only when a rule needs them."""
-
-    def __init__(self, meta: Mapping[str, tuple[str, tuple[int, ...]]], load: Callable[[str], np.ndarray]):
-        self.meta = dict(meta)
-        self._load = load
-
-    @classmethod
-    def from_arrays(cls, arrays: Mapping[str, Any]) -> "HeadTensors":
-        arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        meta = {k: (_NP_TO_ST.get(a.dtype.name, a.dtype.name.upper()), tuple(a.shape)) for k, a in arrays.items()}
-        return cls(meta, arrays.__getitem__)
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self.meta)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.meta
-
-    def dtype(self, name: str) -> str:
-        return self.meta[name][0]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.meta[name][1]
-
-    def array(self, name: str) -> np.ndarray:
-        return np.asarray(self._load(name))
-
-
-class UnreadableWeightsError(ValueError):
-    """A weight file that is cut short or not safetensors at all; the message names the file."""
-
-    def __init__(self, path: str, why: str):
-        super().__init__(f"{path} is truncated or not a safetensors file: {why}. Fix: download or export it again.")
-        self.path = path
-
-
-def _safetensors_header(path: str) -> dict:
-    """The tensor table of a safetensors file, after checking that the file is complete: the 8-byte
-    header length, a JSON header, and tensor data that ends exactly at the end of the file (what the
-    safetensors reader demands; a file cut short by an interrupted download fails here, by name,
-    instead of in the reader's traceback when a tensor is first loaded)."""
-    size = os.path.getsize(path)
-    if size < 8:
-        raise UnreadableWeightsError(path, f"{size} bytes, fewer than the 8 of the header length")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > size - 8:
-            raise UnreadableWeightsError(path, f"the header length says {n} bytes, but only {size - 8} follow")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except UnicodeDecodeError:
-        raise UnreadableWeightsError(path, f"the {n}-byte header is not UTF-8 JSON") from None
-    except json.JSONDecodeError as e:
-        raise UnreadableWeightsError(path, f"the {n}-byte header is not JSON ({e.msg} at character {e.pos})") from None
-    if not isinstance(header, dict):
-        raise UnreadableWeightsError(path, f"the header is a JSON {type(header).__name__}, not a table of tensors")
-    header.pop("__metadata__", None)
-    end = 0
-    for key, info in header.items():
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise UnreadableWeightsError(path, f"tensor {key!r} has no dtype, shape or data_offsets")
-        try:
-            _, stop = (int(x) for x in info["data_offsets"])
-        except (TypeError, ValueError):
-            raise UnreadableWeightsError(path, f"tensor {key!r} has data_offsets {info['data_offsets']!r}") from None
-        end = max(end, stop)
-    have = size - 8 - n
-    if have < end:
-        raise UnreadableWeightsError(path, f"its header describes {end} bytes of tensor data, but only {have} follow")
-    if have > end:
-        raise UnreadableWeightsError(path, f"{have - end} bytes follow the last tensor")
-    return header
-
-
-def _safetensors_tensors(folder: str) -> HeadTensors:
-    index_path = os.path.join(folder, INDEX_FILE)
-    if os.path.isfile(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map' of "
-                             f"tensor -> file): {type(e).__name__}: {e}. Fix: download it again.") from None
-        for name in files:
-            if not os.path.isfile(os.path.join(folder, name)):
-                raise ValueError(f"{index_path} names the shard {name}, which is not in {folder}. "
-                                 "Fix: download every shard of the head.")
-    else:
-        files = [WEIGHTS_FILE]
-    meta, where = {}, {}
-    for name in files:
-        path = os.path.join(folder, name)
-        for key, info in _safetensors_header(path).items():
-            meta[key] = (info["dtype"], tuple(info["shape"]))
-            where[key] = path
-
-    def load(key: str) -> np.ndarray:
-        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, which safetensors asks for)
-        from safetensors import safe_open
-
-        try:
-            with safe_open(where[key], framework="numpy") as f:
-                return f.get_tensor(key)
-        except Exception as e:  # noqa: BLE001 - SafetensorError is a bare Exception; the file changed since
-            raise UnreadableWeightsError(where[key], f"{type(e).__name__}: {e}") from None
-
-    return HeadTensors(meta, load)
-
-
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-
-
-def _pickle_error(folder: str, pickles: Sequence[str]) -> ValueError:
-    return ValueError(
-        f"{folder} holds only pickled PyTorch weights ({', '.join(pickles)}), no {WEIGHTS_FILE}: specjax never "
-        "unpickles weights (loading a pickle can run arbitrary code). Fix: convert them to model.safetensors in "
-        "an environment you trust (safetensors.torch.save_file, or transformers' save_pretrained with "
-        "safe_serialization=True), or download the head's safetensors weights.")
-
-
-def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], list[Finding]]:
-    """(config dict, tensors, specjax manifest or None, file-level findings) of a head folder.
-    Raises ValueError when the folder has no config or no weights at all."""
-    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{folder} is not a folder; pass the draft head's folder (config.json + model.safetensors).")
-    cpath = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(cpath):
-        raise ValueError(f"{folder} has no {CONFIG_FILE}; an EAGLE-3 head folder needs config.json and weights.")
-    with open(cpath) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cpath} is not valid JSON ({e}); re-export the head.") from e
-    findings: list[Finding] = []
-    if os.path.isfile(os.path.join(folder, WEIGHTS_FILE)) or os.path.isfile(os.path.join(folder, INDEX_FILE)):
-        tensors = _safetensors_tensors(folder)
-    else:
-        pickles = sorted(n for n in os.listdir(folder) if n.endswith(_PICKLE_SUFFIXES))
-        if pickles:  # pytorch_model.bin and friends: refused, never unpickled
-            raise _pickle_error(folder, pickles)
-        raise ValueError(f"{folder} has no {WEIGHTS_FILE} or {INDEX_FILE}; nothing to validate.")
-    manifest = None
-    mpath = os.path.join(folder, MANIFEST_FILE)
-    if os.path.isfile(mpath):
-        with open(mpath) as f:
-            manifest = json.load(f)
-        for name, info in (manifest.get("files") or {}).items():
-            path = os.path.join(folder, name)
-            want = info.get("sha256") if isinstance(info, Mapping) else None
-            if want is None:
-                continue
-            if not os.path.isfile(path):
-                findings.append(Finding("files.manifest_hash", name, f"listed in {MANIFEST_FILE} but missing",
-                                        "copy the whole export folder, or re-export"))
-            elif file_sha256(path) != want:
-                findings.append(Finding("files.manifest_hash", name,
-                                        f"sha256 differs from {MANIFEST_FILE} (the file changed after export)",
-                                        "re-export instead of editing exported files"))
-    return config, tensors, manifest, findings
-
-
-def file_sha256(path: str) -> str:
-    """sha256 of a file's bytes (streamed by the standard library)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# target facts
-# ---------------------------------------------------------------------------------------------
-def target_text_config(target_config: Mapping) -> dict:
-    """The language-model part of a target config (multimodal configs nest it as text_config)."""
-    tc = target_config.get("text_config")
-    return dict(tc) if isinstance(tc, Mapping) else dict(target_config)
-
-
-def target_virtual_depth(target_config: Mapping) -> int:
-    """Decoder steps per token. For a looped (weight-shared) target whose span [loop_start, loop_end)
-    runs num_loops times (specjax.targets.looped; the Nanbeige card: 22 layers x 2 loops = 44):
-    L + (num_loops - 1) * (loop_end - loop_start); otherwise num_hidden_layers."""
-    tc = target_text_config(target_config)
-    if "num_hidden_layers" in tc:
-        L = int(tc["num_hidden_layers"])
-    else:  # hybrids saved by transformers 5 describe their depth by the block pattern only
-        pattern = tc.get("layers_block_type") or tc.get("hybrid_override_pattern")
-        if not pattern:
-            raise ValueError("target config has neither num_hidden_layers nor a block pattern "
-                             "(layers_block_type / hybrid_override_pattern); cannot tell its depth")
-        L = len(pattern)
-    loops = max(int(tc.get("num_loops") or 1), 1)
-    start = int(tc.get("loop_start") or 0)
-    end = L if tc.get("loop_end") is None else int(tc["loop_end"])
-    return L + (loops - 1) * (end - start)
-
-
-def is_hybrid_target(target_config: Mapping) -> bool:
-    tc = target_text_config(target_config)
-    mt = str(tc.get("model_type", "")).lower()
-    if mt in _HYBRID_MODEL_TYPES or any(k in tc for k in _HYBRID_KEYS):
-        return True
-    types = tc.get("layer_types") or []
-    return any(isinstance(t, str) and ("mamba" in t or "linear" in t or "ssm" in t) for t in types)
-
-
-def default_aux_ids(num_layers: int) -> list[int]:
-    """SpecForge/SGLang default taps, output-of-layer-k convention: [1, L//2-1, L-4]
-    (docs/eagle3-format.md, "Aux layer ids")."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def rope_dict(config: Mapping) -> Optional[dict]:
-    """A config's RoPE as one normalised dict {rope_type, rope_theta, <scaling keys>} from either
-    layout (transformers 5 `rope_parameters`, or `rope_theta` + `rope_scaling`); None when the config
-    has neither key."""
-    if "rope_parameters" not in config and "rope_theta" not in config and "rope_scaling" not in config:
-        return None
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
-        params = None  # per-layer-type rope (hybrid sliding configs): compare the legacy keys instead
-    if not isinstance(params, Mapping):
-        params = dict(config.get("rope_scaling") or {})
-    params = dict(params)
-    out = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
-    out["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    out["rope_theta"] = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    if out["rope_type"] == "llama3" and "original_max_position_embeddings" not in out:
-        out["original_max_position_embeddings"] = config.get("max_position_embeddings")
-    return out
 
 
 def _same_value(a, b) -> bool:
@@ -628,7 +359,7 @@ def _check_aux(cfg, layout, target_config, training_aux_ids, bad):
                 f"config ids {ids} (output convention) differ from the ids the draft was trained with "
                 f"{list(training_aux_ids)}", "export from the run's own draft config (its aux_layer_ids)")
     elif training_aux_ids is not None and target_config is not None:
-        defaults = default_aux_ids(target_virtual_depth(target_config))
+        defaults = list(default_aux_layer_ids(target_virtual_depth(target_config), clamp=False))
         if [int(i) for i in training_aux_ids] != defaults:
             bad("aux.training", "eagle_aux_hidden_state_layer_ids",
                 f"no ids written, so engines tap {defaults} but the draft was trained on {list(training_aux_ids)}",
@@ -694,8 +425,8 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
         bad("dtype.weights", "model.safetensors", f"mixed weight dtypes {dtypes}", "store all weights in one dtype",
             "warning")
     declared = cfg.get("torch_dtype") or cfg.get("dtype")
-    if declared and len(dtypes) == 1 and _ST_TO_NP.get(dtypes[0]) != declared:
-        bad("dtype.weights", "torch_dtype", f"config says {declared!r}, weights are {_ST_TO_NP.get(dtypes[0])}",
+    if declared and len(dtypes) == 1 and ST_TO_NP.get(dtypes[0]) != declared:
+        bad("dtype.weights", "torch_dtype", f"config says {declared!r}, weights are {ST_TO_NP.get(dtypes[0])}",
             "write torch_dtype equal to the stored dtype", "warning")
     if check_finite and not non_float:
         for k in weight_keys:

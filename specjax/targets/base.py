@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax.aux_ids import default_aux_layer_ids, validate_aux_layer_ids  # re-exported (jax-free home)
 from specjax.targets import registry
 
 
@@ -22,41 +23,6 @@ class TargetOutput(NamedTuple):
     logits: jax.Array  # [B, T, V] fp32
     final_hidden: jax.Array  # [B, T, H] after the final norm, params dtype
     aux_hidden: tuple  # tuple of [B, T, H] residual-stream states (output of layer k)
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """The EAGLE-3 low/mid/high taps ``[1, L//2-1, L-4]`` (output-of-layer convention).
-
-    For small L the raw triple collides or leaves the range, so it is clamped into a strictly
-    increasing triple inside [0, L-1]: low = min(1, L-3); mid = max(L//2-1, low+1);
-    high = max(L-4, mid+1). For L >= 8 this is exactly the raw triple (Llama-3.1-8B: (1, 15, 28));
-    L = 4..7 gives (1, 2, 3) and L = 3 gives (0, 1, 2). Needs L >= 3.
-    """
-    if num_layers < 3:
-        raise ValueError(f"need at least 3 decoder layers for 3 aux taps, got {num_layers}")
-    low = min(1, num_layers - 3)
-    mid = max(num_layers // 2 - 1, low + 1)
-    high = max(num_layers - 4, mid + 1)
-    return (low, mid, high)
-
-
-def validate_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
-    """Return aux ids as a tuple of ints; raise ValueError unless strictly increasing in [0, L-1]."""
-    if aux_layer_ids is None:
-        return ()
-    try:
-        ids = tuple(int(i) for i in aux_layer_ids)
-    except TypeError as e:
-        raise ValueError(f"aux_layer_ids must be a sequence of ints, got {aux_layer_ids!r}") from e
-    bad_range = [i for i in ids if not 0 <= i <= num_layers - 1]
-    if bad_range:
-        raise ValueError(
-            f"aux_layer_ids {ids} out of range: valid ids are 0..{num_layers - 1} "
-            f"(output of decoder layer k, {num_layers} layers)"
-        )
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"aux_layer_ids {ids} must be strictly increasing (valid range 0..{num_layers - 1})")
-    return ids
 
 
 def resolve_hf_config(

@@ -20,6 +20,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors' n
 import numpy as np
 from safetensors import safe_open
 
+from specjax.safetensors_io import read_safetensors_header
 from specjax.targets.base import Target, tree_get, tree_set
 from specjax.targets.registry import get_target_class
 
@@ -68,15 +69,8 @@ def checkpoint_files(hf_dir: str | os.PathLike) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # raw safetensors access (fallback for dtypes the installed safetensors numpy path rejects)
 # ---------------------------------------------------------------------------------------------
-def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return header, 8 + n
-
-
 def _read_raw_tensor(path: str, name: str) -> np.ndarray:
-    header, data_start = _read_header(path)
+    header, data_start = read_safetensors_header(path)
     info = header[name]
     begin, end = info["data_offsets"]
     dtype = _ST_DTYPES[info["dtype"]]
