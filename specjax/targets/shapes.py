@@ -23,6 +23,7 @@ widths) and ``random_params`` (random weights for any registered architecture).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -165,6 +166,7 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
         "target_param_bytes": _nbytes(params),
         "leaves": {"/".join(s.path): list(s.shape) for s in cls.weight_specs(cfg)},
         "draft_params": n_draft,
+        "draft_config": dataclasses.asdict(draft_cfg),  # what training would build (specjax.train.setup)
         # fp32 params + grads + AdamW mu and nu
         "draft_train_state_bytes": 4 * n_draft * 4,
         "batch": int(batch),

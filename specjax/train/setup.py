@@ -268,8 +268,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     compute_dtype = jnp.float32 if (dtype or cfg.target.dtype) == "float32" else jnp.bfloat16
     dshape = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
-    fns = build_step_fns(target, target.params, dshape, draft_cfg, make_ttt_config(cfg), optimizer, mesh,
-                         compute_dtype)
-    return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, ttt=make_ttt_config(cfg),
+    ttt = make_ttt_config(cfg)
+    fns = build_step_fns(target, target.params, dshape, draft_cfg, ttt, optimizer, mesh, compute_dtype)
+    return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, ttt=ttt,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                     compute_dtype=compute_dtype, draft_params_shape=dshape, fns=fns)

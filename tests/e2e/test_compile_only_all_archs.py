@@ -111,3 +111,41 @@ def test_shapes_builds_draft_and_target_like_the_loop(tmp_path, capsys):
     nemotron = _tiny_run(tmp_path, "NemotronHForCausalLM", "  num_key_value_heads: 4\n")
     assert shapes.main(["--config", nemotron, "--no-compile"]) == 2
     assert "draft.num_key_value_heads=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_training_compile_only_and_shapes_build_the_same_draft(arch, tmp_path):
+    """For every architecture, from one run config with fc_norm and norm_output on: the draft config
+    of the training path (build_target reads real HF-saved weights, then build_run_setup, as
+    specjax.train.loop does), of --compile-only (specjax.train.aot.lower_train_step on abstract params)
+    and of specjax.targets.shapes are the same, EAGLE-3.1 flags included."""
+    import dataclasses
+
+    import torch
+
+    from specjax.config import load_config
+    from specjax.targets import shapes
+    from specjax.train.aot import lower_train_step
+    from specjax.train.setup import build_run_setup, build_target, make_mesh
+
+    make_config, extra = CASES[arch]
+    torch.manual_seed(0)
+    tdir = tmp_path / arch
+    transformers.AutoModelForCausalLM.from_config(make_config()).save_pretrained(str(tdir))
+    hf = json.loads((tdir / "config.json").read_text())
+    hf.update(extra, architectures=[arch])
+    (tdir / "config.json").write_text(json.dumps(hf))
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(f"target:\n  path: {tdir}\n  dtype: float32\ndraft:\n  draft_vocab_size: 64\n"
+                        "  ttt_steps: 2\n  fc_norm: true\n  norm_output: true\n"
+                        "data:\n  seq_length: 32\n  batch_size: 8\n")
+    run = load_config(str(cfg_path))
+    mesh = make_mesh(run)
+
+    trained = build_run_setup(run, build_target(run, mesh), mesh).draft_config
+    compiled = lower_train_step(run, mesh).draft_config
+    reported = shapes.shape_report(str(cfg_path), compile_step=False)["draft_config"]
+    assert trained.fc_norm and trained.norm_output
+    assert trained.draft_vocab_size == 64 and trained.num_aux == 3
+    assert compiled == trained
+    assert reported == dataclasses.asdict(trained)
