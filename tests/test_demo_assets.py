@@ -185,7 +185,7 @@ def test_ensure_demo_assets_builds_once(tmp_path, monkeypatch):
         (out_dir / "config.json").write_text(json.dumps({"hidden_size": kw["hidden"]}))
         return {"first_loss": 6.0, "final_loss": 1.0, "final_acc": 0.5, "n_params": 1, "history": []}
 
-    monkeypatch.setattr(demo, "build_demo_target", fake_build)
+    monkeypatch.setattr(demo.assets, "build_demo_target", fake_build)  # the cache calls it there
     kw = dict(TINY, steps=2, seq_len=64)
     t_dir, k_dir = demo.ensure_demo_assets(tmp_path / "cache", log=None, **kw)
     assert "demo-" in t_dir and len(calls) == 1 and calls[0] == kw

@@ -1,0 +1,5 @@
+import sys
+
+from specjax.demo.cli import main
+
+sys.exit(main())
