@@ -19,6 +19,7 @@ import shutil
 import time
 from typing import Any, Optional
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +60,6 @@ def manager(directory: str, *, keep: int = 3, read_only: bool = False) -> ocp.Ch
         preservation_policy=ocm.preservation_policy.LatestN(keep) if keep else None,
         cleanup_tmp_directories=True,
     )
-    import grain
 
     # explicit handlers let item_metadata() describe a saved state before restoring it
     handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler(),
@@ -79,7 +79,6 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, met
     """Save `state` (+ data position + meta) as checkpoint `step`, then its checksums. Refuses a state
     whose params or optimizer state are non-finite (NonFiniteState): such a checkpoint could only
     ever resume into NaN."""
-    import grain
 
     if not all_finite({"params": state["params"], "opt_state": state["opt_state"]}):
         raise NonFiniteState(
@@ -274,7 +273,6 @@ def check_compatible(mngr: ocp.CheckpointManager, step: int, abstract_state: Any
 def restore(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter=None, step: Optional[int] = None):
     """Restore (state, meta) at `step` (default latest) into the shardings of `abstract_state`;
     the grain iterator, if given, is moved to its saved position in place."""
-    import grain
 
     step = mngr.latest_step() if step is None else step
     if step is None:

@@ -10,7 +10,12 @@ import logging
 import os
 import platform
 import time
+from importlib import metadata
 from typing import Any, Callable, Optional, Sequence
+
+import jax
+
+from specjax.data.chat import render_chat
 
 log = logging.getLogger("specjax")
 
@@ -44,7 +49,6 @@ def eos_token_ids(target_dir: Optional[str], tokenizer) -> tuple[int, ...]:
 def render_prompt(tokenizer, template: str, messages: list[dict]) -> list[int]:
     """Chat-template the conversation with the generation prompt (the assistant header) and tokenize
     the text as is (the template already holds any BOS)."""
-    from specjax.data.chat import render_chat
 
     text = render_chat(tokenizer, template, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -56,8 +60,6 @@ _compiles = {"n": 0, "listening": False}
 def _compile_events() -> int:
     """How many jit traces / backend compiles have happened in this process (jax.monitoring)."""
     if not _compiles["listening"]:
-        import jax
-
         def on_event(event: str, duration: float, **kw) -> None:
             if event.startswith("/jax/core/compile/"):
                 _compiles["n"] += 1
@@ -187,8 +189,6 @@ def measure(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_to
 
 
 def versions() -> dict:
-    from importlib import metadata
-
     out = {"python": platform.python_version()}
     for pkg in ("specjax", "jax", "jaxlib", "numpy", "transformers", "flax"):
         try:
@@ -199,8 +199,6 @@ def versions() -> dict:
 
 
 def device_info() -> dict:
-    import jax
-
     d = jax.devices()[0]
     return {"platform": d.platform, "device_kind": getattr(d, "device_kind", ""), "device_count": jax.device_count(),
             "process_count": jax.process_count(), "host": platform.node()}

@@ -2,7 +2,6 @@
 
 How one step runs (as vLLM / SGLang run EAGLE-3; docs/eagle3-format.md, "Speculative decoding step and
 acceptance length"; drafts/eagle3.py, drafts/ttt.py):
-
   sequence x_0 .. x_{N-1}; the target cache holds slots 0..N-2, x_{N-1} is the newest token.
   draft row t (slot t, RoPE position t) reads [embed(x_{t+1}), fc(target aux at t)]. The rows the
     last target call produced ("pending": the accepted tokens and the bonus) are written into the
@@ -43,8 +42,10 @@ import numpy as np
 from specjax.drafts.eagle3 import Eagle3Config, attention_qkv, draft_logits, layer_output, next_step_hidden, project_aux
 from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import check_sampling, prompt_bucket
+from specjax.targets.base import validate_aux_layer_ids
 from specjax.targets.layers.attention import dot_product_attention
 from specjax.targets.llama import cache_attention_mask, cache_size_for
+from specjax_converters.eagle3_import import read_head
 
 MODES = ("chain", "tree")
 
@@ -63,7 +64,6 @@ class Draft:
 
 def load_draft(draft_dir: str) -> Draft:
     """Read an exported head folder (specjax export, SpecForge or speculators layout)."""
-    from specjax_converters.eagle3_import import read_head
 
     head = read_head(draft_dir)
     params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), head.params)
@@ -378,7 +378,6 @@ class SpecDecoder:
                              f"draft_vocab_size={cfg.draft_vocab_size}")
         if int(tree_top_k) < 1 or int(tree_top_k) > cfg.draft_vocab_size:
             raise ValueError(f"tree_top_k must be in [1, {cfg.draft_vocab_size}], got {tree_top_k}")
-        from specjax.targets.base import validate_aux_layer_ids
 
         self.aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, target.num_layers)
         self.target, self.draft = target, draft

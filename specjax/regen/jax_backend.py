@@ -10,8 +10,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
+from specjax.data.chat import ChatTemplateUnusable, render_chat, resolve_chat_template
 from specjax.regen.common import LOGGER_NAME, Answer, Item, RegenerateError, compose_answer, split_reasoning
-from specjax.data.chat import ChatTemplateUnusable
 
 __all__ = ["JaxBackend", "eos_token_ids", "generation_defaults"]
 
@@ -81,8 +81,6 @@ class JaxBackend:
         generate_fn: Callable | None = None,
         long_prompts: str = "skip",
     ):
-        from specjax.data.chat import resolve_chat_template
-
         if max_new_tokens <= 0:
             raise RegenerateError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if max_prompt_tokens <= 0:
@@ -110,12 +108,10 @@ class JaxBackend:
         self.keep_reasoning = keep_reasoning
         self.long_prompts = long_prompts
         if generate_fn is None:
-            from specjax.eval.generate import generate as generate_fn  # helper B's batched KV-cache decoder
+            from specjax.eval.generate import generate as generate_fn  # the batched KV-cache decoder
         self.generate_fn = generate_fn
 
     def encode(self, prompt: Sequence[dict]) -> list[int]:
-        from specjax.data.chat import render_chat
-
         text = render_chat(self.tokenizer, self.template, list(prompt), add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

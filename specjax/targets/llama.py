@@ -33,6 +33,7 @@ from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
 from specjax.targets.layers.scan import index_layer, scan_layers
+from specjax.targets.loading import write_safetensors
 from specjax.targets.registry import model_type_of, register
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -250,7 +251,6 @@ def save_hf_checkpoint(
     ``hf_config`` (e.g. ``target.hf_config``) is written when given, else ``cfg.to_hf()``; its dtype
     field is set to the params dtype. Tensors are streamed one at a time (single-host params).
     """
-    from specjax.targets.loading import write_safetensors
 
     specs = weight_specs(cfg)
     dtype = np.dtype(params["embed_tokens"]["embedding"].dtype)

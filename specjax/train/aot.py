@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.config import Config
+from specjax.train.setup import abstract_target, build_run_setup, check_batch_fits, make_mesh
+from specjax.train.step import BATCH_KEYS, init_state
 
 
 def _abstract(tree, shardings):
@@ -42,8 +44,6 @@ def lower_train_step(cfg: Config, mesh, hf: Mapping[str, Any] | None = None, dty
     and optimizer) from abstract inputs, for ``abstract_target(cfg, hf, dtype)``. As in training,
     the step computes in float32 for a float32 target and in bfloat16 otherwise. Batch and sequence
     default to data.batch_size and data.seq_length."""
-    from specjax.train.setup import abstract_target, build_run_setup
-    from specjax.train.step import BATCH_KEYS, init_state
 
     dtype = dtype or cfg.target.dtype
     target = abstract_target(cfg, hf, dtype)
@@ -73,7 +73,6 @@ def compile_for_analysis(step: LoweredStep):
 
 def compile_step(cfg: Config) -> dict:
     """Compile the train step for the configured mesh; XLA's per-device memory and FLOP figures."""
-    from specjax.train.setup import check_batch_fits, make_mesh
 
     mesh = make_mesh(cfg)
     check_batch_fits(cfg, mesh)

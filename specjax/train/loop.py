@@ -23,10 +23,15 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
+from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
+from specjax.data.chat import check_chat_template
 from specjax.drafts import eagle3
+from specjax.export import export_from_state
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.metrics import MetricsWriter, summarize
 from specjax.train.setup import (
@@ -257,7 +262,6 @@ class _Trainer:
         mesh = make_mesh(cfg)
         target = build_target(cfg, mesh)
         if tokenizer is None:  # written by the build (demo, GGUF): check it now, before the data pass
-            from specjax.data.chat import check_chat_template
 
             tokenizer = build_tokenizer(cfg)
             check_chat_template(tokenizer, cfg.data.chat_template)
@@ -267,7 +271,6 @@ class _Trainer:
                 f"{target.config.vocab_size}; use the target's own tokenizer (data.tokenizer)."
             )
 
-        from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 
         files = tuple(resolve_path(p) for p in cfg.data.train_files)
         if not files:
@@ -483,7 +486,6 @@ class _Trainer:
 
     def _stop_requested(self) -> bool:
         if self.nproc > 1:  # every process must agree to stop at the same step (saves are collective)
-            from jax.experimental import multihost_utils
 
             self.stop.requested = bool(np.any(multihost_utils.process_allgather(np.array(self.stop.requested))))
             self.stop.requested = self.stop.requested or self.mngr.reached_preemption(self.loop.step)
@@ -514,8 +516,6 @@ class _Trainer:
         result = lp.result
         self.bar = None
         if cfg.train.progress and self.proc == 0:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=cfg.train.steps, initial=lp.start_step, desc="train", dynamic_ncols=True)
         if self.stop.requested:  # a signal during the set-up: nothing trained, nothing to save
             return self._stopped()
@@ -573,10 +573,6 @@ class _Trainer:
         return result
 
     def _export(self, step: int) -> str:
-        from jax.experimental import multihost_utils
-
-        from specjax.export import export_from_state
-
         cfg, state = self.cfg, self.loop.state
         # every process takes part in the gather (params may be sharded across hosts); one writes
         host_params = (multihost_utils.process_allgather(state["params"], tiled=True) if self.nproc > 1

@@ -13,6 +13,7 @@ tokenizer -> data -> `build_vocab` -> `build_run_setup` -> the loop (specjax.tra
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources as ir
 import math
 import os
 from dataclasses import dataclass
@@ -23,10 +24,18 @@ import jax.numpy as jnp
 
 from specjax import mesh as meshlib
 from specjax.config import Config
+from specjax.data.chat import check_chat_template
 from specjax.drafts import eagle3
 from specjax.drafts.ttt import TTTConfig
+from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
+from specjax.targets import load_target, validate_aux_layer_ids
+from specjax.targets.base import tree_set
+from specjax.targets.loading import read_hf_config
+from specjax.targets.registry import get_target_class
+from specjax.targets.shapes import abstract_params
 from specjax.train.optim import lr_schedule, make_optimizer
 from specjax.train.step import StepFns, build_step_fns
+from specjax_converters.eagle3_import import warm_start_params
 
 VOCAB_FILE = "draft_vocab.npz"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -42,8 +51,6 @@ def resolve_path(p: str) -> str:
     if p.startswith("preset://"):
         return p
     if p.startswith("pkg://"):
-        import importlib.resources as ir
-
         pkg, _, rel = p[len("pkg://"):].partition("/")
         return str(ir.files(pkg).joinpath(rel))
     return p
@@ -78,7 +85,6 @@ def preflight(cfg: Config):
     tokenizer is already on disk, that it loads and its chat template renders. Raises one ValueError
     naming the cause and the fix. Returns the tokenizer when it was loaded, else None (the demo and
     GGUF targets write theirs during the build)."""
-    from specjax.data.chat import check_chat_template
 
     check_chat_template()
     tok_path = cfg.data.tokenizer or cfg.target.path
@@ -111,7 +117,6 @@ def kernel_overrides(cfg: Config, cls) -> dict:
 def target_shardings(cls, config, mesh):
     """NamedShardings for every target leaf from its weight map, known before any weight is read,
     so the loader puts each tensor straight onto its shards (no full host copy of a big target)."""
-    from specjax.targets.base import tree_set
 
     logical, shapes = {}, {}
     for spec in cls.weight_specs(config):
@@ -123,9 +128,6 @@ def target_shardings(cls, config, mesh):
 def build_target(cfg: Config, mesh=None):
     """The configured target with its weights (built first for the demo, converted first from a
     GGUF), each tensor placed on its shards of `mesh` as it is read."""
-    from specjax.targets import load_target
-    from specjax.targets.loading import read_hf_config
-    from specjax.targets.registry import get_target_class
 
     path = cfg.target.path
     if not path:
@@ -150,9 +152,6 @@ def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str
     weight map (the tree the loader fills), so every registered architecture works and nothing is
     allocated. The target config gets the configured kernel choices as `build_target`'s does. `hf`
     defaults to target.path's config.json, `dtype` to target.dtype."""
-    from specjax.targets.loading import read_hf_config
-    from specjax.targets.registry import get_target_class
-    from specjax.targets.shapes import abstract_params
 
     if hf is None:
         hf = read_hf_config(cfg.target.path)
@@ -165,8 +164,6 @@ def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str
 # the draft
 # ---------------------------------------------------------------------------------------------
 def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
-    from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
-
     path = os.path.join(out_dir, VOCAB_FILE)
     if os.path.exists(path):  # resume: the vocab must not change under a checkpoint
         vocab = DraftVocab.load(path)
@@ -185,8 +182,6 @@ def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
 
 
 def resolve_aux_ids(cfg: Config, target) -> tuple[int, ...]:
-    from specjax.targets import validate_aux_layer_ids
-
     ids = cfg.target.aux_layer_ids or target.default_aux_layer_ids()
     return tuple(int(i) for i in validate_aux_layer_ids(tuple(ids), target.num_layers))
 
@@ -253,8 +248,6 @@ class RunSetup:
         cfg = self.cfg
         params = eagle3.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
         if cfg.draft.init_from:
-            from specjax_converters.eagle3_import import warm_start_params
-
             params = warm_start_params(cfg.draft.init_from, self.draft_config, vocab, params)
         return params
 

@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels.ttt_attention import ttt_attention
 
 # query block used under context parallelism when the target config sets none (same result)
 CP_Q_BLOCK = 512
@@ -192,8 +194,6 @@ class SegmentCausalMask:
         return self.materialize()
 
     def __array__(self, dtype=None, copy=None):
-        import numpy as np
-
         return np.asarray(self.materialize(), dtype=dtype)
 
     def __getitem__(self, idx):
@@ -247,8 +247,6 @@ def dot_product_attention(
     if implementation in (None, "auto"):
         implementation = "auto" if jax.default_backend() == "gpu" else "plain"
     if implementation != "plain" and isinstance(mask_bts, SegmentCausalMask) and k_bskh.shape[1] == t:
-        from specjax_kernels.ttt_attention import ttt_attention
-
         # step 0 of the TTT attention is exactly segment-causal GQA self-attention
         return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, scale=scale,
                              implementation=implementation)
