@@ -120,6 +120,8 @@ def resolve_target_dir(path: str, config_file: str | None = None) -> str:
 def compiled_step_memory(run_cfg, hf: Mapping[str, Any], dtype: str, batch: int, seq: int) -> dict:
     """XLA buffer assignment of the real train step on a 1-device mesh, from abstract inputs: the
     step --compile-only lowers (specjax.train.aot), with the target's params in ``dtype``."""
+    # specjax.train imports this module (abstract_params), so the train imports here stay inside
+    # the functions that report on a training step
     from specjax import mesh as meshlib
     from specjax.train.aot import compile_for_analysis, lower_train_step
 

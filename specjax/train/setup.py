@@ -132,7 +132,7 @@ def build_target(cfg: Config, mesh=None):
     path = cfg.target.path
     if not path:
         raise ValueError("target.path is empty: set it to a Hugging Face folder (config.json + *.safetensors).")
-    if cfg.target.build_demo:
+    if cfg.target.build_demo:  # the demo and GGUF builders (tokenizers, torch) load only when configured
         from specjax.demo import ensure_demo_target
 
         ensure_demo_target(path)
