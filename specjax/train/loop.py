@@ -1,7 +1,7 @@
 """The training loop: a run set-up (specjax.train.setup), then steps with periodic hooks.
 
 Order: preflight -> target -> tokenizer -> data -> draft vocab -> run set-up (draft config, TTT
-config, optimizer, jitted step) -> restore (latest checkpoint, data position, RNG) -> steps, each
+config, optimizer, jitted step) -> restore (latest checkpoint, data position) -> steps, each
 followed by the hooks that are due (log, validate, decode_eval, checkpoint) -> final validation,
 decode_eval and checkpoint -> export.
 
