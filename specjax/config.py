@@ -151,6 +151,12 @@ class TrainConfig(_Checked):
     stop_at_step: Optional[int] = _ranged(None, ge=1)
     # stop (after a checkpoint) when this many steps in a row had a non-finite loss or gradient
     max_consecutive_skips: int = _ranged(10, ge=1)
+    # per-step objective (specjax.drafts.lk_losses): soft_ce (EAGLE-3), lk_alpha / lk_lambda (SpecForge's
+    # LK losses), lk_hybrid (speculators'); lk_kl_scale / lk_kl_decay for lk_lambda, lk_eta for lk_hybrid
+    loss: Literal["soft_ce", "lk_alpha", "lk_lambda", "lk_hybrid"] = "soft_ce"
+    lk_kl_scale: float = _ranged(1.0, ge=0.0)
+    lk_kl_decay: float = _ranged(1.0, ge=0.0)
+    lk_eta: float = _ranged(3.0, ge=0.0)
 
 
 @dataclass(frozen=True)

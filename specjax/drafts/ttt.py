@@ -23,6 +23,12 @@ in the *target frame*: the draft rows are shifted right by 1+k (row t -> t+1+k) 
 the teacher left, so all K steps read the same unshifted teacher buffer (no K shifted [B,T,Vd] copies
 kept alive as residuals). Sums over rows are unchanged by the relabelling. The same objective written
 in the loss frame with plain fp32 logits is the reference in tests/unit/test_ttt_reference.py.
+
+LK losses (TTTConfig.loss other than "soft_ce"; specjax.drafts.lk_losses): the step's objective needs
+the whole draft distribution of each row, so those steps compute the draft logits in the loss frame
+(fp32 [B,T,Vd]) under jax.checkpoint (recomputed in the backward instead of kept), not through the
+fused kernel; lk_alpha / lk_lambda also take the target's full-vocab logsumexp, found in the same
+chunked pass over the vocab as its argmax.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, next_step_hidden, project_aux
+from specjax.drafts import lk_losses
+from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, next_step_hidden, project_aux
 from specjax.targets.layers.norms import rms_norm
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 
@@ -44,6 +51,11 @@ class TTTConfig:
     vocab_chunk: int = 8192
     attention_impl: Optional[str] = None
     soft_ce_impl: Optional[str] = None
+    # the per-step objective (train.loss) and the LK settings (specjax.drafts.lk_losses)
+    loss: lk_losses.LossName = "soft_ce"
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+    eta: float = 3.0
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
@@ -92,13 +104,46 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> jnp.ndar
     return best.astype(jnp.int32)
 
 
-def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int):
-    """(teacher logits over the draft vocab [B,T,Vd] fp32, full-vocab argmax [B,T])."""
+def chunked_argmax_lse(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(argmax_v, logsumexp_v) of h @ w.T in one chunked pass (online logsumexp, fp32)."""
+    V, D = w_vd.shape
+    chunk = min(chunk, V)
+    n_chunks = -(-V // chunk)
+    pad = n_chunks * chunk - V
+    w = jnp.pad(w_vd, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
+
+    def body(carry, inp):
+        best_val, best_idx, sum_exp = carry
+        wc, c = inp
+        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=jnp.float32)
+        col = c * chunk + jnp.arange(chunk)
+        logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
+        idx = jnp.argmax(logits, axis=-1)
+        val = jnp.take_along_axis(logits, idx[:, None], axis=-1)[:, 0]
+        better = val > best_val
+        new_max = jnp.maximum(best_val, val)
+        # sum of exp(logit - running max), rescaled when the max grows
+        sum_exp = sum_exp * jnp.exp(best_val - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1)
+        return (new_max, jnp.where(better, c * chunk + idx, best_idx), sum_exp), None
+
+    n = h_nd.shape[0]
+    init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32))
+    (best_val, best, sum_exp), _ = jax.lax.scan(body, init, (w, jnp.arange(n_chunks)))
+    return best.astype(jnp.int32), best_val + jnp.log(sum_exp)
+
+
+def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int, with_lse: bool = False):
+    """(teacher logits over the draft vocab [B,T,Vd] fp32, full-vocab argmax [B,T]) and, with
+    `with_lse`, the full-vocab logsumexp [B,T] as a third entry."""
     B, T, D = final_hidden_btd.shape
     rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
     teacher = jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
                          preferred_element_type=jnp.float32)
-    argmax = chunked_argmax(final_hidden_btd.reshape(B * T, D), lm_head_vd, vocab_chunk).reshape(B, T)
+    flat = final_hidden_btd.reshape(B * T, D)
+    if with_lse:
+        argmax, lse = chunked_argmax_lse(flat, lm_head_vd, vocab_chunk)
+        return teacher, argmax.reshape(B, T), lse.reshape(B, T)
+    argmax = chunked_argmax(flat, lm_head_vd, vocab_chunk).reshape(B, T)
     return teacher, argmax
 
 
@@ -124,15 +169,18 @@ def ttt_loss(
     B, T = input_ids.shape
     sg = jax.lax.stop_gradient
     aux_hidden = tuple(sg(a) for a in aux_hidden)
-    teacher_logits, target_argmax = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk)
-    teacher_logits = sg(teacher_logits)
+    lk = ttt.loss != "soft_ce"
+    needs_lse = ttt.loss in ("lk_alpha", "lk_lambda")
+    teacher = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk, with_lse=needs_lse)
+    teacher_logits, target_argmax = sg(teacher[0]), teacher[1]
+    target_lse = sg(teacher[2]) if needs_lse else None
     params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), draft_params)
 
     seg = segment_ids.astype(jnp.int32)
     lmask = loss_mask.astype(jnp.float32)
     h = project_aux(params, aux_hidden, cfg, compute_dtype)
     kv_cache: list = []
-    losses, accs, lmask_sums, pmask_sums = [], [], [], []
+    losses, accs, lmask_sums, pmask_sums, ces, alphas = [], [], [], [], [], []
     for k in range(ttt.ttt_steps):
         tok = shift_left(input_ids, 1 + k)
         same_doc = (shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0)
@@ -142,14 +190,25 @@ def ttt_loss(
         emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
         h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
         kv_cache.append(kv)
-        # target frame: draft row t sits at row t+1+k, next to its teacher row (see module doc)
-        hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
-        ce, pred = fused_linear_soft_ce(
-            shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
-            mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
-        losses.append(jnp.sum(ce) / (B * T))
-        pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
-        correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
+        if lk:  # loss frame, explicit draft logits, recomputed in the backward (see module doc)
+            obj, ce_k, alpha_k, pred = _lk_step(
+                ttt, cfg, {"norm": params["norm"], "lm_head": params["lm_head"]}, h,
+                shift_left(teacher_logits, 1 + k), None if target_lse is None else shift_left(target_lse, 1 + k),
+                pos_mask)
+            losses.append(obj)
+            ces.append(ce_k)
+            alphas.append(alpha_k)
+            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+            correct = jnp.sum((pred_target == tgt_ids) * step_mask)
+        else:
+            # target frame: draft row t sits at row t+1+k, next to its teacher row (see module doc)
+            hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
+            ce, pred = fused_linear_soft_ce(
+                shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
+                mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
+            losses.append(jnp.sum(ce) / (B * T))
+            pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
+            correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
         h = next_step_hidden(params, cfg, h)  # the same array unless cfg.norm_output (EAGLE-3.1)
         denom = jnp.sum(step_mask)
         accs.append(correct / jnp.maximum(denom, 1e-6))
@@ -167,4 +226,20 @@ def ttt_loss(
         "mask_tokens_k": jnp.stack(lmask_sums),
         "in_vocab_tokens_k": jnp.stack(pmask_sums),
     }
+    if lk:
+        metrics["soft_ce_k"] = sg(jnp.stack(ces))
+        metrics["lk_acceptance_k"] = jnp.stack(alphas)  # expected acceptance alpha (lk_losses)
     return total, metrics
+
+
+def _lk_step(ttt: TTTConfig, cfg: Eagle3Config, head: dict, h, teacher_k, lse_k, mask):
+    """One TTT step's LK objective in the loss frame: (objective, soft CE, mean alpha, draft argmax)."""
+
+    @jax.checkpoint
+    def f(head, h, teacher_k, lse_k, mask):
+        logits = draft_logits(head, cfg, h)
+        obj, ce, alpha = lk_losses.step_loss(ttt.loss, logits, teacher_k, lse_k, mask, kl_scale=ttt.kl_scale,
+                                             kl_decay=ttt.kl_decay, eta=ttt.eta)
+        return obj, ce, alpha, jnp.argmax(logits, axis=-1)
+
+    return f(head, h, teacher_k, lse_k, mask)

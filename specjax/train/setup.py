@@ -203,9 +203,12 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
 
 
 def make_ttt_config(cfg: Config) -> TTTConfig:
-    """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce)."""
+    """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce) and
+    objective (train.loss and its LK settings)."""
+    t = cfg.train
     return TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
-                     attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
+                     attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce,
+                     loss=t.loss, kl_scale=t.lk_kl_scale, kl_decay=t.lk_kl_decay, eta=t.lk_eta)
 
 
 def make_mesh(cfg: Config):
