@@ -44,8 +44,8 @@ def test_config_selects_the_target_attention_path(tiny_target, monkeypatch):
     target calls the chosen kernel (seen by wrapping the ttt_attention entry point), and its logits
     equal the plain path's (2e-5, fp32)."""
     from specjax.config import load_config
+    from specjax.targets.layers import attention as attn_mod  # the module whose attention block calls the kernel
     from specjax.train import setup
-    from specjax_kernels import ttt_attention as ttt_pkg
 
     def build(*overrides):
         cfg = load_config(None, [f"target.path={tiny_target}", "target.dtype=float32", *overrides])
@@ -56,13 +56,13 @@ def test_config_selects_the_target_attention_path(tiny_target, monkeypatch):
     assert (plain.config.attention_implementation, plain.config.attention_q_block) == ("plain", 8)
     assert fast.config.attention_implementation == "xla"
     calls = []
-    real = ttt_pkg.ttt_attention
+    real = attn_mod.ttt_attention
 
     def spy(*a, **k):
         calls.append(k.get("implementation"))
         return real(*a, **k)
 
-    monkeypatch.setattr(ttt_pkg, "ttt_attention", spy)
+    monkeypatch.setattr(attn_mod, "ttt_attention", spy)
     ids = jnp.asarray(np.arange(1, 33, dtype=np.int32)[None] % 300)
     seg = jnp.ones_like(ids)
     want = plain(ids, segment_ids=seg).logits
