@@ -102,6 +102,8 @@ class DraftConfig(_Checked):
     # EAGLE-3.1 (needs 2026+ engines): per-aux-chunk RMSNorms before fc; feed norm(h) to the next step
     fc_norm: bool = False
     norm_output: bool = False
+    # decoder layers of the head (the Nemotron card's 2-layer ablation); vLLM serves N > 1, SGLang one
+    num_layers: int = _ranged(1, ge=1)
     # warm start: a published head folder (SpecForge midlayer.* / speculators layers.0.* / specjax export)
     init_from: Optional[str] = None
 

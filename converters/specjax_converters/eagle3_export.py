@@ -4,7 +4,7 @@ Layout (docs/eagle3-format.md, "Checkpoint layout"): one folder with
   model.safetensors     fc / midlayer.* / norm / lm_head weights (HF [out, in] = kernel.T), d2t int64
                         offsets [Vd], t2d bool [V]; no `model.` prefix and no embed_tokens (engines use
                         the target's embedding)
-  config.json           a LlamaForCausalLMEagle3 config (one layer, untied head, the target's vocab,
+  config.json           a LlamaForCausalLMEagle3 config (draft.num_layers layers, untied head, the target's vocab,
                         RoPE and context, aux ids in both index conventions; EAGLE-3.1 flags and
                         looped-target depth fields when they apply)
   specjax_manifest.json sha256 of each file, variant, draft config, target config and its hash, plus
@@ -151,7 +151,7 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": int(getattr(cfg, "num_layers", 1)),
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": int(tc["vocab_size"]),

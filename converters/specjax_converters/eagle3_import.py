@@ -67,9 +67,9 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     notes: list[str] = []
 
     # --- features specjax's draft does not have: importing would silently change the function
-    if int(cfg.get("num_hidden_layers", 1)) != 1:
-        _refuse(folder, "num_hidden_layers", f"{cfg['num_hidden_layers']} decoder layers",
-                "specjax drafts have one layer; use a one-layer head")
+    n_layers = cfg.get("num_hidden_layers", 1)
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        _refuse(folder, "num_hidden_layers", f"{n_layers!r}", "the head's config must give its decoder layer count")
     nbr = cfg.get("norm_before_residual")
     if nbr:
         _refuse(folder, "norm_before_residual", "true (the residual is the normed hidden)",
@@ -162,6 +162,7 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         hidden_act="silu",
         fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=norm_output,
+        num_layers=int(n_layers),
     )
     draft_cfg.validate()
 
@@ -212,10 +213,10 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
 
 
 _SHAPE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "fc_norm", "norm_output")
+                 "num_key_value_heads", "head_dim", "vocab_size", "fc_norm", "norm_output", "num_layers")
 _DRAFT_KEYS = {"intermediate_size": "draft.intermediate_size", "num_attention_heads": "draft.num_attention_heads",
                "num_key_value_heads": "draft.num_key_value_heads", "head_dim": "draft.head_dim",
-               "fc_norm": "draft.fc_norm", "norm_output": "draft.norm_output"}
+               "fc_norm": "draft.fc_norm", "norm_output": "draft.norm_output", "num_layers": "draft.num_layers"}
 
 
 def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:

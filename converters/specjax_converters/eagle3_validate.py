@@ -139,11 +139,17 @@ def head_shape(config: Mapping) -> weights.Eagle3Shape:
         num_aux=_num_aux(config),
         draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
         fc_norm=bool(config.get("fc_norm")),
+        num_layers=_num_layers(config),
     )
 
 
+def _num_layers(config: Mapping) -> int:
+    n = config.get("num_hidden_layers", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
 def expected_weights(config: Mapping, keys: str = "llama") -> dict[str, weights.Entry]:
-    """Tensor name -> table entry (specjax path, shapes) of every weight a one-layer EAGLE-3 head
+    """Tensor name -> table entry (specjax path, shapes) of every weight an EAGLE-3 head
     with this (flat) config has, named as file layout `keys` writes them (see key_layout);
     fc_norm.{i} only with fc_norm; d2t/t2d not included."""
     rename = weights.EAGLE3_FILE_LAYOUTS[keys]
@@ -234,9 +240,13 @@ def _check_layout_fields(layout, cfg, config, bad):
 
 def _check_fields(cfg, bad, variant):
     n_layers = cfg.get("num_hidden_layers")
-    if n_layers != 1:
-        bad("config.num_hidden_layers", "num_hidden_layers", f"{n_layers!r}: the contract head has one layer "
-            "(early SGLang and tpu-inference load exactly one)", 'write "num_hidden_layers": 1')
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        bad("config.num_hidden_layers", "num_hidden_layers", f"{n_layers!r}: the number of draft decoder layers "
+            "must be a positive integer", 'write "num_hidden_layers": 1 (or the head\'s layer count)')
+    elif n_layers > 1:
+        bad("config.num_hidden_layers", "num_hidden_layers", f"{n_layers}: a multi-layer head; vLLM loads it "
+            "(layers.1.. as plain Llama layers) but SGLang and tpu-inference load exactly one layer",
+            "serve it with vLLM, or train draft.num_layers=1 for SGLang", level="warning")
     if cfg.get("tie_word_embeddings") is True:
         bad("config.tie_word_embeddings", "tie_word_embeddings",
             "true: SGLang then uses embed_tokens (the full vocab) as the draft's lm_head",

@@ -44,6 +44,9 @@ class Eagle3Config:
     # docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)"):
     fc_norm: bool = False  # one RMSNorm per aux chunk before fc (params fc_norm.{i}.scale, [tH] each)
     norm_output: bool = False  # feed norm(h_out) instead of the pre-norm h_out to the next draft step
+    # decoder layers (draft.num_layers): layer 0 reads [input_layernorm(e), hidden_norm(h)]; layers
+    # 1..N-1 are plain Llama layers over its output (docs/eagle3-format.md, "Multi-layer heads")
+    num_layers: int = 1
 
     @property
     def num_aux(self) -> int:
@@ -62,6 +65,8 @@ class Eagle3Config:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"draft hidden_act {self.hidden_act!r}: only 'silu' is supported.")
+        if self.num_layers < 1:
+            raise ValueError(f"draft num_layers={self.num_layers} must be >= 1.")
 
 
 def init_params(table, cfg, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
@@ -129,6 +134,27 @@ def _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, mesh):
                                           axis=meshlib.CONTEXT_AXIS, q_spec=q_spec, kv_spec=kv_spec)
 
 
+def draft_step(
+    params: dict,
+    cfg: Eagle3Config,
+    emb_btd: jnp.ndarray,
+    hidden_btd: jnp.ndarray,
+    positions_bt: jnp.ndarray,
+    segment_ids_bt: Optional[jnp.ndarray],
+    kv_caches: list,
+    *,
+    attention_impl: Optional[str] = None,
+):
+    """One TTT step through every draft layer. `kv_caches[l]` holds layer l's (k, v) of the earlier
+    steps ([] at step 0). Returns (h_out pre-norm [B,T,H], [(k_new, v_new) per layer])."""
+    h, new = hidden_btd, []
+    for layer in range(cfg.num_layers):
+        h, kv = decoder_layer(params, cfg, emb_btd, h, positions_bt, segment_ids_bt, kv_caches[layer],
+                              attention_impl=attention_impl, layer=layer)
+        new.append(kv)
+    return h, new
+
+
 def decoder_layer(
     params: dict,
     cfg: Eagle3Config,
@@ -139,8 +165,10 @@ def decoder_layer(
     kv_cache: list,
     *,
     attention_impl: Optional[str] = None,
+    layer: int = 0,
 ):
-    """One draft step. `kv_cache` holds (k, v) of earlier TTT steps ([] at step 0); step k = len(kv_cache).
+    """One draft layer of one step. `kv_cache` holds this layer's (k, v) of earlier TTT steps ([] at
+    step 0); step k = len(kv_cache). `emb_btd` is read by layer 0 only.
 
     Returns (h_out pre-norm [B,T,H], (k_new, v_new)). RoPE positions are `positions + k` for the
     queries and the new keys, so the diagonal key of step i sits at t+i
@@ -148,7 +176,7 @@ def decoder_layer(
     """
     B, T, _ = hidden_btd.shape
     step = len(kv_cache)
-    q, k, v = attention_qkv(params, cfg, emb_btd, hidden_btd, positions_bt + step)
+    q, k, v = attention_qkv(params, cfg, emb_btd, hidden_btd, positions_bt + step, layer=layer)
     if step == 0:
         k0, v0, kd, vd = k, v, None, None
     else:
@@ -160,20 +188,26 @@ def decoder_layer(
         attn = _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, cp_mesh)
     else:
         attn = ttt_attention(q, k0, v0, kd, vd, segment_ids_bt, implementation=attention_impl)
-    return layer_output(params, cfg, hidden_btd, attn), (k, v)
+    return layer_output(params, cfg, hidden_btd, attn, layer=layer), (k, v)
 
 
-def attention_qkv(params: dict, cfg: Eagle3Config, emb_btd, hidden_btd, rope_positions_bt):
-    """q [B,T,nH,hd], k/v [B,T,nKV,hd] of the draft layer: projections of
-    [input_layernorm(emb), hidden_norm(h)] with RoPE at `rope_positions` (shared by training and the
-    cached decoder in specjax.eval.spec_decode)."""
-    m = params["midlayer"]
+def layer_params(params: dict, layer: int) -> dict:
+    """The params of draft decoder layer `layer` (0: `midlayer`, then `layers.{i}`)."""
+    return params["midlayer"] if layer == 0 else params["layers"][str(layer)]
+
+
+def attention_qkv(params: dict, cfg: Eagle3Config, emb_btd, hidden_btd, rope_positions_bt, layer: int = 0):
+    """q [B,T,nH,hd], k/v [B,T,nKV,hd] of draft layer `layer`, with RoPE at `rope_positions` (shared
+    by training and the cached decoder in specjax.eval.spec_decode): layer 0 projects
+    [input_layernorm(emb), hidden_norm(h)], a later layer input_layernorm(h)."""
+    m = layer_params(params, layer)
     eps = cfg.rms_norm_eps
     B, T, _ = hidden_btd.shape
-    x = jnp.concatenate(
-        [rms_norm(emb_btd, m["input_layernorm"]["scale"], eps), rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)],
-        axis=-1,
-    )
+    if layer == 0:
+        x = jnp.concatenate([rms_norm(emb_btd, m["input_layernorm"]["scale"], eps),
+                             rms_norm(hidden_btd, m["hidden_norm"]["scale"], eps)], axis=-1)
+    else:
+        x = rms_norm(hidden_btd, m["input_layernorm"]["scale"], eps)
     a = m["self_attn"]
     nH, nKV, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = _mm(x, a["q_proj"]).reshape(B, T, nH, hd)
@@ -183,10 +217,10 @@ def attention_qkv(params: dict, cfg: Eagle3Config, emb_btd, hidden_btd, rope_pos
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def layer_output(params: dict, cfg: Eagle3Config, hidden_btd, attn_btnh):
-    """The rest of the draft layer after attention: residual + o_proj, then the SwiGLU MLP block.
-    Returns the pre-norm h_out [B,T,H]."""
-    m = params["midlayer"]
+def layer_output(params: dict, cfg: Eagle3Config, hidden_btd, attn_btnh, layer: int = 0):
+    """The rest of draft layer `layer` after attention: residual (the layer's pre-norm input) +
+    o_proj, then the SwiGLU MLP block. Returns the pre-norm h_out [B,T,H]."""
+    m = layer_params(params, layer)
     B, T, _ = hidden_btd.shape
     h = hidden_btd + _mm(attn_btnh.reshape(B, T, -1), m["self_attn"]["o_proj"])
     mlp = m["mlp"]
@@ -212,7 +246,7 @@ def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp
 
 def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, intermediate_size=None,
                        num_attention_heads=None, num_key_value_heads=None, head_dim=None,
-                       fc_norm: bool = False, norm_output: bool = False) -> Eagle3Config:
+                       fc_norm: bool = False, norm_output: bool = False, num_layers: int = 1) -> Eagle3Config:
     """Draft shape from the target's config; the hidden size must be the target's embedding width."""
     H = target_cfg.hidden_size
     nH = num_attention_heads or target_cfg.num_attention_heads
@@ -231,6 +265,7 @@ def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, inte
         max_position_embeddings=target_cfg.max_position_embeddings,
         fc_norm=bool(fc_norm),
         norm_output=bool(norm_output),
+        num_layers=int(num_layers),
     )
     cfg.validate()
     return cfg

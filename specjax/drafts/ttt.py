@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafts import lk_losses
-from specjax.drafts.eagle3 import Eagle3Config, decoder_layer, draft_logits, next_step_hidden, project_aux
+from specjax.drafts.eagle3 import Eagle3Config, draft_logits, draft_step, next_step_hidden, project_aux
 from specjax.targets.layers.norms import rms_norm
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 
@@ -179,7 +179,7 @@ def ttt_loss(
     seg = segment_ids.astype(jnp.int32)
     lmask = loss_mask.astype(jnp.float32)
     h = project_aux(params, aux_hidden, cfg, compute_dtype)
-    kv_cache: list = []
+    kv_caches: list = [[] for _ in range(cfg.num_layers)]  # per layer: (k, v) of each earlier step
     losses, accs, lmask_sums, pmask_sums, ces, alphas = [], [], [], [], [], []
     for k in range(ttt.ttt_steps):
         tok = shift_left(input_ids, 1 + k)
@@ -188,8 +188,9 @@ def ttt_loss(
         tgt_ids = shift_left(target_argmax, 1 + k)
         pos_mask = step_mask * jnp.take(t2d, tgt_ids).astype(jnp.float32)
         emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
-        h, kv = decoder_layer(params, cfg, emb, h, positions, seg, kv_cache, attention_impl=ttt.attention_impl)
-        kv_cache.append(kv)
+        h, kvs = draft_step(params, cfg, emb, h, positions, seg, kv_caches, attention_impl=ttt.attention_impl)
+        for cache, kv in zip(kv_caches, kvs):
+            cache.append(kv)
         if lk:  # loss frame, explicit draft logits, recomputed in the backward (see module doc)
             obj, ce_k, alpha_k, pred = _lk_step(
                 ttt, cfg, {"norm": params["norm"], "lm_head": params["lm_head"]}, h,

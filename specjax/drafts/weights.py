@@ -45,8 +45,8 @@ class DraftWeight:
     `[in, out]`) the file holds the transpose (HF `[out, in]`), else the same array (norm scales).
     `axes` are the leaf's logical axes; `init` one of INITS. Optional: `when` names a boolean config
     field without which the weight does not exist, and `repeat` gives one weight per i in
-    range(repeat(cfg)), `{i}` in `param` and `file_name` standing for i. Every weight is stored in
-    the export dtype.
+    range(start, start + repeat(cfg)), `{i}` in `param` and `file_name` standing for i. Every weight
+    is stored in the export dtype.
     """
 
     param: str
@@ -57,6 +57,7 @@ class DraftWeight:
     transpose: bool
     when: Optional[str] = None
     repeat: Optional[Dim] = None
+    start: int = 0
 
     def __post_init__(self):
         if self.init not in INITS:
@@ -91,7 +92,7 @@ def entries(table: Iterable[DraftWeight], cfg, prefix_map: Optional[Mapping[str,
     for row in table:
         if row.when is not None and not getattr(cfg, row.when):
             continue
-        for i in (range(row.repeat(cfg)) if row.repeat is not None else (None,)):
+        for i in (range(row.start, row.start + row.repeat(cfg)) if row.repeat is not None else (None,)):
             name = _fill(row.file_name, i)
             for old, new in (prefix_map or {}).items():
                 if name.startswith(old):
@@ -140,6 +141,7 @@ KV = Dim("nKV*hd", lambda c: c.num_key_value_heads * c.head_dim)
 INTER = Dim("I", lambda c: c.intermediate_size)
 VD = Dim("Vd", lambda c: c.draft_vocab_size)
 NUM_AUX = Dim("aux", lambda c: c.num_aux)
+EXTRA_LAYERS = Dim("N-1", lambda c: c.num_layers - 1)  # decoder layers after the first (draft.num_layers)
 
 EAGLE3_WEIGHTS: tuple[DraftWeight, ...] = (
     #           specjax param                              file name (Llama-EAGLE3)                    shape         logical axes              init      transpose
@@ -159,6 +161,23 @@ EAGLE3_WEIGHTS: tuple[DraftWeight, ...] = (
     # EAGLE-3.1: one RMSNorm per aux chunk before fc (docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)")
     DraftWeight("fc_norm.{i}.scale",                       "fc_norm.{i}.weight",                       (TH,),        ("norm",),                "ones",   False,
                 when="fc_norm", repeat=NUM_AUX),
+) + tuple(
+    # layers 1..N-1 of a multi-layer head (draft.num_layers = N): plain Llama decoder layers over the
+    # first layer's output (q/k/v read H, no hidden_norm), as vLLM's Eagle3 LlamaModel and speculators
+    # build them (docs/eagle3-format.md, "Multi-layer heads")
+    DraftWeight(f"layers.{{i}}.{name}", f"layers.{{i}}.{fname}", shape, axes, init, transpose,
+                repeat=EXTRA_LAYERS, start=1)
+    for name, fname, shape, axes, init, transpose in (
+        ("input_layernorm.scale",          "input_layernorm.weight",          (H,),     ("norm",),          "ones",   False),
+        ("post_attention_layernorm.scale", "post_attention_layernorm.weight", (H,),     ("norm",),          "ones",   False),
+        ("self_attn.q_proj.kernel",        "self_attn.q_proj.weight",         (H, Q),   ("embed", "heads"),    "normal", True),
+        ("self_attn.k_proj.kernel",        "self_attn.k_proj.weight",         (H, KV),  ("embed", "kv_heads"), "normal", True),
+        ("self_attn.v_proj.kernel",        "self_attn.v_proj.weight",         (H, KV),  ("embed", "kv_heads"), "normal", True),
+        ("self_attn.o_proj.kernel",        "self_attn.o_proj.weight",         (Q, H),   ("heads", "embed"),    "normal", True),
+        ("mlp.gate_proj.kernel",           "mlp.gate_proj.weight",            (H, INTER), ("embed", "mlp"),    "normal", True),
+        ("mlp.up_proj.kernel",             "mlp.up_proj.weight",              (H, INTER), ("embed", "mlp"),    "normal", True),
+        ("mlp.down_proj.kernel",           "mlp.down_proj.weight",            (INTER, H), ("mlp", "embed"),    "normal", True),
+    )
 )
 
 # The file layouts that hold this table, as renames of its file names ({table prefix: file prefix}):
@@ -187,3 +206,4 @@ class Eagle3Shape:
     draft_vocab_size: int
     num_aux: int
     fc_norm: bool = False
+    num_layers: int = 1

@@ -105,28 +105,37 @@ class SpecResult:
 # Draft layer with a KV cache (the same math as drafts.eagle3.decoder_layer)
 # =============================================================================================
 def init_draft_cache(cfg: Eagle3Config, max_len: int) -> dict:
-    shape = (1, cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
+    """One KV cache per draft layer: k / v [num_layers, 1, slots, nKV, hd]."""
+    shape = (cfg.num_layers, 1, cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
 
 
+def _num_slots(dcache) -> int:
+    return dcache["k"].shape[2]
+
+
 def draft_layer_cached(params, cfg: Eagle3Config, cache, emb_btd, hidden_btd, positions_bt, slots_bt, mask_bts):
-    """One draft decoder layer for rows written at `slots` and attending per `mask` [B,T,S] over
-    the whole draft cache. Returns (pre-norm h [B,T,H], new cache)."""
+    """Every draft decoder layer for rows written at `slots` and attending per `mask` [B,T,S] over
+    each layer's whole cache. Returns (pre-norm h [B,T,H], new cache)."""
     b, t, _ = hidden_btd.shape
-    q, k, v = attention_qkv(params, cfg, emb_btd, hidden_btd, positions_bt)
     rows = jnp.arange(b)[:, None]
-    kc = cache["k"].at[rows, slots_bt].set(k, mode="drop")
-    vc = cache["v"].at[rows, slots_bt].set(v, mode="drop")
-    o = dot_product_attention(q, kc, vc, mask_bts, scale=cfg.head_dim**-0.5)
-    h = layer_output(params, cfg, hidden_btd, o)
-    return h, {"k": kc, "v": vc}
+    h, ks, vs = hidden_btd, [], []
+    for layer in range(cfg.num_layers):
+        q, k, v = attention_qkv(params, cfg, emb_btd, h, positions_bt, layer=layer)
+        kc = cache["k"][layer].at[rows, slots_bt].set(k, mode="drop")
+        vc = cache["v"][layer].at[rows, slots_bt].set(v, mode="drop")
+        o = dot_product_attention(q, kc, vc, mask_bts, scale=cfg.head_dim**-0.5)
+        h = layer_output(params, cfg, h, o, layer=layer)
+        ks.append(kc)
+        vs.append(vc)
+    return h, {"k": jnp.stack(ks), "v": jnp.stack(vs)}
 
 
 def _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start):
     """Write the pending rows (tokens x_{t+1}, target aux at t) from slot `start`; return the last
     pending row's pre-norm hidden [1,1,H] and the cache."""
     tp = pend_tok.shape[1]
-    num_slots = dcache["k"].shape[1]
+    num_slots = _num_slots(dcache)
     pos = start + jnp.arange(tp, dtype=jnp.int32)[None, :]
     emb = jnp.take(embed, pend_tok, axis=0).astype(jnp.float32)
     h0 = project_aux(dp, pend_aux, dcfg, jnp.float32)
@@ -145,7 +154,7 @@ def _draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, 
     """Chain drafting: returns (K target ids [K], draft probs over the draft vocab [K, Vd] (sampling)
     or [K, 1] zeros (greedy), cache)."""
     dp = _f32(dp)
-    num_slots = dcache["k"].shape[1]
+    num_slots = _num_slots(dcache)
     h, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
     toks, qs = [], []
     for j in range(k):
@@ -184,7 +193,7 @@ def _draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *
     """Tree drafting. Returns (node target ids [Nn], parent node index [Nn] (-1 = root), cache);
     nodes are ordered level by level, each level by descending cumulative draft log-prob."""
     dp = _f32(dp)
-    num_slots = dcache["k"].shape[1]
+    num_slots = _num_slots(dcache)
     h_root, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
     base = start + pend_count  # first free slot; the root row sits at base - 1
     lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h_root)[0, 0])  # [Vd]

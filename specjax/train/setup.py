@@ -198,7 +198,7 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
         target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
-        fc_norm=d.fc_norm, norm_output=d.norm_output,
+        fc_norm=d.fc_norm, norm_output=d.norm_output, num_layers=d.num_layers,
     )
 
 

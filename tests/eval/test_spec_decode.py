@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafts.eagle3 import (config_from_target, decoder_layer, draft_logits, init_draft_params,
+from specjax.drafts.eagle3 import (config_from_target, decoder_layer, draft_logits, draft_step, init_draft_params,
                                    next_step_hidden, project_aux)
 from specjax.drafts.vocab import DraftVocab
 from specjax.eval import spec_decode as sd
@@ -78,10 +78,21 @@ def split_lengths(total, per_step):
     return [per_step] * (total // per_step) + ([total % per_step] if total % per_step else [])
 
 
-def test_draft_cache_matches_ttt_layer(setup):
-    # The cached draft layer must be the trained function: rows written from the target aux states
-    # equal TTT step 0, and a chained step equals TTT step 1 at the same row (1e-5, fp32).
+def _two_layer(draft):
+    """The setup's draft with a second decoder layer (draft.num_layers = 2), random as the first."""
+    import dataclasses
+
+    cfg = dataclasses.replace(draft.config, num_layers=2)
+    return Draft(init_draft_params(cfg, jax.random.key(3), std=0.05), cfg, draft.vocab)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_draft_cache_matches_ttt_layer(setup, num_layers):
+    # The cached draft layers must be the trained function: rows written from the target aux states
+    # equal TTT step 0, and a chained step equals TTT step 1 at the same row (1e-5, fp32); with two
+    # layers each keeps its own cache.
     target, draft, _ = setup
+    draft = draft if num_layers == 1 else _two_layer(draft)
     cfg = draft.config
     ids = jnp.asarray([[4, 8, 15, 16, 23, 42, 7, 9, 30]], jnp.int32)
     aux = target(ids, aux_layer_ids=cfg.aux_layer_ids).aux_hidden
@@ -93,11 +104,11 @@ def test_draft_cache_matches_ttt_layer(setup):
         pos = jnp.arange(T)[None]
         h0 = project_aux(p, tuple(a[:, :T] for a in aux), cfg)
         emb0, emb1 = embed[ids[:, 1:T + 1]], embed[ids[:, 2:T + 2]]
-        ref0, kv0 = decoder_layer(p, cfg, emb0, h0, pos, None, [])
+        ref0, kv0 = draft_step(p, cfg, emb0, h0, pos, None, [[] for _ in range(cfg.num_layers)])
         # TTT step 1 at row t reads token x[t+2] and the step-0 output of row t, at position t+1
-        ref1, _ = decoder_layer(p, cfg, emb1, next_step_hidden(p, cfg, ref0), pos, None, [kv0])
+        ref1, _ = draft_step(p, cfg, emb1, next_step_hidden(p, cfg, ref0), pos, None, [[kv] for kv in kv0])
         cache = sd.init_draft_cache(cfg, 16)
-        S = cache["k"].shape[1]
+        S = cache["k"].shape[2]
         mask = jnp.tril(jnp.ones((T, S), bool))[None]
         got0, cache = sd.draft_layer_cached(p, cfg, cache, emb0, h0, pos, pos, mask)
         slot = jnp.array([[t + 1]])
@@ -174,6 +185,15 @@ def test_lossless_random_draft(setup, mode, k):
     for n in (0, 1, 2):
         assert dec.generate(PROMPT, max_new_tokens=n).tokens == ref[:n]
     assert dec.greedy(PROMPT, max_new_tokens=MAX_NEW).tokens == ref[:MAX_NEW]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_lossless_two_layer_draft(setup, mode):
+    target, draft, ref = setup
+    dec = SpecDecoder(target, _two_layer(draft), num_spec_tokens=3, mode=mode, tree_top_k=2)
+    res = dec.generate(PROMPT, max_new_tokens=MAX_NEW)
+    assert res.tokens == ref[:MAX_NEW]
+    assert sum(res.accept_lengths) == MAX_NEW - 1
 
 
 def test_oracle_chain_tau(setup):

@@ -41,17 +41,20 @@ def target_config(**overrides) -> dict:
     return hf
 
 
-def make_draft(seed=0, *, fc_norm=False, norm_output=False, target_hf=None, aux=AUX, std=0.08):
+def make_draft(seed=0, *, fc_norm=False, norm_output=False, target_hf=None, aux=AUX, std=0.08, num_layers=1):
     """(target config, Eagle3Config, numpy params with norm scales away from 1, DraftVocab)."""
     target_hf = target_hf or target_config()
     cfg = eagle3.config_from_target(tl.LlamaTargetConfig.from_hf(target_hf), draft_vocab_size=VD,
-                                    aux_layer_ids=aux, fc_norm=fc_norm, norm_output=norm_output)
+                                    aux_layer_ids=aux, fc_norm=fc_norm, norm_output=norm_output,
+                                    num_layers=num_layers)
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(seed), std=std))
     # Norm scales away from 1, so a dropped or swapped norm weight changes the logits.
     norms = [params["norm"]] + [params["midlayer"][n] for n in ("hidden_norm", "input_layernorm",
                                                                 "post_attention_layernorm")]
     norms += list(params.get("fc_norm", {}).values())
+    norms += [layer[n] for layer in params.get("layers", {}).values()
+              for n in ("input_layernorm", "post_attention_layernorm")]
     for n in norms:
         n["scale"] = (n["scale"] + 0.3 * rng.standard_normal(n["scale"].shape)).astype(np.float32)
     vocab = DraftVocab.from_ids(rng.choice(V, VD, replace=False), V)
@@ -86,11 +89,12 @@ def inputs(seed, B=1, T=16, n_aux=3):
 def _steps(params, cfg, x, aux, embed, positions, n_steps):
     h = eagle3.project_aux(params, aux, cfg)
     seg = jnp.ones(x.shape, jnp.int32)
-    cache, out = [], []
+    caches, out = [[] for _ in range(cfg.num_layers)], []
     for k in range(n_steps):
-        h, kv = eagle3.decoder_layer(params, cfg, jnp.take(embed, shift_left(x, 1 + k), axis=0), h, positions,
-                                     seg, cache)
-        cache.append(kv)
+        h, kvs = eagle3.draft_step(params, cfg, jnp.take(embed, shift_left(x, 1 + k), axis=0), h, positions,
+                                   seg, caches)
+        for cache, kv in zip(caches, kvs):
+            cache.append(kv)
         out.append(eagle3.draft_logits(params, cfg, h))
         h = eagle3.next_step_hidden(params, cfg, h)  # what ttt.py feeds the next step
     return out

@@ -145,7 +145,8 @@ def test_legacy_names_and_model_prefix_are_read(tmp_path):
         np.testing.assert_array_equal(head.params["fc_norm"][str(i)]["scale"], params["fc_norm"][str(i)]["scale"])
 
 
-@pytest.mark.parametrize("problem", ["norm_before_residual", "two_layers", "input_norm", "no_d2t"])
+@pytest.mark.parametrize("problem", ["norm_before_residual", "zero_layers", "two_layers_one_present", "input_norm",
+                                     "no_d2t"])
 def test_heads_specjax_cannot_run_are_refused(tmp_path, problem):
     target_hf, cfg, params, vocab = make_draft(seed=2)
     a = export_eagle3(params, cfg, vocab, target_hf, tmp_path / "a", dtype="fp32")
@@ -154,9 +155,12 @@ def test_heads_specjax_cannot_run_are_refused(tmp_path, problem):
     field = problem
     if problem == "norm_before_residual":
         conf["norm_before_residual"] = True
-    elif problem == "two_layers":
-        conf["num_hidden_layers"] = 2
+    elif problem == "zero_layers":
+        conf["num_hidden_layers"] = 0
         field = "num_hidden_layers"
+    elif problem == "two_layers_one_present":  # the config says 2 layers, the file holds one
+        conf["num_hidden_layers"] = 2
+        field = "layers.1.input_layernorm.weight"
     elif problem == "input_norm":
         t["input_norm.weight"] = np.ones(3 * H, np.float32)
         field = "norm_before_fc"

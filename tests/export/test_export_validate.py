@@ -90,7 +90,7 @@ CASES = {
     "config.required": ("hidden_size", lambda c, t, m: _drop(c, "hidden_size")),
     "config.architectures": ("architectures", lambda c, t, m: c.update(architectures=["LlamaForCausalLM"])),
     "config.model_type": ("model_type", lambda c, t, m: c.update(model_type="qwen3")),
-    "config.num_hidden_layers": ("num_hidden_layers", lambda c, t, m: c.update(num_hidden_layers=2)),
+    "config.num_hidden_layers": ("num_hidden_layers", lambda c, t, m: c.update(num_hidden_layers=0)),
     "config.tie_word_embeddings": ("tie_word_embeddings", lambda c, t, m: c.update(tie_word_embeddings=True)),
     "config.head_dim": ("head_dim", lambda c, t, m: (_drop(c, "head_dim"), c.update(num_attention_heads=3))),
     "config.hidden_act": ("hidden_act", lambda c, t, m: c.update(hidden_act="gelu")),
