@@ -80,32 +80,9 @@ def shift_right(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
     return jnp.concatenate([pad, x[:, : T - n]], axis=1)
 
 
-def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> jnp.ndarray:
-    """argmax_v (h @ w.T) without materialising all V logits at once (first index wins on ties)."""
-    V, D = w_vd.shape
-    chunk = min(chunk, V)
-    n_chunks = -(-V // chunk)
-    pad = n_chunks * chunk - V
-    w = jnp.pad(w_vd, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
-
-    def body(carry, inp):
-        best_val, best_idx = carry
-        wc, c = inp
-        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=jnp.float32)
-        col = c * chunk + jnp.arange(chunk)
-        logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
-        idx = jnp.argmax(logits, axis=-1)
-        val = jnp.take_along_axis(logits, idx[:, None], axis=-1)[:, 0]
-        better = val > best_val  # strict: keep the earlier chunk on ties, like a global argmax
-        return (jnp.where(better, val, best_val), jnp.where(better, c * chunk + idx, best_idx)), None
-
-    init = (jnp.full(h_nd.shape[:1], -jnp.inf, jnp.float32), jnp.zeros(h_nd.shape[:1], jnp.int32))
-    (_, best), _ = jax.lax.scan(body, init, (w, jnp.arange(n_chunks)))
-    return best.astype(jnp.int32)
-
-
-def chunked_argmax_lse(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(argmax_v, logsumexp_v) of h @ w.T in one chunked pass (online logsumexp, fp32)."""
+def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse: bool = False):
+    """argmax_v (h @ w.T) without materialising all V logits at once (first index wins on ties);
+    with `with_lse`, (argmax, logsumexp_v) from the same pass (online logsumexp, fp32)."""
     V, D = w_vd.shape
     chunk = min(chunk, V)
     n_chunks = -(-V // chunk)
@@ -120,16 +97,18 @@ def chunked_argmax_lse(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int) -> tupl
         logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
         idx = jnp.argmax(logits, axis=-1)
         val = jnp.take_along_axis(logits, idx[:, None], axis=-1)[:, 0]
-        better = val > best_val
+        better = val > best_val  # strict: keep the earlier chunk on ties, like a global argmax
         new_max = jnp.maximum(best_val, val)
-        # sum of exp(logit - running max), rescaled when the max grows
-        sum_exp = sum_exp * jnp.exp(best_val - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1)
+        if with_lse:  # sum of exp(logit - running max), rescaled when the max grows
+            sum_exp = sum_exp * jnp.exp(best_val - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1)
         return (new_max, jnp.where(better, c * chunk + idx, best_idx), sum_exp), None
 
     n = h_nd.shape[0]
     init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32))
     (best_val, best, sum_exp), _ = jax.lax.scan(body, init, (w, jnp.arange(n_chunks)))
-    return best.astype(jnp.int32), best_val + jnp.log(sum_exp)
+    if with_lse:
+        return best.astype(jnp.int32), best_val + jnp.log(sum_exp)
+    return best.astype(jnp.int32)
 
 
 def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int, with_lse: bool = False):
@@ -141,10 +120,9 @@ def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: in
                          preferred_element_type=jnp.float32)
     flat = final_hidden_btd.reshape(B * T, D)
     if with_lse:
-        argmax, lse = chunked_argmax_lse(flat, lm_head_vd, vocab_chunk)
+        argmax, lse = chunked_argmax(flat, lm_head_vd, vocab_chunk, with_lse=True)
         return teacher, argmax.reshape(B, T), lse.reshape(B, T)
-    argmax = chunked_argmax(flat, lm_head_vd, vocab_chunk).reshape(B, T)
-    return teacher, argmax
+    return teacher, chunked_argmax(flat, lm_head_vd, vocab_chunk).reshape(B, T)
 
 
 def ttt_loss(

@@ -85,6 +85,10 @@ def test_chunked_argmax_matches_dense_with_ties_and_padding():
     w = w.at[77].set(w[13])  # exact tie: the lower id wins, like jnp.argmax
     for chunk in (7, 16, 101, 500):
         np.testing.assert_array_equal(chunked_argmax(h, w, chunk), jnp.argmax(h @ w.T, -1))
+        # the same pass's full-vocab logsumexp (LK losses), padded columns excluded (fp32, 1e-5)
+        idx, lse = chunked_argmax(h, w, chunk, with_lse=True)
+        np.testing.assert_array_equal(idx, jnp.argmax(h @ w.T, -1))
+        np.testing.assert_allclose(lse, jax.scipy.special.logsumexp(h @ w.T, axis=-1), rtol=1e-5)
 
 
 def test_shift_left():
