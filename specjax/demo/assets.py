@@ -35,7 +35,7 @@ def _build_key(params: dict) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _read_marker(d: Path) -> dict | None:
+def read_marker(d: Path) -> dict | None:
     try:
         return json.loads((d / _MARKER).read_text())
     except (OSError, ValueError):
@@ -54,7 +54,7 @@ def _build_tree(tmp: Path, build: dict, data_path, log) -> dict:
 def _publish(src: Path, dst: Path, key: str) -> None:
     """Move a finished build to `dst` with one rename. If another process published the same
     build meanwhile, keep theirs; a stale build of ours is replaced."""
-    marker = _read_marker(dst)
+    marker = read_marker(dst)
     if marker is not None and marker.get("key") == key:
         return
     if dst.exists():
@@ -62,7 +62,7 @@ def _publish(src: Path, dst: Path, key: str) -> None:
     try:
         os.rename(src, dst)
     except OSError:
-        marker = _read_marker(dst)
+        marker = read_marker(dst)
         if marker is None or marker.get("key") != key:
             raise
 
@@ -83,7 +83,7 @@ def ensure_demo_assets(cache_dir: str | os.PathLike, *, data_path: str | os.Path
     build = _build_params(data_path, vocab_size, target_kwargs)
     key = _build_key(build)
     root = Path(cache_dir).expanduser() / f"demo-{key}"
-    marker = _read_marker(root)
+    marker = read_marker(root)
     if marker is not None and marker.get("key") == key:
         if log:
             log(f"[demo] reusing cached demo target {root}")
@@ -111,7 +111,7 @@ def ensure_demo_target(path: str | os.PathLike, *, data_path: str | os.PathLike 
     path = Path(path).expanduser()
     build = _build_params(data_path, vocab_size, target_kwargs)
     key = _build_key(build)
-    marker = _read_marker(path)
+    marker = read_marker(path)
     if marker is not None and marker.get("key") == key:
         if log:
             log(f"[demo] reusing demo target {path}")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from specjax.demo.assets import _read_marker, ensure_demo_target
+from specjax.demo.assets import read_marker, ensure_demo_target
 from specjax.demo.pretrain import DEMO_TARGET_DEFAULTS
 from specjax.demo.tasks import DEMO_DATA_PATH, DEMO_NUM_CONVERSATIONS, DEMO_SEED, write_demo_data
 
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_kwargs = {k: getattr(args, k) for k in DEMO_TARGET_DEFAULTS}
     t0 = time.time()
     out = ensure_demo_target(args.out, data_path=args.data, **target_kwargs)
-    info = _read_marker(Path(out))["info"]
+    info = read_marker(Path(out))["info"]
     print(f"demo target ready at {out} in {time.time() - t0:.1f}s "
           f"(train loss {info['first_loss']:.3f} -> {info['final_loss']:.3f}, "
           f"next-token acc {info['final_acc']:.3f}, {info['n_params']} params)")
