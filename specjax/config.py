@@ -198,7 +198,7 @@ class KernelsConfig(_Checked):
     ttt_attention: Literal["auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     soft_ce: Literal["auto", "reference", "xla", "xla_saved", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     # target-side forward kernels (MoE experts: Qwen3-MoE / Nemotron-H; SSD scan: Nemotron-H)
-    moe: Literal["auto", "reference", "xla"] = "auto"
+    moe: Literal["auto", "reference", "xla", "mgpu", "pallas_tpu"] = "auto"
     ssd: Literal["auto", "reference", "xla"] = "auto"
     # the target's causal self-attention in the training forward: auto (the ttt_attention kernels on
     # GPU, the plain path elsewhere), plain (the exact [B, heads, T, T] reference), or a ttt_attention

@@ -38,6 +38,13 @@ def _log_once(level, msg, *args):
         log.log(level, msg, *args)
 
 
+def log_once_fallback(op: str, name: str, why: str, fallback: str) -> None:
+    """The warning `select` gives when a chosen implementation cannot serve a call, for callers that
+    find out only from the call's shapes."""
+    _log_once(logging.WARNING, "%s: implementation %r cannot take this call (%s); falling back to %r",
+              op, name, why, fallback)
+
+
 def select(op: str, impls: dict[str, Callable[[], Callable | None]], preference: dict[str, list[str]],
            implementation: str | None) -> tuple[str, Callable]:
     backend = jax.default_backend()

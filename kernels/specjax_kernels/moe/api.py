@@ -7,12 +7,14 @@ The router (softmax / sigmoid, top-k, renormalisation, scaling) belongs to the m
 its result: for each token k expert ids and k weights. See reference.py for the math.
   reference  jax.lax.ragged_dot grouped GEMMs (the definition; native on TPU)
   xla        block-sparse grouped GEMM via lax.scan (exact; the CPU/GPU path, see xla.py)
+  mgpu       JAX's Hopper grouped GEMM, ragged_dot_mgpu (forward only; bf16/fp16; see mgpu.py)
+  pallas_tpu JAX's TPU grouped GEMM, megablox gmm (interpret mode off TPU; see pallas_tpu.py)
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from specjax_kernels._select import select
+from specjax_kernels._select import log_once_fallback, select
 from specjax_kernels.moe.common import ACTIVATIONS  # noqa: F401  (re-exported)
 
 
@@ -26,12 +28,32 @@ def _xla():
     return fn
 
 
-IMPLEMENTATIONS = {"reference": _reference, "xla": _xla}
+def _mgpu():
+    from specjax_kernels._select import Unavailable
+    from specjax_kernels.moe import mgpu
+
+    why = mgpu.available()
+    if why:
+        raise Unavailable(why)
+    return mgpu.moe_experts
+
+
+def _pallas_tpu():
+    from specjax_kernels.moe.pallas_tpu import moe_experts as fn
+    return fn
+
+
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_tpu": _pallas_tpu}
 # Off TPU, ragged_dot is expanded into a dense masked product over all experts (E x the FLOPs), so
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
 # 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
-PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "reference"], "tpu": ["reference", "xla"]}
+# On a Hopper GPU mgpu (JAX's ragged_dot_mgpu) is first: 2.20 ms for that layer against 12.8 ms for xla
+# and 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"); it has no VJP, which the
+# frozen targets' forwards do not need; other GPUs fall through to xla. TPU: pallas_tpu (megablox) lowers
+# for a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not yet measured on one, so ragged_dot stays first.
+PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
+              "tpu": ["reference", "pallas_tpu", "xla"]}
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf, down_efd, gate_edf=None, activation: str = "silu",
@@ -50,5 +72,12 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf, down_efd, gate_edf=N
             f"moe_experts: weight shapes do not fit x {x_td.shape}: up {up_edf.shape}, down {down_efd.shape}, "
             f"gate {None if gate_edf is None else gate_edf.shape} (want up/gate [E, D, F], down [E, F, D])"
         )
-    _, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
+    name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
+    if name == "mgpu":
+        from specjax_kernels.moe import mgpu
+
+        why = mgpu.supports(x_td, up_edf, down_efd)
+        if why:  # shapes or dtype the kernel does not take: the exact blocked path instead
+            log_once_fallback("moe", "mgpu", why, "xla")
+            name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, "xla")
     return fn(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation)

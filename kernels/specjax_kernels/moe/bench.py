@@ -18,13 +18,16 @@ from specjax_kernels.moe import moe_experts
 from specjax_kernels.moe import xla as xla_impl
 
 
-def _time(fn, *args, iters=10):
+def _time(fn, *args, iters=10, name=None):
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
     for _ in range(iters):
         out = fn(*args)
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3, out
+    ms = (time.perf_counter() - t0) / iters * 1e3
+    if name:  # printed as it comes, so a run cut short keeps what it measured
+        print(f"{name:24s} {ms:9.2f} ms", flush=True)
+    return ms, out
 
 
 def main(argv=None):
@@ -38,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--blocks", default="128,512")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--mgpu-sweep", action="store_true",
+                    help="also time mgpu at several (block_m, block_n, block_k, max_concurrent_steps)")
     a = ap.parse_args(argv)
     dt = jnp.dtype(a.dtype)
     ks = jax.random.split(jax.random.key(0), 5)
@@ -55,10 +60,28 @@ def main(argv=None):
     if not a.skip_reference:
         f = jax.jit(lambda x, ids, w: moe_experts(x, ids, w, up_edf=up, down_efd=down, gate_edf=gate,
                                                   implementation="reference"))
-        results["reference (ragged_dot)"] = _time(f, x, ids, w, iters=a.iters)
+        results["reference (ragged_dot)"] = _time(f, x, ids, w, iters=a.iters, name="reference (ragged_dot)")
     for b in [int(v) for v in a.blocks.split(",")]:
         f = jax.jit(lambda x, ids, w, b=b: xla_impl.moe_experts(x, ids, w, up, down, gate, "silu", block=b))
-        results[f"xla block={b}"] = _time(f, x, ids, w, iters=a.iters)
+        results[f"xla block={b}"] = _time(f, x, ids, w, iters=a.iters, name=f"xla block={b}")
+    from specjax_kernels.moe import mgpu
+
+    if mgpu.available() is None and mgpu.supports(x, up, down) is None:
+        f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, up, down, gate, "silu"))
+        results["mgpu (ragged_dot_mgpu)"] = _time(f, x, ids, w, iters=a.iters, name="mgpu default")
+        default = (mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS)
+        # configurations that fit the H200's 227 KiB of shared memory in bf16 (stages x (lhs + rhs tile) + out tile)
+        for cfg in ([(64, 128, 64, 6), (128, 128, 64, 2), (128, 128, 64, 6), (128, 256, 64, 3), (192, 128, 64, 4)]
+                    if a.mgpu_sweep else []):
+            mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS = cfg
+            try:
+                f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, up, down, gate, "silu"))
+                results[f"mgpu {cfg}"] = _time(f, x, ids, w, iters=a.iters, name=f"mgpu {cfg}")
+            except Exception as e:  # noqa: BLE001 - a config that does not fit shared memory, or the widths
+                print(f"mgpu {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS = default
+    else:
+        print("mgpu skipped:", mgpu.available() or mgpu.supports(x, up, down))
     ref = next(iter(results.values()))[1].astype(jnp.float32)
     for name, (ms, out) in results.items():
         err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())

@@ -35,3 +35,18 @@ def combine(ys_sorted, order, weights_tk, dtype):
     ys = jnp.take(ys_sorted, inverse, axis=0).reshape(t, k, -1)
     out = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights_tk.astype(jnp.float32))
     return out.astype(dtype)
+
+
+def grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, gmm):
+    """The routed experts through a grouped GEMM ``gmm(lhs [M, K], rhs [E, K, N], group_sizes [E]) ->
+    [M, N]`` over rows sorted by expert: the structure every grouped-GEMM backend shares (the
+    reference passes ``jax.lax.ragged_dot``)."""
+    act = activation_fn(activation)
+    n_experts = up_edf.shape[0]
+    order, group_sizes = sort_by_expert(expert_ids_tk, n_experts)
+    k = expert_ids_tk.shape[1]
+    xs = jnp.take(x_td, order // k, axis=0)  # row r = the token of the r-th assignment in expert order
+    up = gmm(xs, up_edf, group_sizes)
+    h = act(gmm(xs, gate_edf, group_sizes)) * up if gate_edf is not None else act(up)
+    ys = gmm(h.astype(x_td.dtype), down_efd, group_sizes)
+    return combine(ys, order, weights_tk, x_td.dtype)
