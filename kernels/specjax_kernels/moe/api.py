@@ -48,11 +48,12 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
 # 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
-# On a Hopper GPU mgpu (JAX's ragged_dot_mgpu) is first: 2.20 ms for that layer against 12.8 ms for xla
-# and 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"); it has no VJP, which the
-# frozen targets' forwards do not need; other GPUs fall through to xla. TPU: pallas_tpu (megablox) lowers
-# for a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not yet measured on one, so ragged_dot stays first.
-PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
+# mgpu (JAX's ragged_dot_mgpu) runs one Qwen3-30B-A3B layer in 2.20 ms against 12.8 ms for xla and
+# 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"), but it is opt-in
+# (kernels.moe=mgpu) until it has run inside the sharded training step on a GPU: a Mosaic custom call
+# is not partitioned by XLA, and that step has not been measured. TPU: pallas_tpu (megablox) lowers for
+# a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not measured on one, so ragged_dot stays first.
+PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "mgpu", "reference"],
               "tpu": ["reference", "pallas_tpu", "xla"]}
 
 
