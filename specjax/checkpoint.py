@@ -172,9 +172,23 @@ def remove_partial_saves(directory: str, step: int) -> list[str]:
         partial = name.startswith(f"{step}.orbax-checkpoint-tmp") or (
             name == str(step) and not os.path.exists(os.path.join(path, CHECKSUMS_FILE)))
         if partial:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path)
             removed.append(path)
     return removed
+
+
+def _remove_tree(path: str, timeout_s: float = 10.0) -> None:
+    """rmtree that outlasts the failed save's own writer threads: tensorstore may still be writing
+    (or failing to write) chunks into the folder when the error reaches us, recreating entries
+    while it is removed, so retry until the folder stays gone or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if os.path.exists(path):
+        log.warning("could not remove the partial checkpoint %s; delete it by hand", path)
 
 
 def restore_verified(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter=None):
