@@ -11,6 +11,7 @@ trained from nor make retention delete the good ones.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -87,8 +88,16 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, met
     items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta or {})}
     if data_iter is not None:
         items[DATA] = grain.checkpoint.CheckpointSave(data_iter)
-    mngr.save(int(step), args=ocp.args.Composite(**items), force=True)
-    mngr.wait_until_finished()
+    try:
+        mngr.save(int(step), args=ocp.args.Composite(**items), force=True)
+        mngr.wait_until_finished()
+    except BaseException:
+        # when mngr.save itself raises (a full disk), the save's other writer threads may still be
+        # running and would recreate <step>.orbax-checkpoint-tmp after the caller removed it (seen in CI
+        # runs under load); let them finish or fail first
+        with contextlib.suppress(Exception):
+            mngr.wait_until_finished()
+        raise
     if jax.process_index() == 0:
         write_checksums(str(mngr.directory), int(step))
 
