@@ -89,9 +89,13 @@ class TargetConfig(_Checked):
 @dataclass(frozen=True)
 class DraftConfig(_Checked):
     SECTION: ClassVar[str] = "draft"
-    type: Literal["eagle3"] = "eagle3"
-    ttt_steps: int = _ranged(7, ge=1)
+    # eagle3: K sequential draft steps (EAGLE-3/3.1); p_eagle: all K tokens from one parallel forward,
+    # the undrafted positions reading mask_token_id's embedding and a learned mask_hidden (P-EAGLE)
+    type: Literal["eagle3", "p_eagle"] = "eagle3"
+    ttt_steps: int = _ranged(7, ge=1)  # K: TTT steps (eagle3) or parallel depths (p_eagle)
     step_decay: float = _ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k
+    # p_eagle: the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
+    mask_token_id: Optional[int] = _ranged(None, ge=0)
     draft_vocab_size: int = _ranged(32000, ge=1)
     # None -> copied from the target (the draft's hidden size always equals the target's)
     intermediate_size: Optional[int] = _ranged(None, ge=1)
@@ -159,6 +163,9 @@ class TrainConfig(_Checked):
     lk_kl_scale: float = _ranged(1.0, ge=0.0)
     lk_kl_decay: float = _ranged(1.0, ge=0.0)
     lk_eta: float = _ranged(3.0, ge=0.0)
+    # p_eagle's COD sampling: depth d trains about max(cod_ratio**d, cod_ratio_min) of its rows
+    cod_ratio: float = _ranged(0.7, gt=0.0, le=1.0)
+    cod_ratio_min: float = _ranged(0.2, ge=0.0, le=1.0)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,19 @@ def vllm_speculative_config(draft: str, num_spec_tokens: int) -> dict:
     speculative_config=...)` takes offline)."""
     # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path
     # (docs/eagle3-format.md, "How engines load the weights")
-    return {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}
+    if _is_parallel_head(draft):  # P-EAGLE: vLLM drafts all K tokens in one forward only when told
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def _is_parallel_head(draft: str) -> bool:
+    """A P-EAGLE head: its config.json names the mask token (docs/eagle3-format.md, "P-EAGLE (parallel drafting)")."""
+    path = os.path.join(os.path.expanduser(draft), "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("mask_token_id") is not None
 
 
 # Runs in the interpreter being inspected (this one or --vllm-python's); stdlib only, imports no vllm.

@@ -175,6 +175,9 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "norm_output": bool(getattr(cfg, "norm_output", False)),
         "torch_dtype": normalize_dtype(dtype),
     }
+    if getattr(cfg, "parallel_drafting", False):
+        # P-EAGLE: vLLM's parallel drafter reads the mask token from here (and mask_hidden from the weights)
+        conf["mask_token_id"] = int(cfg.mask_token_id)
     if infer_variant(cfg) == "eagle3.1":
         conf["fc_norm"] = bool(cfg.fc_norm)  # only EAGLE-3.1 heads carry the key (and fc_norm.{i}.weight)
     loops = int(tc.get("num_loops") or 1)

@@ -163,8 +163,13 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=norm_output,
         num_layers=int(n_layers),
+        parallel_drafting=cfg.get("mask_token_id") is not None,
+        mask_token_id=None if cfg.get("mask_token_id") is None else int(cfg["mask_token_id"]),
     )
-    draft_cfg.validate()
+    try:
+        draft_cfg.validate()
+    except ValueError as e:
+        _refuse(folder, "config", str(e), "fix the head's config.json")
 
     # --- weights (the table says where each file tensor goes and whether it is transposed)
     leaves = []
@@ -213,10 +218,12 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
 
 
 _SHAPE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "fc_norm", "norm_output", "num_layers")
+                 "num_key_value_heads", "head_dim", "vocab_size", "fc_norm", "norm_output", "num_layers",
+                 "parallel_drafting", "mask_token_id")
 _DRAFT_KEYS = {"intermediate_size": "draft.intermediate_size", "num_attention_heads": "draft.num_attention_heads",
                "num_key_value_heads": "draft.num_key_value_heads", "head_dim": "draft.head_dim",
-               "fc_norm": "draft.fc_norm", "norm_output": "draft.norm_output", "num_layers": "draft.num_layers"}
+               "fc_norm": "draft.fc_norm", "norm_output": "draft.norm_output", "num_layers": "draft.num_layers",
+               "mask_token_id": "draft.mask_token_id", "parallel_drafting": "draft.type"}
 
 
 def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:

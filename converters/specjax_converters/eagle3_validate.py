@@ -89,7 +89,7 @@ def flatten_head_config(config: Mapping) -> tuple[str, dict]:
         return "llama", dict(config)
     flat = dict(config.get("transformer_layer_config") or {})
     for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
-                "norm_output", "eagle_aux_hidden_state_layer_ids"):
+                "norm_output", "eagle_aux_hidden_state_layer_ids", "mask_token_id"):
         if key in config:
             flat[key] = config[key]
     top = config.get("eagle_aux_hidden_state_layer_ids")
@@ -140,6 +140,7 @@ def head_shape(config: Mapping) -> weights.Eagle3Shape:
         draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
         fc_norm=bool(config.get("fc_norm")),
         num_layers=_num_layers(config),
+        parallel_drafting=config.get("mask_token_id") is not None,
     )
 
 
@@ -151,7 +152,7 @@ def _num_layers(config: Mapping) -> int:
 def expected_weights(config: Mapping, keys: str = "llama") -> dict[str, weights.Entry]:
     """Tensor name -> table entry (specjax path, shapes) of every weight an EAGLE-3 head
     with this (flat) config has, named as file layout `keys` writes them (see key_layout);
-    fc_norm.{i} only with fc_norm; d2t/t2d not included."""
+    fc_norm.{i} only with fc_norm, mask_hidden only with mask_token_id (P-EAGLE); d2t/t2d not included."""
     rename = weights.EAGLE3_FILE_LAYOUTS[keys]
     return {e.file_name: e for e in weights.entries(weights.EAGLE3_WEIGHTS, head_shape(config), rename)}
 
@@ -322,6 +323,21 @@ def _check_fields(cfg, bad, variant):
             "EAGLE-3.1 head: needs 2026+ engines (vLLM and SGLang with fc_norm/norm_output); one published "
             "fc_norm head measured acceptance ~1.5 on SGLang vs 3.19 on vLLM (Nemotron card)",
             "serve on a 2026+ vLLM, and measure acceptance before relying on SGLang", "warning")
+    # P-EAGLE (parallel drafting): the mask token, and mask_hidden among the tensors (head_shape)
+    mask_id = cfg.get("mask_token_id")
+    if mask_id is not None:
+        V = cfg.get("vocab_size")
+        if not isinstance(mask_id, int) or isinstance(mask_id, bool) or not (isinstance(V, int) and 0 <= mask_id < V):
+            bad("config.mask_token_id", "mask_token_id", f"{mask_id!r} is not a token id in [0, vocab_size={V})",
+                "write the id of the token the undrafted positions read (draft.mask_token_id)")
+        elif norm_output:
+            bad("config.mask_token_id", "norm_output", "a P-EAGLE head with norm_output: true (a sequential-step "
+                "flag; a parallel head has no next step to feed)", 'write "norm_output": false')
+        else:
+            bad("config.parallel_drafting", "mask_token_id",
+                "a P-EAGLE head: engines draft all tokens in one forward only when told (vLLM: speculative_config "
+                "method eagle3 with parallel_drafting: true); served as a plain EAGLE-3 head it drafts badly",
+                "serve it with vLLM's parallel_drafting: true (specjax.serve_cmd prints it)", "warning")
 
 
 def _check_aux(cfg, layout, target_config, training_aux_ids, bad):

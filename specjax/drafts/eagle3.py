@@ -47,6 +47,11 @@ class Eagle3Config:
     # decoder layers (draft.num_layers): layer 0 reads [input_layernorm(e), hidden_norm(h)]; layers
     # 1..N-1 are plain Llama layers over its output (docs/eagle3-format.md, "Multi-layer heads")
     num_layers: int = 1
+    # P-EAGLE (draft.type p_eagle): all K draft tokens come from one forward; the rows of the
+    # positions not yet drafted read the embedding of `mask_token_id` and fc(mask_hidden)
+    # (docs/eagle3-format.md, "P-EAGLE (parallel drafting)")
+    parallel_drafting: bool = False
+    mask_token_id: Optional[int] = None
 
     @property
     def num_aux(self) -> int:
@@ -67,11 +72,23 @@ class Eagle3Config:
             raise ValueError(f"draft hidden_act {self.hidden_act!r}: only 'silu' is supported.")
         if self.num_layers < 1:
             raise ValueError(f"draft num_layers={self.num_layers} must be >= 1.")
+        if self.parallel_drafting:
+            if self.mask_token_id is None or not 0 <= int(self.mask_token_id) < self.vocab_size:
+                raise ValueError(
+                    f"P-EAGLE draft: mask_token_id={self.mask_token_id!r} must be a target token id in "
+                    f"[0, {self.vocab_size}); set draft.mask_token_id.")
+            if self.norm_output:
+                raise ValueError("P-EAGLE draft: norm_output changes what the next sequential draft step reads, "
+                                 "and P-EAGLE has no sequential step; set draft.norm_output=false.")
+        elif self.mask_token_id is not None:
+            raise ValueError(f"draft mask_token_id={self.mask_token_id} is only used by P-EAGLE heads "
+                             "(draft.type p_eagle); remove it.")
 
 
 def init_params(table, cfg, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
     """Random init of a draft from its weight table (specjax.drafts.weights) like HF `post_init`:
-    normal(0, std) for the "normal" rows (drawn in fp32, then cast), ones for the "ones" rows.
+    normal(0, std) for the "normal" rows (drawn in fp32, then cast), ones for the "ones" rows,
+    normal(0, 1) for the "standard_normal" ones.
 
     The rows that always exist draw from `jax.random.split(key, n)` in table order; the optional
     ones (`when`) are built after them (a "normal" one from `fold_in(key, n + j)`), so a flag never
@@ -86,7 +103,8 @@ def init_params(table, cfg, key: jax.Array, *, std: float = 0.02, dtype=jnp.floa
             continue
         if e.path not in keys:
             keys[e.path] = jax.random.fold_in(key, len(keys))
-        out.append((e.path, (std * jax.random.normal(keys[e.path], e.shape, jnp.float32)).astype(dtype)))
+        scale = 1.0 if e.row.init == "standard_normal" else std
+        out.append((e.path, (scale * jax.random.normal(keys[e.path], e.shape, jnp.float32)).astype(dtype)))
     return weights.nest(out)
 
 
@@ -116,6 +134,13 @@ def project_aux(params: dict, aux_hidden: tuple | list, cfg: Eagle3Config, dtype
                   for i, a in enumerate(chunks)]
     g = jnp.concatenate(chunks, axis=-1)
     return _mm(g, params["fc"])
+
+
+def mask_hidden_projected(params: dict, cfg: Eagle3Config, dtype=jnp.float32) -> jnp.ndarray:
+    """fc(mask_hidden) [H]: what every P-EAGLE row of depth >= 1 reads as its hidden input (vLLM
+    computes the same once at load time, through the same fc_norm + fc)."""
+    mh = params["mask_hidden"].reshape(1, 1, -1).astype(dtype)
+    return project_aux(params, tuple(jnp.split(mh, cfg.num_aux, axis=-1)), cfg, dtype)[0, 0]
 
 
 def inv_freq(cfg: Eagle3Config) -> np.ndarray:
@@ -246,7 +271,8 @@ def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp
 
 def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, intermediate_size=None,
                        num_attention_heads=None, num_key_value_heads=None, head_dim=None,
-                       fc_norm: bool = False, norm_output: bool = False, num_layers: int = 1) -> Eagle3Config:
+                       fc_norm: bool = False, norm_output: bool = False, num_layers: int = 1,
+                       parallel_drafting: bool = False, mask_token_id: Optional[int] = None) -> Eagle3Config:
     """Draft shape from the target's config; the hidden size must be the target's embedding width."""
     H = target_cfg.hidden_size
     nH = num_attention_heads or target_cfg.num_attention_heads
@@ -266,6 +292,8 @@ def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, inte
         fc_norm=bool(fc_norm),
         norm_output=bool(norm_output),
         num_layers=int(num_layers),
+        parallel_drafting=bool(parallel_drafting),
+        mask_token_id=None if mask_token_id is None else int(mask_token_id),
     )
     cfg.validate()
     return cfg

@@ -29,7 +29,7 @@ LossName = Literal["soft_ce", "lk_alpha", "lk_lambda", "lk_hybrid"]
 LOSSES = ("soft_ce", "lk_alpha", "lk_lambda", "lk_hybrid")
 
 _MEAN_EPS = 1e-8  # SpecForge's clamp of the mask sum
-_HYBRID_EPS = 1e-5  # speculators' reduction epsilon
+HYBRID_EPS = 1e-5  # speculators' reduction epsilon
 
 
 def expected_acceptance(draft_logits: jnp.ndarray, target_probs: jnp.ndarray) -> jnp.ndarray:
@@ -84,6 +84,6 @@ def step_loss(
         kl = jnp.sum(p_draft_vocab * (logp - logq), axis=-1)
         w = jnp.exp(-eta * jax.lax.stop_gradient(alpha))
         per_row = w * kl + (1.0 - w) * (1.0 - alpha)
-        obj = jnp.sum(per_row * mask) / (jnp.sum(mask) + _HYBRID_EPS)
+        obj = jnp.sum(per_row * mask) / (jnp.sum(mask) + HYBRID_EPS)
         return obj, ce, jax.lax.stop_gradient(_masked_mean(alpha, mask, _MEAN_EPS))
     raise ValueError(f"train.loss={loss!r}: expected one of {LOSSES}")

@@ -29,6 +29,20 @@ the whole draft distribution of each row, so those steps compute the draft logit
 (fp32 [B,T,Vd]) under jax.checkpoint (recomputed in the backward instead of kept), not through the
 fused kernel; lk_alpha / lk_lambda also take the target's full-vocab logsumexp, found in the same
 chunked pass over the vocab as its argmax.
+
+P-EAGLE (cfg.parallel_drafting; docs/eagle3-format.md, "P-EAGLE (parallel drafting)"): the same K
+steps ("depths") and the same attention pattern, but the inputs of depth d >= 1 do not come from depth
+d-1: every row reads the embedding of cfg.mask_token_id and fc(mask_hidden), so the K depths form one
+parallel forward (computed here step by step, which is the same function because depth d attends only
+to depth 0 and to its own rows of depth <= d). Depth 0 is EAGLE-3's step 0. COD sampling
+(speculators' generate_cod_sample_indices) picks which rows of depth d >= 1 are trained: among the rows
+whose chain survived depth d-1 and whose depth-d target is in the loss mask, a uniformly random
+floor((n - d) * max(r^d, r_min)) of them (n = the row's loss-masked positions), so every chain is a
+prefix of depths. Here it is a row mask over the dense [K, B, T] layout (all rows are computed; the mask
+only picks the trained ones). The loss is speculators' P-EAGLE reduction: sum over depths and kept
+rows of step_decay^d * loss_row / the number of kept masked rows (step_decay 1 in the references), the
+rows masked by loss mask and same document but not by the draft-vocab filter; lk_alpha / lk_lambda are
+per-depth objectives (SpecForge's form) weighted by step_decay^d.
 """
 from __future__ import annotations
 
@@ -39,7 +53,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafts import lk_losses
-from specjax.drafts.eagle3 import Eagle3Config, draft_logits, draft_step, next_step_hidden, project_aux
+from specjax.drafts.eagle3 import (Eagle3Config, draft_logits, draft_step, mask_hidden_projected, next_step_hidden,
+                                   project_aux)
 from specjax.targets.layers.norms import rms_norm
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 
@@ -56,6 +71,10 @@ class TTTConfig:
     kl_scale: float = 1.0
     kl_decay: float = 1.0
     eta: float = 3.0
+    # P-EAGLE's COD sampling: depth d keeps about max(cod_ratio**d, cod_ratio_min) of its rows
+    cod_ratio: float = 0.7
+    cod_ratio_min: float = 0.2
+    cod_seed: int = 0  # the COD key of train step s is fold_in(key(cod_seed), s) (run.seed)
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
@@ -142,6 +161,7 @@ def ttt_loss(
     t2d: jnp.ndarray,  # [V] bool
     d2t: jnp.ndarray,  # [Vd] int
     compute_dtype=jnp.float32,
+    cod_key: Optional[jax.Array] = None,  # P-EAGLE: the COD sampling key (None: keep every row)
 ):
     """Returns (weighted loss, metrics dict of per-step arrays and scalars)."""
     B, T = input_ids.shape
@@ -157,23 +177,41 @@ def ttt_loss(
     seg = segment_ids.astype(jnp.int32)
     lmask = loss_mask.astype(jnp.float32)
     h = project_aux(params, aux_hidden, cfg, compute_dtype)
+    parallel = cfg.parallel_drafting
+    step_masks = [shift_left(lmask, k) * ((shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0))
+                  for k in range(ttt.ttt_steps)]
+    if parallel:  # the depth >= 1 inputs and the COD rows (module doc)
+        mask_emb = jnp.broadcast_to(sg(embed_table[int(cfg.mask_token_id)]).astype(compute_dtype), h.shape)
+        mask_h = jnp.broadcast_to(mask_hidden_projected(params, cfg, compute_dtype), h.shape)
+        keeps = cod_row_masks(cod_key, step_masks, ttt.cod_ratio, ttt.cod_ratio_min)
+        trained = [m * c for m, c in zip(step_masks, keeps)]
+        n_trained = jnp.maximum(sum(jnp.sum(m) for m in trained), 1.0)
     kv_caches: list = [[] for _ in range(cfg.num_layers)]  # per layer: (k, v) of each earlier step
     losses, accs, lmask_sums, pmask_sums, ces, alphas = [], [], [], [], [], []
     for k in range(ttt.ttt_steps):
-        tok = shift_left(input_ids, 1 + k)
-        same_doc = (shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0)
-        step_mask = shift_left(lmask, k) * same_doc
+        step_mask = step_masks[k]
         tgt_ids = shift_left(target_argmax, 1 + k)
         pos_mask = step_mask * jnp.take(t2d, tgt_ids).astype(jnp.float32)
-        emb = sg(jnp.take(embed_table, tok, axis=0)).astype(compute_dtype)
+        if parallel:
+            loss_rows = trained[k]
+            if k > 0:
+                emb, h = mask_emb, mask_h
+        if not parallel or k == 0:
+            emb = sg(jnp.take(embed_table, shift_left(input_ids, 1 + k), axis=0)).astype(compute_dtype)
         h, kvs = draft_step(params, cfg, emb, h, positions, seg, kv_caches, attention_impl=ttt.attention_impl)
         for cache, kv in zip(kv_caches, kvs):
             cache.append(kv)
+        if not parallel:
+            loss_rows = pos_mask
         if lk:  # loss frame, explicit draft logits, recomputed in the backward (see module doc)
             obj, ce_k, alpha_k, pred = _lk_step(
                 ttt, cfg, {"norm": params["norm"], "lm_head": params["lm_head"]}, h,
                 shift_left(teacher_logits, 1 + k), None if target_lse is None else shift_left(target_lse, 1 + k),
-                pos_mask)
+                loss_rows)
+            if parallel:  # pooled over depths (module doc): sum/(B*T) and masked means -> sum/n_trained
+                ce_k = ce_k * (B * T) / n_trained
+                if ttt.loss == "lk_hybrid":
+                    obj = obj * (jnp.sum(loss_rows) + lk_losses.HYBRID_EPS) / n_trained
             losses.append(obj)
             ces.append(ce_k)
             alphas.append(alpha_k)
@@ -184,12 +222,12 @@ def ttt_loss(
             hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
             ce, pred = fused_linear_soft_ce(
                 shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
-                mask=shift_right(pos_mask, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
-            losses.append(jnp.sum(ce) / (B * T))
+                mask=shift_right(loss_rows, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
+            losses.append(jnp.sum(ce) / (n_trained if parallel else B * T))
             pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)
             correct = jnp.sum((pred_target == target_argmax) * shift_right(step_mask, 1 + k))
         h = next_step_hidden(params, cfg, h)  # the same array unless cfg.norm_output (EAGLE-3.1)
-        denom = jnp.sum(step_mask)
+        denom = jnp.sum(step_mask)  # P-EAGLE too: the accuracy is over every row, not only the COD ones
         accs.append(correct / jnp.maximum(denom, 1e-6))
         lmask_sums.append(denom)
         pmask_sums.append(jnp.sum(pos_mask))
@@ -205,10 +243,35 @@ def ttt_loss(
         "mask_tokens_k": jnp.stack(lmask_sums),
         "in_vocab_tokens_k": jnp.stack(pmask_sums),
     }
+    if parallel:
+        metrics["cod_rows_k"] = jnp.stack([jnp.sum(m) for m in trained])
     if lk:
         metrics["soft_ce_k"] = sg(jnp.stack(ces))
         metrics["lk_acceptance_k"] = jnp.stack(alphas)  # expected acceptance alpha (lk_losses)
     return total, metrics
+
+
+def cod_row_masks(key: Optional[jax.Array], step_masks: list, ratio: float, ratio_min: float) -> list:
+    """P-EAGLE's COD sampling as [B,T] row masks, one per depth (module doc): depth 0 keeps every row;
+    depth d keeps, per batch row, a uniformly random floor(max(0, n - d) * max(ratio^d, ratio_min)) of
+    the rows that survived depth d-1 and are masked in at depth d (all of them when there are fewer),
+    n = the batch row's loss-masked positions at depth 0. `key` None keeps every masked row."""
+    ones = jnp.ones_like(step_masks[0])
+    if key is None:
+        return [ones] + [(m > 0).astype(ones.dtype) for m in step_masks[1:]]
+    n_valid = jnp.sum(step_masks[0] > 0, axis=1).astype(jnp.float32)  # [B]
+    T = ones.shape[1]
+    keeps, alive = [ones], ones
+    for d in range(1, len(step_masks)):
+        cand = alive * (step_masks[d] > 0)
+        size = jnp.floor(jnp.maximum(n_valid - d, 0.0) * max(ratio ** d, ratio_min)).astype(jnp.int32)
+        score = jnp.where(cand > 0, jax.random.uniform(jax.random.fold_in(key, d), cand.shape), -1.0)
+        ranked = -jnp.sort(-score, axis=1)  # descending
+        thresh = jnp.take_along_axis(ranked, jnp.clip(size - 1, 0, T - 1)[:, None], axis=1)
+        keep = cand * (score >= thresh) * (size > 0)[:, None]  # fewer candidates than size: thresh -1 keeps all
+        keeps.append(keep)
+        alive = keep
+    return keeps
 
 
 def _lk_step(ttt: TTTConfig, cfg: Eagle3Config, head: dict, h, teacher_k, lse_k, mask):

@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
-INITS = ("normal", "ones")  # normal(0, std) (HF `post_init` for linears), or all ones (norm scales)
+# normal(0, std) (HF `post_init` for linears), all ones (norm scales), or normal(0, 1) (P-EAGLE's
+# mask_hidden, which stands in for target hidden states: both references draw it with torch.randn)
+INITS = ("normal", "ones", "standard_normal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +144,7 @@ INTER = Dim("I", lambda c: c.intermediate_size)
 VD = Dim("Vd", lambda c: c.draft_vocab_size)
 NUM_AUX = Dim("aux", lambda c: c.num_aux)
 EXTRA_LAYERS = Dim("N-1", lambda c: c.num_layers - 1)  # decoder layers after the first (draft.num_layers)
+ONE = Dim("1", lambda c: 1)
 
 EAGLE3_WEIGHTS: tuple[DraftWeight, ...] = (
     #           specjax param                              file name (Llama-EAGLE3)                    shape         logical axes              init      transpose
@@ -161,6 +164,11 @@ EAGLE3_WEIGHTS: tuple[DraftWeight, ...] = (
     # EAGLE-3.1: one RMSNorm per aux chunk before fc (docs/eagle3-format.md, "EAGLE-3.1 flags (fc_norm, norm_output)")
     DraftWeight("fc_norm.{i}.scale",                       "fc_norm.{i}.weight",                       (TH,),        ("norm",),                "ones",   False,
                 when="fc_norm", repeat=NUM_AUX),
+    # P-EAGLE (draft.type p_eagle): the learned stand-in for the aux states of the positions not yet
+    # drafted, in the fc input space ([1, 1, aux*tH] as speculators and vLLM store it; vLLM reads it
+    # flat and passes it through fc); docs/eagle3-format.md, "P-EAGLE (parallel drafting)"
+    DraftWeight("mask_hidden",                             "mask_hidden",                              (ONE, ONE, FC_IN), (None, None, None), "standard_normal", False,
+                when="parallel_drafting"),
 ) + tuple(
     # layers 1..N-1 of a multi-layer head (draft.num_layers = N): plain Llama decoder layers over the
     # first layer's output (q/k/v read H, no hidden_norm), as vLLM's Eagle3 LlamaModel and speculators
@@ -207,3 +215,4 @@ class Eagle3Shape:
     num_aux: int
     fc_norm: bool = False
     num_layers: int = 1
+    parallel_drafting: bool = False

@@ -8,6 +8,8 @@ acceptance length"; drafts/eagle3.py, drafts/ttt.py):
     draft's own KV cache from the TARGET's aux states; the last one predicts d_1.
   chain: draft step j >= 2 reads [embed(d_{j-1}), next_step_hidden(h of step j-1)] at the next slot
     (its own hidden; norm(h) with norm_output), so K tokens take K draft calls inside one jit.
+    A P-EAGLE head (parallel drafting) instead reads [embed(mask token), fc(mask_hidden)] at slots
+    +1..+K-1 and gives d_2..d_K in one forward after the pending rows (_draft_parallel).
   verify: the target runs [x_{N-1}, d_1..d_K] at positions N-1..N-1+K in one call; greedy accepts
     the longest prefix equal to the target's argmax, then the target's token after it (the bonus);
     temperature > 0 uses speculative rejection sampling (accept d_i with prob min(1, p/q), else draw
@@ -39,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafts.eagle3 import Eagle3Config, attention_qkv, draft_logits, layer_output, next_step_hidden, project_aux
+from specjax.drafts.eagle3 import (Eagle3Config, attention_qkv, draft_logits, layer_output, mask_hidden_projected,
+                                   next_step_hidden, project_aux)
 from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import check_sampling, prompt_bucket
 from specjax.targets.base import validate_aux_layer_ids
@@ -177,6 +180,36 @@ def _draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, 
                                        jnp.reshape(slot, (1, 1)), jnp.reshape(slot, (1, 1)), mask)
     q = jnp.stack(qs) if sample else jnp.zeros((k, 1), jnp.float32)
     return jnp.stack(toks), q, dcache
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "k", "sample"), donate_argnames=("dcache",))
+def _draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, key, temperature, *, dcfg, k,
+                    sample):
+    """P-EAGLE drafting (dcfg.parallel_drafting): the pending rows as for a chain; the last one gives
+    d_1, and K-1 rows at the next slots (RoPE positions +1..+K-1) that read the mask token's embedding
+    and fc(mask_hidden) give d_2..d_K in one more forward, each attending to the prefix and to the mask
+    rows before it (the training pattern, drafts/ttt.py). Their cache slots are stale after the step
+    (the next pending rows overwrite them). Returns what _draft_chain returns."""
+    dp = _f32(dp)
+    num_slots = _num_slots(dcache)
+    h, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
+    if k > 1:
+        slot0 = start + pend_count  # the first mask row
+        slots = (slot0 + jnp.arange(k - 1, dtype=jnp.int32))[None, :]
+        emb = jnp.broadcast_to(embed[int(dcfg.mask_token_id)].astype(jnp.float32), (1, k - 1, dcfg.hidden_size))
+        hid = jnp.broadcast_to(mask_hidden_projected(dp, dcfg), (1, k - 1, dcfg.hidden_size))
+        mask = (jnp.arange(num_slots)[None, None, :] <= slots[..., None])
+        hm, dcache = draft_layer_cached(dp, dcfg, dcache, emb, hid, slots, slots, mask)
+        h = jnp.concatenate([h, hm], axis=1)
+    logits = draft_logits(dp, dcfg, h)[0]  # [K, Vd]
+    if sample:
+        scaled = logits / temperature
+        d = jax.random.categorical(key, scaled, axis=-1)
+        q = jax.nn.softmax(scaled, axis=-1)
+    else:
+        d = jnp.argmax(logits, axis=-1)
+        q = jnp.zeros((k, 1), jnp.float32)
+    return (d + d2t[d]).astype(jnp.int32), q, dcache
 
 
 def tree_widths(depth: int, top_k: int, max_width: int) -> tuple[int, ...]:
@@ -385,6 +418,8 @@ class SpecDecoder:
         if vocab.draft_vocab_size != cfg.draft_vocab_size:
             raise ValueError(f"draft vocab has {vocab.draft_vocab_size} ids but the config says "
                              f"draft_vocab_size={cfg.draft_vocab_size}")
+        if cfg.parallel_drafting and mode != "chain":
+            raise ValueError("a P-EAGLE head drafts one chain in one forward (parallel drafting); use mode='chain'")
         if int(tree_top_k) < 1 or int(tree_top_k) > cfg.draft_vocab_size:
             raise ValueError(f"tree_top_k must be in [1, {cfg.draft_vocab_size}], got {tree_top_k}")
 
@@ -512,7 +547,8 @@ class SpecDecoder:
             last = jnp.int32(res.tokens[-1])
             td = time.perf_counter()
             if self.mode == "chain":
-                drafts, q, dcache = _draft_chain(
+                propose = _draft_parallel if dcfg.parallel_drafting else _draft_chain
+                drafts, q, dcache = propose(
                     self.draft_params, self.embed, self.d2t, dcache, pend_tok, pend_aux, jnp.int32(pend_count),
                     jnp.int32(dstart), jax.random.fold_in(root, 2 * step), temp, dcfg=dcfg, k=k, sample=sample)
             else:

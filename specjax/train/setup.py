@@ -194,21 +194,44 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
     check = getattr(type(target), "check_draft_compat", None)
     if check is not None:
         check(target.config, d.num_key_value_heads)
+    parallel = d.type == "p_eagle"
+    if not parallel and d.mask_token_id is not None:
+        raise ValueError(f"draft.mask_token_id={d.mask_token_id} is only read by draft.type=p_eagle; remove it "
+                         "or set draft.type=p_eagle.")
     return eagle3.config_from_target(
         target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
         fc_norm=d.fc_norm, norm_output=d.norm_output, num_layers=d.num_layers,
+        parallel_drafting=parallel, mask_token_id=mask_token_id(cfg, target) if parallel else None,
     )
+
+
+def mask_token_id(cfg: Config, target) -> int:
+    """P-EAGLE's mask token: draft.mask_token_id, else the target config's pad_token_id, else its
+    (first) eos_token_id."""
+    if cfg.draft.mask_token_id is not None:
+        return int(cfg.draft.mask_token_id)
+    hf = getattr(target, "hf_config", {}) or {}
+    hf = hf.get("text_config", hf)
+    for key in ("pad_token_id", "eos_token_id"):
+        v = hf.get(key)
+        if isinstance(v, (list, tuple)):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    raise ValueError("draft.type=p_eagle needs a mask token and the target config has neither pad_token_id "
+                     "nor eos_token_id; set draft.mask_token_id to a token id of the target vocab.")
 
 
 def make_ttt_config(cfg: Config) -> TTTConfig:
     """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce) and
-    objective (train.loss and its LK settings)."""
+    objective (train.loss and its LK settings; P-EAGLE's COD sampling keyed by run.seed)."""
     t = cfg.train
     return TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
                      attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce,
-                     loss=t.loss, kl_scale=t.lk_kl_scale, kl_decay=t.lk_kl_decay, eta=t.lk_eta)
+                     loss=t.loss, kl_scale=t.lk_kl_scale, kl_decay=t.lk_kl_decay, eta=t.lk_eta,
+                     cod_ratio=t.cod_ratio, cod_ratio_min=t.cod_ratio_min, cod_seed=cfg.run.seed)
 
 
 def make_mesh(cfg: Config):

@@ -1,8 +1,9 @@
 """The train step: one pure function of (train state, target params, vocab arrays, batch), jitted
 once with explicit in/out shardings and the train state donated.
 
-state = {"step": int32[], "params": draft params, "opt_state": optax state}. Nothing in the step is
-random (no dropout), so the state holds no RNG; the draft's initial params come from run.seed.
+state = {"step": int32[], "params": draft params, "opt_state": optax state}. The only randomness
+is P-EAGLE's COD row sampling, keyed by the step number (cod_key), so the state holds no RNG; the
+draft's initial params come from run.seed.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class StepFns:
 def make_loss_fn(target, draft_cfg: eagle3.Eagle3Config, ttt: TTTConfig, compute_dtype):
     aux_ids = tuple(draft_cfg.aux_layer_ids)
 
-    def loss_fn(draft_params, target_params, vocab, batch):
+    def loss_fn(draft_params, target_params, vocab, batch, step=None):
         final_hidden, aux = target.forward(
             target_params, batch["input_ids"], aux_layer_ids=aux_ids,
             positions=batch["positions"], segment_ids=batch["segment_ids"],
@@ -46,10 +47,18 @@ def make_loss_fn(target, draft_cfg: eagle3.Eagle3Config, ttt: TTTConfig, compute
             aux_hidden=aux, final_hidden=final_hidden,
             embed_table=target.embed_table(target_params), lm_head=target.lm_head_weight(target_params),
             draft_ids=vocab["draft_ids"], t2d=vocab["t2d"], d2t=vocab["d2t"],
-            compute_dtype=compute_dtype,
+            compute_dtype=compute_dtype, cod_key=cod_key(ttt, draft_cfg, step),
         )
 
     return loss_fn
+
+
+def cod_key(ttt: TTTConfig, draft_cfg: eagle3.Eagle3Config, step):
+    """P-EAGLE's COD sampling key for train step `step` (a function of the step, so a resumed run
+    samples the same rows); evaluation (`step` None) uses step 0's. None for EAGLE-3."""
+    if not draft_cfg.parallel_drafting:
+        return None
+    return jax.random.fold_in(jax.random.key(ttt.cod_seed), 0 if step is None else step)
 
 
 def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
@@ -79,7 +88,7 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt: TTTConfi
     def train_step(state, target_params, vocab, batch):
         with meshlib.use_mesh(mesh):  # context > 1: the explicit context-parallel attention/scan paths
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state["params"], target_params, vocab, batch)
+                state["params"], target_params, vocab, batch, state["step"])
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)

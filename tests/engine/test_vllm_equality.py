@@ -114,7 +114,8 @@ def _llama(worker, root) -> Family:
     heads = {"eagle3": M.train_llama_head(target, os.path.join(root, "run_eagle3"), eagle31=False),
              "eagle3.1": M.train_llama_head(target, os.path.join(root, "run_eagle31"), eagle31=True),
              "eagle3-2layer": M.train_llama_head(target, os.path.join(root, "run_2layer"), eagle31=False,
-                                                 num_layers=2)}
+                                                 num_layers=2),
+             "p-eagle": M.train_llama_head(target, os.path.join(root, "run_p_eagle"), eagle31=False, p_eagle=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
 
 
@@ -205,7 +206,8 @@ def tier(engine_workdir):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer"), "qwen3": ("eagle3",), "qwen3_moe": ("eagle3",)}
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle"), "qwen3": ("eagle3",),
+            "qwen3_moe": ("eagle3",)}
 CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}") for f, hs in FAMILIES.items() for h in hs for k in KS]
 
 

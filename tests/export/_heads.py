@@ -41,12 +41,15 @@ def target_config(**overrides) -> dict:
     return hf
 
 
-def make_draft(seed=0, *, fc_norm=False, norm_output=False, target_hf=None, aux=AUX, std=0.08, num_layers=1):
-    """(target config, Eagle3Config, numpy params with norm scales away from 1, DraftVocab)."""
+def make_draft(seed=0, *, fc_norm=False, norm_output=False, target_hf=None, aux=AUX, std=0.08, num_layers=1,
+               mask_token_id=None):
+    """(target config, Eagle3Config, numpy params with norm scales away from 1, DraftVocab); a P-EAGLE
+    draft with `mask_token_id`."""
     target_hf = target_hf or target_config()
     cfg = eagle3.config_from_target(tl.LlamaTargetConfig.from_hf(target_hf), draft_vocab_size=VD,
                                     aux_layer_ids=aux, fc_norm=fc_norm, norm_output=norm_output,
-                                    num_layers=num_layers)
+                                    num_layers=num_layers, parallel_drafting=mask_token_id is not None,
+                                    mask_token_id=mask_token_id)
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(seed), std=std))
     # Norm scales away from 1, so a dropped or swapped norm weight changes the logits.
