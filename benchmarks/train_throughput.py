@@ -8,6 +8,8 @@
     ... python3 benchmarks/train_throughput.py --models qwen3_30b_a3b --jobs fixed_4096 --tokens-per-step 16384 --out DIR
     # CPU smoke run at tiny widths, both systems in this process (tests/unit/test_train_throughput_script.py)
     PYTHONPATH=kernels:. python benchmarks/train_throughput.py --tiny
+    # specjax variants side by side (kernels.moe, draft type), e.g. the MoE kernel inside the train step
+    ... python3 benchmarks/train_throughput.py --models qwen3_30b_a3b --systems specjax,specjax:moe=mgpu ...
 
 Both systems train an EAGLE-3 draft (Vd=32000, K=7 TTT steps, 0.8^k weights, AdamW lr 1e-4, clip 0.5,
 fp32 master weights, bf16 compute) against a frozen target with random bf16 weights of a real model's
@@ -292,7 +294,24 @@ def _jax_mem_stats():
         return {}
 
 
-def run_specjax(plan: dict, emit) -> None:
+def specjax_variant(system: str) -> dict:
+    """The options of a specjax system name: "specjax" (the defaults) or "specjax:moe=mgpu,draft=p_eagle"
+    (moe: kernels.moe implementation; draft: eagle3 | p_eagle), so variants run side by side."""
+    name, _, opts = system.partition(":")
+    if name != "specjax":
+        raise ValueError(f"not a specjax system: {system!r}")
+    out = {}
+    for kv in filter(None, opts.split(",")):
+        key, _, value = kv.partition("=")
+        if key not in ("moe", "draft") or not value:
+            raise ValueError(f"system {system!r}: options are moe=<kernels.moe> and draft=eagle3|p_eagle")
+        out[key] = value
+    if out.get("draft", "eagle3") not in ("eagle3", "p_eagle"):
+        raise ValueError(f"system {system!r}: draft must be eagle3 or p_eagle")
+    return out
+
+
+def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     import jax
     import jax.numpy as jnp
 
@@ -308,10 +327,13 @@ def run_specjax(plan: dict, emit) -> None:
     hf = plan["hf"]
     dtype = jnp.float32 if tiny else jnp.bfloat16
     t0 = time.perf_counter()
-    target = make_target(hf)
+    variant = specjax_variant(system)
+    target = make_target(hf, **({"moe_implementation": variant["moe"]} if "moe" in variant else {}))
     tparams = _jax_random_params(target, dtype, plan["seed"])
     aux = default_aux_ids(hf["num_hidden_layers"])
-    dcfg = eagle3.config_from_target(target.config, draft_vocab_size=plan["Vd"], aux_layer_ids=aux)
+    parallel = variant.get("draft") == "p_eagle"  # same FLOPs: P-EAGLE computes every row of every depth
+    dcfg = eagle3.config_from_target(target.config, draft_vocab_size=plan["Vd"], aux_layer_ids=aux,
+                                     parallel_drafting=parallel, mask_token_id=0 if parallel else None)
     V = hf["vocab_size"]
     ids, t2d, d2t = vocab_arrays(V, plan["Vd"], plan["seed"])
     vocab = {"draft_ids": jnp.asarray(ids, jnp.int32), "t2d": jnp.asarray(t2d), "d2t": jnp.asarray(d2t, jnp.int32)}
@@ -375,13 +397,13 @@ def run_specjax(plan: dict, emit) -> None:
                 "acc0": [float(m["acc_k"][0]) for m in ms], "plan_bytes": plan_bytes,
                 "skipped": sum(float(m["skipped"]) for m in ms)}
 
-    emit({"event": "setup", "system": "specjax", "setup_s": setup_s, "aux_ids": list(aux),
+    emit({"event": "setup", "system": system, "setup_s": setup_s, "aux_ids": list(aux),
           "backend": jax.default_backend(), "jax": jax.__version__})
     t_worker = time.perf_counter() - setup_s
     for job in plan["jobs"]:
         t_job = time.perf_counter()
         if t_job - t_worker > plan.get("soft_budget_s", 1e9):
-            emit({"system": "specjax", "job": job["name"], "ok": False, "error": "skipped: worker time budget spent"})
+            emit({"system": system, "job": job["name"], "ok": False, "error": "skipped: worker time budget spent"})
             continue
         try:
             V_ = V
@@ -410,7 +432,7 @@ def run_specjax(plan: dict, emit) -> None:
         except Exception as e:  # one failing job must not lose the others' numbers
             res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}", "trace": traceback.format_exc()[-3000:]}
         st = _jax_mem_stats()
-        res.update(system="specjax", job=job["name"], job_s=time.perf_counter() - t_job,
+        res.update(system=system, job=job["name"], job_s=time.perf_counter() - t_job,
                    process_peak_bytes=st.get("peak_bytes_in_use"), bytes_limit=st.get("bytes_limit"))
         emit(res)
 
@@ -793,8 +815,11 @@ def summarise(plan: dict, rows: list[dict]) -> list[dict]:
         if job["kind"] not in ("fixed", "docs"):
             continue
         line = {"model": plan["model"], "job": job["name"]}
-        for sysname in ("specjax", "specforge"):
+        variants = sorted({r.get("system") for r in rows if str(r.get("system", "")).startswith("specjax:")})
+        for sysname in ("specjax", "specforge", *variants):
             r = by.get((sysname, job["name"]))
+            if not r and sysname in variants:
+                continue
             if not r or not r.get("ok"):
                 line[sysname] = {"error": (r or {}).get("error", "not run")}
                 continue
@@ -813,6 +838,9 @@ def summarise(plan: dict, rows: list[dict]) -> list[dict]:
         a, b = line["specjax"], line["specforge"]
         if "tokens_per_s" in a and "tokens_per_s" in b:
             line["ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
+        for v in variants:  # each variant against the default specjax step, same worker plan
+            if "tokens_per_s" in line.get(v, {}) and "tokens_per_s" in a:
+                line[f"ratio {v} / specjax"] = line[v]["tokens_per_s"] / a["tokens_per_s"]
         out.append(line)
     return out
 
@@ -827,13 +855,22 @@ def _worker_main(system: str, plan_path: str, out_path: str) -> None:
         print(f"[{system}] {json.dumps({k: v for k, v in row.items() if k not in ('trace', 'losses', 'acc0', 'tried')})}",
               flush=True)
 
-    (run_specjax if system == "specjax" else run_specforge)(plan, emit)
+    _run_system(system, plan, emit)
+
+
+def _run_system(system: str, plan: dict, emit) -> None:
+    if system.startswith("specjax"):
+        run_specjax(plan, emit, system)
+    elif system == "specforge":
+        run_specforge(plan, emit)
+    else:
+        raise ValueError(f"unknown system {system!r}: specjax[:options] or specforge")
 
 
 def run_inprocess(plan: dict, systems=("specjax", "specforge")) -> list[dict]:
     rows: list[dict] = []
     for s in systems:
-        (run_specjax if s == "specjax" else run_specforge)(plan, rows.append)
+        _run_system(s, plan, rows.append)
     return rows
 
 
@@ -841,7 +878,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny widths, both systems in-process")
     ap.add_argument("--models", default="llama3_8b", help="comma list: llama3_8b, qwen3_30b_a3b")
-    ap.add_argument("--systems", default="specjax,specforge")
+    ap.add_argument("--systems", default="specjax,specforge",
+                    help="comma list of specjax, specforge and specjax variants: specjax:moe=mgpu, "
+                         "specjax:draft=p_eagle (a variant is also compared with plain specjax)")
     ap.add_argument("--tokens-per-step", type=int, default=32768, help="B x T of the fixed batches")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--jobs", default=None, help="comma list of job names to run (default: all), e.g. "
@@ -905,6 +944,10 @@ def main(argv=None):
             fmt = lambda r: (f"{r['tokens_per_s']:9.0f} tok/s MFU {100 * r['mfu']:5.1f}% {r['peak_gib']:6.1f} GiB "
                              f"loss {r['loss_first']:.3f}->{r['loss_last']:.3f}") if "tokens_per_s" in r else str(r)[:120]
             print(f"{model:14s} {line['job']:14s} specjax {fmt(a)} | specforge {fmt(b)} | ratio {line.get('ratio', float('nan')):.2f}")
+            for key, value in line.items():
+                if key.startswith("ratio specjax:"):
+                    v = key[len("ratio "):-len(" / specjax")]
+                    print(f"{'':14s} {'':14s} {v} {fmt(line[v])} | {key} {value:.3f}")
     results["elapsed_s"] = time.time() - t_start
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -38,10 +38,10 @@ def _log_once(level, msg, *args):
         log.log(level, msg, *args)
 
 
-def log_once_fallback(op: str, name: str, why: str, fallback: str) -> None:
+def log_once_fallback(op: str, name: str, why: str, fallback: str, level: int = logging.WARNING) -> None:
     """The warning `select` gives when a chosen implementation cannot serve a call, for callers that
-    find out only from the call's shapes."""
-    _log_once(logging.WARNING, "%s: implementation %r cannot take this call (%s); falling back to %r",
+    find out only from the call's shapes (INFO when auto chose it: nothing the user asked for is lost)."""
+    _log_once(level, "%s: implementation %r cannot take this call (%s); falling back to %r",
               op, name, why, fallback)
 
 

@@ -7,12 +7,16 @@ The router (softmax / sigmoid, top-k, renormalisation, scaling) belongs to the m
 its result: for each token k expert ids and k weights. See reference.py for the math.
   reference  jax.lax.ragged_dot grouped GEMMs (the definition; native on TPU)
   xla        block-sparse grouped GEMM via lax.scan (exact; the CPU/GPU path, see xla.py)
-  mgpu       JAX's Hopper grouped GEMM, ragged_dot_mgpu (forward only; bf16/fp16; see mgpu.py)
+  mgpu       JAX's Hopper grouped GEMM, ragged_dot_mgpu (forward only; bf16/fp16; see mgpu.py); auto
+             on one Hopper GPU
   pallas_tpu JAX's TPU grouped GEMM, megablox gmm (interpret mode off TPU; see pallas_tpu.py)
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
+
+import jax
 
 from specjax_kernels._select import log_once_fallback, select
 from specjax_kernels.moe.common import ACTIVATIONS  # noqa: F401  (re-exported)
@@ -49,11 +53,14 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_
 # 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
 # mgpu (JAX's ragged_dot_mgpu) runs one Qwen3-30B-A3B layer in 2.20 ms against 12.8 ms for xla and
-# 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"), but it is opt-in
-# (kernels.moe=mgpu) until it has run inside the sharded training step on a GPU: a Mosaic custom call
-# is not partitioned by XLA, and that step has not been measured. TPU: pallas_tpu (megablox) lowers for
-# a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not measured on one, so ragged_dot stays first.
-PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "mgpu", "reference"],
+# 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"), and the whole train step on
+# that target shape 2.23x faster than xla (0.61 s against 1.36 s per 4 x 4096 tokens, one H200;
+# benchmarks/results/train_throughput.md, "MoE expert kernel in the train step"), so auto takes it on a
+# Hopper GPU for bf16/fp16 -- on ONE device: the Mosaic custom call is not partitioned by XLA and has
+# not been measured in a sharded step, so with several devices auto keeps xla (kernels.moe=mgpu forces
+# it). TPU: pallas_tpu (megablox) lowers for a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not
+# measured on one, so ragged_dot stays first.
+PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
               "tpu": ["reference", "pallas_tpu", "xla"]}
 
 
@@ -73,12 +80,16 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf, down_efd, gate_edf=N
             f"moe_experts: weight shapes do not fit x {x_td.shape}: up {up_edf.shape}, down {down_efd.shape}, "
             f"gate {None if gate_edf is None else gate_edf.shape} (want up/gate [E, D, F], down [E, F, D])"
         )
+    auto = implementation in (None, "auto")
     name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
     if name == "mgpu":
         from specjax_kernels.moe import mgpu
 
         why = mgpu.supports(x_td, up_edf, down_efd)
-        if why:  # shapes or dtype the kernel does not take: the exact blocked path instead
-            log_once_fallback("moe", "mgpu", why, "xla")
+        if why is None and auto and jax.device_count() > 1:
+            why = (f"{jax.device_count()} devices: the kernel is not partitioned across devices (set "
+                   "kernels.moe=mgpu to use it anyway)")
+        if why:  # shapes, dtype or devices the kernel does not take: the exact blocked path instead
+            log_once_fallback("moe", "mgpu", why, "xla", level=logging.INFO if auto else logging.WARNING)
             name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, "xla")
     return fn(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation)
