@@ -95,6 +95,7 @@ MOE_CASES = {
     "balanced": (300, 4, 16, 256, 128, None),  # 1200 rows: not a multiple of the 128-row tile
     "empty_experts": (64, 1, 64, 128, 256, None),  # most experts get no row
     "one_expert_takes_all": (257, 2, 8, 128, 128, [3, 5]),
+    "narrow_width": (200, 6, 16, 192, 320, None),  # widths that are multiples of 64, not 128 (Nemotron-H's 1856)
 }
 
 

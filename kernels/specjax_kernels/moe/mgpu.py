@@ -7,8 +7,9 @@ the input dtype. The kernel has no VJP: it serves frozen targets' forwards (trai
 the draft only); a differentiated call raises, and `xla` is the differentiable GPU path.
 
 Shape rules of the kernel: the contraction width must be a multiple of ``block_k`` and the output
-width of ``block_n * grid_block_n``; ``gmm`` picks the blocks per projection and raises a clear error
-for a width that fits none (e.g. 96), which `api.moe_experts` reports before falling back.
+width of ``block_n * grid_block_n``; ``gmm`` picks the blocks per projection (block_n 128, or 64 for a
+width like Nemotron-H's 1856) and raises a clear error for a width that fits none (e.g. 96), which
+`api.moe_experts` reports before falling back.
 """
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ from specjax_kernels.moe.common import grouped_experts
 BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 128, 128, 64, 6
 
 
-def _grid_block_n(n: int) -> int:
-    for g in (4, 2, 1):
-        if n % (g * BLOCK_N) == 0:
-            return g
-    raise ValueError(f"moe mgpu: output width {n} is not a multiple of {BLOCK_N}; use implementation='xla'")
+# An output width that is not a multiple of BLOCK_N (Nemotron-H 30B-A3B's expert width 1856 = 29 x 64)
+# runs with block_n = NARROW_BLOCK_N instead of falling back to xla.
+NARROW_BLOCK_N = 64
+
+
+def _blocks_n(n: int) -> tuple[int, int]:
+    """(block_n, grid_block_n) for output width n."""
+    for block_n in (BLOCK_N, NARROW_BLOCK_N):
+        for g in (4, 2, 1):
+            if n % (g * block_n) == 0:
+                return block_n, g
+    raise ValueError(f"moe mgpu: output width {n} is not a multiple of {NARROW_BLOCK_N}; use implementation='xla'")
 
 
 def gmm(lhs, rhs, group_sizes):
@@ -44,8 +52,9 @@ def gmm(lhs, rhs, group_sizes):
     if pad:  # zero rows appended to the last group (the rows are sorted by expert), cut off below
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
         group_sizes = group_sizes.at[-1].add(pad)
-    out = ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=BLOCK_M, block_n=BLOCK_N, block_k=BLOCK_K,
-                     max_concurrent_steps=STEPS, grid_block_n=_grid_block_n(n))
+    block_n, grid_block_n = _blocks_n(n)
+    out = ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=BLOCK_M, block_n=block_n, block_k=BLOCK_K,
+                     max_concurrent_steps=STEPS, grid_block_n=grid_block_n)
     return out[:m]
 
 
@@ -54,9 +63,9 @@ def supports(x_td, up_edf, down_efd) -> str | None:
     if x_td.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {x_td.dtype} (the kernel multiplies bf16/fp16)"
     d, f = up_edf.shape[1], up_edf.shape[2]
-    for width in (d, f):
-        if width % BLOCK_K or width % BLOCK_N:
-            return f"width {width} is not a multiple of {max(BLOCK_K, BLOCK_N)}"
+    for width in (d, f):  # each is the contraction of one projection and the output of another
+        if width % BLOCK_K or width % NARROW_BLOCK_N:
+            return f"width {width} is not a multiple of {max(BLOCK_K, NARROW_BLOCK_N)}"
     return None
 
 
