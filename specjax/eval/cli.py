@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specjax.eval", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="HF folder of the target (config.json + *.safetensors + tokenizer)")
-    ap.add_argument("--draft", required=True, help="exported EAGLE-3 head folder (model.safetensors + config.json)")
+    ap.add_argument("--draft", required=True, help="exported EAGLE-3 or DFlash head folder (model.safetensors + config.json)")
     ap.add_argument("--prompts", default="mtbench,humaneval",
                     help="comma-separated presets (mtbench, humaneval) or JSONL/parquet paths")
     ap.add_argument("--num-spec-tokens", type=int, default=5, help="draft tokens per verification step (K)")

@@ -1,4 +1,4 @@
-"""Lossless speculative decoding with an EAGLE-3 draft and the JAX target (batch size 1).
+"""Lossless speculative decoding with an EAGLE-3 (or DFlash) draft and the JAX target (batch size 1).
 
 How one step runs (as vLLM / SGLang run EAGLE-3; docs/eagle3-format.md, "Speculative decoding step and
 acceptance length"; drafts/eagle3.py, drafts/ttt.py):
@@ -10,6 +10,12 @@ acceptance length"; drafts/eagle3.py, drafts/ttt.py):
     (its own hidden; norm(h) with norm_output), so K tokens take K draft calls inside one jit.
     A P-EAGLE head (parallel drafting) instead reads [embed(mask token), fc(mask_hidden)] at slots
     +1..+K-1 and gives d_2..d_K in one forward after the pending rows (_draft_parallel).
+  DFlash (a block drafter, drafts/dflash.py; chain only): the pending rows are context rows, the
+    target's taps at their positions (no token: the accepted tokens and the aux states of the SAME
+    position) appended to the draft's context cache; then one block [x_{N-1}, mask, ..., mask] at
+    positions N-1.. attends to the cache and its own slots and slots 1..K give d_1..d_K
+    (K <= block_size - 1; _draft_block). The newest token x_{N-1} has no target state yet: it is
+    the block's slot 0, exactly where training puts the anchor.
   verify: the target runs [x_{N-1}, d_1..d_K] at positions N-1..N-1+K in one call; greedy accepts
     the longest prefix equal to the target's argmax, then the target's token after it (the bonus);
     temperature > 0 uses speculative rejection sampling (accept d_i with prob min(1, p/q), else draw
@@ -41,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafts import dflash
 from specjax.drafts.eagle3 import (Eagle3Config, attention_qkv, draft_logits, layer_output, mask_hidden_projected,
                                    next_step_hidden, project_aux)
 from specjax.drafts.vocab import DraftVocab
@@ -48,6 +55,7 @@ from specjax.eval.generate import check_sampling, prompt_bucket
 from specjax.targets.base import validate_aux_layer_ids
 from specjax.targets.layers.attention import dot_product_attention
 from specjax.targets.llama import cache_attention_mask, cache_size_for
+from specjax_converters.dflash_import import is_dflash_folder, read_dflash_head
 from specjax_converters.eagle3_import import read_head
 
 MODES = ("chain", "tree")
@@ -58,17 +66,19 @@ MODES = ("chain", "tree")
 # =============================================================================================
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """An EAGLE-3 head: params pytree (docs/INTERFACES.md layout), its config and draft vocab."""
+    """A draft head: params pytree (docs/INTERFACES.md layout), its config (an Eagle3Config, or a
+    DFlashConfig for a DFlash block drafter) and draft vocab."""
 
     params: Any
-    config: Eagle3Config
+    config: Any  # Eagle3Config | dflash.DFlashConfig
     vocab: DraftVocab
 
 
 def load_draft(draft_dir: str) -> Draft:
-    """Read an exported head folder (specjax export, SpecForge or speculators layout)."""
+    """Read an exported head folder (specjax export, SpecForge or speculators layout; a DFlash
+    export: config.json architectures ["DFlashDraftModel"])."""
 
-    head = read_head(draft_dir)
+    head = read_dflash_head(draft_dir) if is_dflash_folder(draft_dir) else read_head(draft_dir)
     params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), head.params)
     return Draft(params=params, config=head.config, vocab=head.vocab)
 
@@ -210,6 +220,32 @@ def _draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, star
         d = jnp.argmax(logits, axis=-1)
         q = jnp.zeros((k, 1), jnp.float32)
     return (d + d2t[d]).astype(jnp.int32), q, dcache
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "k", "sample"), donate_argnames=("ccache",))
+def _draft_block(dp, embed, d2t, ccache, pend_aux, pend_count, start, last_tok, key, temperature, *, dcfg, k,
+                 sample):
+    """DFlash drafting: append the pending context rows (the target's taps at positions
+    start..start+pend_count-1; rows past pend_count are not counted and get overwritten), then one
+    block of k drafted slots after the newest token `last_tok` at position start+pend_count: d_1..d_k.
+    Returns what _draft_chain returns (the cache is the context cache)."""
+    dp = _f32(dp)
+    tp = pend_aux[0].shape[1]
+    pos = start + jnp.arange(tp, dtype=jnp.int32)[None, :]
+    ccache = dflash.append_context(dp, dcfg, ccache, pend_aux, pos, jnp.reshape(pend_count, (1,)))
+    # a block of exactly the k drafted slots (+ the anchor), as vLLM builds it for
+    # num_speculative_tokens = k: the slots attend to each other, so a longer block would change them
+    dcfg = dataclasses.replace(dcfg, block_size=k + dcfg.first_trained_slot)
+    greedy, logits = dflash.propose_block(dp, dcfg, ccache, embed_table=embed, last_token_b=jnp.reshape(last_tok, (1,)),
+                                          last_position_b=jnp.reshape(start + pend_count, (1,)), d2t=d2t)
+    logits = logits[0, :k]  # [k, Vd]
+    if sample:
+        scaled = logits / temperature
+        # each slot is drafted from its own marginal (no slot reads another's token), so q_i does not
+        # depend on d_1..d_{i-1} and the rejection rule stays exact
+        d = jax.random.categorical(key, scaled, axis=-1)
+        return (d + d2t[d]).astype(jnp.int32), jax.nn.softmax(scaled, axis=-1), ccache
+    return greedy[0, :k], jnp.zeros((k, 1), jnp.float32), ccache
 
 
 def tree_widths(depth: int, top_k: int, max_width: int) -> tuple[int, ...]:
@@ -391,7 +427,8 @@ def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, tar
 # The decoder
 # =============================================================================================
 class SpecDecoder:
-    """Speculative decoding of one prompt at a time with `target` and an EAGLE-3 `draft`.
+    """Speculative decoding of one prompt at a time with `target` and an EAGLE-3 `draft` (or a DFlash
+    block drafter: chain only, num_spec_tokens <= its block's drafted slots).
 
     mode "chain": K = num_spec_tokens drafted autoregressively, verified in one call of K+1 tokens.
     mode "tree": depth K, tree_top_k children per node, at most tree_max_width nodes per level
@@ -407,9 +444,18 @@ class SpecDecoder:
             raise ValueError(f"num_spec_tokens must be >= 1, got {num_spec_tokens}")
         cfg, vocab = draft.config, draft.vocab
         tcfg = target.config
-        if cfg.hidden_size != tcfg.hidden_size or cfg.target_hidden_size != tcfg.hidden_size:
+        self.block_drafter = isinstance(cfg, dflash.DFlashConfig)
+        if self.block_drafter:
+            if mode != "chain":
+                raise ValueError("a DFlash head drafts one block (a chain) per step; use mode='chain'")
+            if int(num_spec_tokens) > cfg.num_draft_tokens:
+                raise ValueError(f"num_spec_tokens={num_spec_tokens} exceeds the {cfg.num_draft_tokens} tokens one block "
+                                 f"of this DFlash head drafts (block_size={cfg.block_size}); use num_spec_tokens <= "
+                                 f"{cfg.num_draft_tokens}")
+        target_hidden = cfg.hidden_size if self.block_drafter else cfg.target_hidden_size
+        if cfg.hidden_size != tcfg.hidden_size or target_hidden != tcfg.hidden_size:
             raise ValueError(
-                f"draft hidden_size {cfg.hidden_size} / target_hidden_size {cfg.target_hidden_size} must equal the "
+                f"draft hidden_size {cfg.hidden_size} / target_hidden_size {target_hidden} must equal the "
                 f"target's hidden_size {tcfg.hidden_size}: this head was trained for another target")
         if vocab.vocab_size != tcfg.vocab_size or cfg.vocab_size != tcfg.vocab_size:
             raise ValueError(
@@ -418,12 +464,13 @@ class SpecDecoder:
         if vocab.draft_vocab_size != cfg.draft_vocab_size:
             raise ValueError(f"draft vocab has {vocab.draft_vocab_size} ids but the config says "
                              f"draft_vocab_size={cfg.draft_vocab_size}")
-        if cfg.parallel_drafting and mode != "chain":
+        if getattr(cfg, "parallel_drafting", False) and mode != "chain":
             raise ValueError("a P-EAGLE head drafts one chain in one forward (parallel drafting); use mode='chain'")
         if int(tree_top_k) < 1 or int(tree_top_k) > cfg.draft_vocab_size:
             raise ValueError(f"tree_top_k must be in [1, {cfg.draft_vocab_size}], got {tree_top_k}")
 
-        self.aux_ids = validate_aux_layer_ids(cfg.aux_layer_ids, target.num_layers)
+        taps = cfg.target_layer_ids if self.block_drafter else cfg.aux_layer_ids
+        self.aux_ids = validate_aux_layer_ids(taps, target.num_layers)
         self.target, self.draft = target, draft
         self.k = int(num_spec_tokens)
         self.mode = mode
@@ -540,13 +587,20 @@ class SpecDecoder:
         pend[0, : len(prompt)] = prompt[1:] + [first]
         pend_tok, pend_aux, pend_count, dstart = jnp.asarray(pend), aux, len(prompt), 0
         n = len(prompt) + 1  # sequence length; target cache valid for slots 0..n-2
-        dcache = init_draft_cache(dcfg, max_len)
+        # DFlash: one context row per position instead of draft rows (max_len covers every write:
+        # the prefill's bucket, then K+1 rows after at most prompt + max_new_tokens - 1 valid ones)
+        dcache = (dflash.init_context_cache(dcfg, 1, cache_size_for(max_len)) if self.block_drafter
+                  else init_draft_cache(dcfg, max_len))
         step = 0
         while len(res.tokens) < max_new_tokens:
             step += 1
             last = jnp.int32(res.tokens[-1])
             td = time.perf_counter()
-            if self.mode == "chain":
+            if self.block_drafter:
+                drafts, q, dcache = _draft_block(
+                    self.draft_params, self.embed, self.d2t, dcache, pend_aux, jnp.int32(pend_count),
+                    jnp.int32(dstart), last, jax.random.fold_in(root, 2 * step), temp, dcfg=dcfg, k=k, sample=sample)
+            elif self.mode == "chain":
                 propose = _draft_parallel if dcfg.parallel_drafting else _draft_chain
                 drafts, q, dcache = propose(
                     self.draft_params, self.embed, self.d2t, dcache, pend_tok, pend_aux, jnp.int32(pend_count),

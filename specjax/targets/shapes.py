@@ -142,7 +142,7 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
     kernel choices), aux ids, draft config (check_draft_compat, fc_norm / norm_output) and TTT
     config are built by the training run's own functions (specjax.train.setup)."""
     from specjax.config import load_config
-    from specjax.drafts import eagle3
+    from specjax.drafts import draft_types
     from specjax.train.setup import abstract_target, make_draft_config, resolve_aux_ids
 
     run_cfg = load_config(config_path, list(overrides))
@@ -152,7 +152,7 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
     cls, cfg, params = type(target), target.config, target.params
     aux = resolve_aux_ids(run_cfg, target)
     draft_cfg = make_draft_config(run_cfg, target, aux)
-    draft_params = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
+    draft_params = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
     seq = int(seq or run_cfg.data.seq_length)
 
     n_draft = _count(draft_params)

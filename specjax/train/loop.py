@@ -30,7 +30,7 @@ from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 from specjax.data.chat import check_chat_template
-from specjax.drafts import eagle3
+from specjax.drafts import draft_types
 from specjax.export import export_from_state
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.metrics import MetricsWriter, summarize
@@ -354,11 +354,13 @@ class _Trainer:
     def _write_run_meta(self, resumed_at: int = 0) -> None:
         meta = {
             "config": config_to_dict(self.cfg),
-            "draft_config": eagle3.config_to_dict(self.setup.draft_config),
+            "draft_config": draft_types.config_to_dict(self.setup.draft_config),
             "target_path": os.path.abspath(self.cfg.target.path),
             "target_config": self.target.hf_config,
             "vocab_file": VOCAB_FILE,
         }
+        if draft_types.is_dflash(self.setup.draft_config):  # absent: EAGLE-3 (as in runs from before DFlash)
+            meta[draft_types.FAMILY_KEY] = draft_types.DFLASH
         if resumed_at:
             meta["resumed_at_step"] = resumed_at
         if self.proc == 0:

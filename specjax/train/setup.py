@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from specjax import mesh as meshlib
 from specjax.config import Config
 from specjax.data.chat import check_chat_template
-from specjax.drafts import eagle3
+from specjax.drafts import dflash, draft_types, eagle3
 from specjax.drafts.ttt import TTTConfig
 from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
 from specjax.targets import load_target, validate_aux_layer_ids
@@ -34,7 +34,7 @@ from specjax.targets.loading import read_hf_config
 from specjax.targets.registry import get_target_class
 from specjax.targets.shapes import abstract_params
 from specjax.train.optim import lr_schedule, make_optimizer
-from specjax.train.step import StepFns, build_step_fns
+from specjax.train.step import DFlashObjective, StepFns, build_step_fns
 from specjax_converters.eagle3_import import warm_start_params
 
 VOCAB_FILE = "draft_vocab.npz"
@@ -182,22 +182,35 @@ def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
 
 
 def resolve_aux_ids(cfg: Config, target) -> tuple[int, ...]:
-    ids = cfg.target.aux_layer_ids or target.default_aux_layer_ids()
+    """target.aux_layer_ids (output-of-layer-k), else the draft type's default: EAGLE-3's three taps,
+    or for DFlash one per draft layer spread over the target (dflash.default_target_layer_ids)."""
+    if cfg.target.aux_layer_ids:
+        ids = cfg.target.aux_layer_ids
+    elif cfg.draft.type == "dflash":
+        ids = dflash.default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"draft.type=dflash: the default taps {list(ids)} for {cfg.draft.num_layers} draft layers "
+                             f"of a {target.num_layers}-layer target repeat a layer; set target.aux_layer_ids.")
+    else:
+        ids = target.default_aux_layer_ids()
     return tuple(int(i) for i in validate_aux_layer_ids(tuple(ids), target.num_layers))
 
 
-def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
-    """The one translation of the `draft` section (+ the target's shapes) into an Eagle3Config."""
+def make_draft_config(cfg: Config, target, aux_ids) -> draft_types.DraftConfigType:
+    """The one translation of the `draft` section (+ the target's shapes) into the draft's config:
+    an Eagle3Config (eagle3, p_eagle) or a DFlashConfig (dflash; its taps are `aux_ids`)."""
     d = cfg.draft
     # e.g. hybrid Mamba targets: the draft's KV heads must equal the target's (vLLM KV-cache pages);
     # checked before training, not at export
     check = getattr(type(target), "check_draft_compat", None)
     if check is not None:
         check(target.config, d.num_key_value_heads)
+    if d.type == "dflash":
+        return _dflash_config(cfg, target, aux_ids)
     parallel = d.type == "p_eagle"
     if not parallel and d.mask_token_id is not None:
-        raise ValueError(f"draft.mask_token_id={d.mask_token_id} is only read by draft.type=p_eagle; remove it "
-                         "or set draft.type=p_eagle.")
+        raise ValueError(f"draft.mask_token_id={d.mask_token_id} is only read by draft.type=p_eagle or dflash; "
+                         "remove it or set draft.type=p_eagle.")
     return eagle3.config_from_target(
         target.config, draft_vocab_size=d.draft_vocab_size, aux_layer_ids=aux_ids,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
@@ -207,9 +220,28 @@ def make_draft_config(cfg: Config, target, aux_ids) -> eagle3.Eagle3Config:
     )
 
 
+def _dflash_config(cfg: Config, target, aux_ids) -> dflash.DFlashConfig:
+    """DFlash: the draft's width, norms and RoPE are the target's; heads / head_dim / MLP width
+    default to the target's too. A config problem is reported with the draft.* key to change."""
+    d, t = cfg.draft, target.config
+    base = dflash.config_from_target(
+        t, draft_vocab_size=d.draft_vocab_size, mask_token_id=mask_token_id(cfg, target), num_layers=d.num_layers,
+        block_size=d.block_size, target_layer_ids=aux_ids, intermediate_size=d.intermediate_size,
+        sample_from_anchor=d.sample_from_anchor)
+    overrides = {k: v for k, v in (("num_attention_heads", d.num_attention_heads),
+                                   ("num_key_value_heads", d.num_key_value_heads), ("head_dim", d.head_dim))
+                 if v is not None}
+    out = dataclasses.replace(base, **overrides) if overrides else base
+    try:
+        out.validate()
+    except ValueError as e:
+        raise ValueError(f"draft.type=dflash: {e} (the draft.* key of the same name sets it)") from None
+    return out
+
+
 def mask_token_id(cfg: Config, target) -> int:
-    """P-EAGLE's mask token: draft.mask_token_id, else the target config's pad_token_id, else its
-    (first) eos_token_id."""
+    """The mask token of P-EAGLE and DFlash: draft.mask_token_id, else the target config's
+    pad_token_id, else its (first) eos_token_id."""
     if cfg.draft.mask_token_id is not None:
         return int(cfg.draft.mask_token_id)
     hf = getattr(target, "hf_config", {}) or {}
@@ -220,8 +252,8 @@ def mask_token_id(cfg: Config, target) -> int:
             v = v[0] if v else None
         if v is not None:
             return int(v)
-    raise ValueError("draft.type=p_eagle needs a mask token and the target config has neither pad_token_id "
-                     "nor eos_token_id; set draft.mask_token_id to a token id of the target vocab.")
+    raise ValueError(f"draft.type={cfg.draft.type} needs a mask token and the target config has neither "
+                     "pad_token_id nor eos_token_id; set draft.mask_token_id to a token id of the target vocab.")
 
 
 def make_ttt_config(cfg: Config) -> TTTConfig:
@@ -232,6 +264,22 @@ def make_ttt_config(cfg: Config) -> TTTConfig:
                      attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce,
                      loss=t.loss, kl_scale=t.lk_kl_scale, kl_decay=t.lk_kl_decay, eta=t.lk_eta,
                      cod_ratio=t.cod_ratio, cod_ratio_min=t.cod_ratio_min, cod_seed=cfg.run.seed)
+
+
+def make_dflash_objective(cfg: Config, draft_cfg: dflash.DFlashConfig) -> DFlashObjective:
+    """train.dflash_* as DFlash's loss config (checked against the draft config), anchors keyed by run.seed."""
+    t = cfg.train
+    loss = dflash.DFlashLossConfig(objective=t.dflash_objective, num_anchors=t.dflash_anchors,
+                                   loss_decay_gamma=t.dflash_decay_gamma or None)
+    loss.validate(draft_cfg)
+    return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
+
+
+def make_objective_config(cfg: Config, draft_cfg):
+    """What the loss reads besides the draft config: the TTT config, or DFlash's objective."""
+    if draft_types.is_dflash(draft_cfg):
+        return make_dflash_objective(cfg, draft_cfg)
+    return make_ttt_config(cfg)
 
 
 def make_mesh(cfg: Config):
@@ -260,8 +308,8 @@ class RunSetup:
     cfg: Config
     mesh: Any
     target: Any  # loaded or abstract params
-    draft_config: eagle3.Eagle3Config
-    ttt: TTTConfig
+    draft_config: draft_types.DraftConfigType
+    ttt: Any  # TTTConfig (eagle3, p_eagle) or DFlashObjective (dflash): make_objective_config
     optimizer: Any
     schedule: Callable[[int], Any]
     compute_dtype: Any
@@ -272,10 +320,24 @@ class RunSetup:
         """The configured initialisation: random from run.seed, then the published head of
         draft.init_from (checked against the draft config; rows matched by target id via `vocab`)."""
         cfg = self.cfg
+        if draft_types.is_dflash(self.draft_config):
+            return draft_types.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std,
+                                                 lm_head_rows=dflash_lm_head_rows(self.target, vocab))
         params = eagle3.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
         if cfg.draft.init_from:
             params = warm_start_params(cfg.draft.init_from, self.draft_config, vocab, params)
         return params
+
+
+def dflash_lm_head_rows(target, vocab):
+    """The target's lm_head rows of the draft vocab (draft order, fp32 on the host): a DFlash head's
+    initial lm_head. None without a vocab or with abstract target params."""
+    if vocab is None:
+        return None
+    head = target.lm_head_weight(target.params)
+    if isinstance(head, jax.ShapeDtypeStruct):
+        return None
+    return jnp.take(jnp.asarray(head, jnp.float32), jnp.asarray(vocab.draft_ids, jnp.int32), axis=0)
 
 
 def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunSetup:
@@ -286,8 +348,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     draft_cfg = make_draft_config(cfg, target, aux_ids)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     compute_dtype = jnp.float32 if (dtype or cfg.target.dtype) == "float32" else jnp.bfloat16
-    dshape = jax.eval_shape(lambda: eagle3.init_draft_params(draft_cfg, jax.random.key(0)))
-    ttt = make_ttt_config(cfg)
+    dshape = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
+    ttt = make_objective_config(cfg, draft_cfg)
     fns = build_step_fns(target, target.params, dshape, draft_cfg, ttt, optimizer, mesh, compute_dtype)
     return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, ttt=ttt,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),

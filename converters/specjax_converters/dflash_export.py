@@ -1,0 +1,246 @@
+"""Export a specjax DFlash block drafter as the folder vLLM loads with `"method": "dflash"`.
+
+Layout: one folder with
+  model.safetensors  every weight of specjax.drafts.dflash_weights.DFLASH_WEIGHTS under its file
+                     name (kernels as HF [out, in] = kernel.T, norm scales as they are), in one float
+                     dtype; plus d2t (int64 [Vd] offsets) and t2d (bool [V]) when the draft vocab is
+                     smaller than the target's. No embed_tokens and no `model.` prefix: vLLM prefixes
+                     the names itself and shares the target's embedding when the file has none.
+  config.json        a Qwen3 config with architectures ["DFlashDraftModel"] (vLLM's registry entry for
+                     its qwen3_dflash drafter) and a `dflash_config` block.
+
+What vLLM 0.32 reads from config.json (qwen3_dflash.py, config/speculative.py, v1/spec_decode):
+  architectures                      ["DFlashDraftModel"]; names starting with "DFlash" are kept as they are
+  model_type                         "qwen3": the keys below are parsed as a transformers Qwen3Config
+  hidden_size, num_hidden_layers (the draft's layers), num_attention_heads, num_key_value_heads,
+  head_dim, intermediate_size, hidden_act, rms_norm_eps, max_position_embeddings, attention_bias,
+  rope_theta / rope_parameters       the decoder layers and their RoPE
+  vocab_size                         the embedding size (the target's; must match to share it)
+  draft_vocab_size                   lm_head rows; d2t is loaded when it differs from the target vocab
+  target_hidden_size                 fc input = target_hidden_size * number of taps
+  dflash_config.mask_token_id        the token embedded in the mask slots
+  dflash_config.target_layer_ids     the taps, output-of-layer-k (vLLM adds 1 to get its aux layer ids)
+  dflash_config.causal               false: bidirectional attention inside a block (as trained)
+  dflash_config.sample_from_anchor   whether slot 0 drafts too (false for DFlash)
+  dflash_config.use_aux_hidden_state true: the context rows come from the target's taps through fc
+`block_size`, `num_target_layers` and `layer_types` are not read by vLLM (it drafts
+num_speculative_tokens slots; serve with block_size - 1 of them, the trained block); SpecForge's
+DFlash model reads them. No top-level `eagle_aux_hidden_state_layer_ids` is written: vLLM would read
+it in preference to dflash_config, and one source of the taps is enough.
+
+The folder is written under a temporary name next to `out_dir` and renamed at the end, so a failed
+export leaves no partial folder behind. Plain numpy + safetensors; no jax at import.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+
+from specjax.drafts import weights
+from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
+from specjax_converters.target_facts import rope_dict, target_text_config
+
+__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict", "export_dflash"]
+
+ARCHITECTURE = "DFlashDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+           "float16": "float16", "fp16": "float16"}
+_COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _fail(field: str, problem: str, fix: str):
+    raise ValueError(f"DFlash export: {field}: {problem}. Fix: {fix}.")
+
+
+def _normalize_dtype(dtype: str) -> str:
+    name = str(dtype).lower()
+    if name not in _DTYPES:
+        _fail("dtype", f"{dtype!r} is not supported", f"use one of {sorted(set(_DTYPES.values()))}")
+    return _DTYPES[name]
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _flat_paths(tree: Mapping, prefix: tuple = ()) -> set:
+    out = set()
+    for k, v in tree.items():
+        out |= _flat_paths(v, prefix + (str(k),)) if isinstance(v, Mapping) else {prefix + (str(k),)}
+    return out
+
+
+def dflash_state_dict(params: Mapping, cfg, vocab=None, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """File-named numpy tensors of a DFlash draft: one per DFLASH_WEIGHTS row for `cfg` (kernels
+    transposed to HF [out, in], cast to `dtype`), plus d2t / t2d from `vocab` (a DraftVocab, or
+    anything with those arrays) when cfg.draft_vocab_size < cfg.vocab_size. `vocab=None` means the
+    full target vocab (then Vd must equal V)."""
+    np_dtype = _np_dtype(_normalize_dtype(dtype))
+    leaves = weights.entries(DFLASH_WEIGHTS, cfg)
+    have, want = _flat_paths(params), {e.path for e in leaves}
+    if have != want:
+        _fail("params", f"leaves {sorted('.'.join(p) for p in have - want)} are not in DFLASH_WEIGHTS and "
+              f"{sorted('.'.join(p) for p in want - have)} are missing for this config (num_layers={cfg.num_layers})",
+              "export the param tree specjax.drafts.dflash.init_draft_params builds for the same DFlashConfig")
+    out: dict[str, np.ndarray] = {}
+    for e in leaves:
+        arr = np.asarray(weights.leaf(params, e.path), dtype=np.float32)  # fp32 first: bf16 converts cleanly
+        if arr.shape != e.shape:
+            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape} ({[repr(d) for d in e.row.shape]})",
+                  "check the DFlashConfig the params were built with")
+        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    V, Vd = int(cfg.vocab_size), int(cfg.draft_vocab_size)
+    if Vd == V:
+        if vocab is not None and not np.array_equal(np.asarray(vocab.d2t), np.zeros(Vd, np.int64)):
+            _fail("vocab", "a full-size draft vocab must be the identity map (d2t all 0)",
+                  "pass vocab=None for a full-vocab draft")
+        return out  # vLLM has no d2t parameter for a full-vocab draft
+    if vocab is None:
+        _fail("vocab", f"draft_vocab_size={Vd} < vocab_size={V} but no d2t/t2d were given",
+              "pass the run's DraftVocab (specjax.drafts.vocab) so vLLM can map draft ids to target ids")
+    d2t = np.asarray(vocab.d2t).astype(DFLASH_VOCAB_TENSORS["d2t"])
+    t2d = np.asarray(vocab.t2d).astype(DFLASH_VOCAB_TENSORS["t2d"])
+    if d2t.shape != (Vd,) or t2d.shape != (V,):
+        _fail("vocab", f"d2t {d2t.shape} / t2d {t2d.shape}, expected ({Vd},) / ({V},)",
+              "build the DraftVocab with the draft's draft_vocab_size over the target's vocab")
+    if not np.array_equal(np.nonzero(t2d)[0], np.arange(Vd) + d2t):
+        _fail("vocab", "t2d and d2t disagree (nonzero(t2d) != arange(Vd) + d2t)", "rebuild the DraftVocab")
+    out["d2t"], out["t2d"] = d2t, t2d
+    return out
+
+
+def _check_against_target(cfg, tc: Mapping) -> None:
+    if "vocab_size" in tc and int(tc["vocab_size"]) != int(cfg.vocab_size):
+        _fail("vocab_size", f"the draft reads a {cfg.vocab_size}-row embedding but the target has {tc['vocab_size']}",
+              "build the DFlashConfig from this target (specjax.drafts.dflash.config_from_target)")
+    if "hidden_size" in tc and int(tc["hidden_size"]) != int(cfg.hidden_size):
+        _fail("hidden_size", f"{cfg.hidden_size} differs from the target's {tc['hidden_size']}",
+              "DFlash drafts use the target's hidden size; rebuild the config from the target")
+    L = tc.get("num_hidden_layers")
+    if L is not None and max(cfg.target_layer_ids) >= int(L):
+        _fail("target_layer_ids", f"{list(cfg.target_layer_ids)} reach past the target's {L} layers "
+              "(output-of-layer-k, 0-based)", f"use ids in [0, {int(L) - 1}]")
+    if not 0 <= int(cfg.mask_token_id) < int(tc.get("vocab_size", cfg.vocab_size)):
+        _fail("mask_token_id", f"{cfg.mask_token_id} is outside the target vocab", "use a token id the target embeds")
+    target_rope = rope_dict(tc)
+    ours = rope_dict({"rope_parameters": cfg.rope.to_hf()})
+    if target_rope is not None and target_rope != ours:
+        _fail("rope", f"the draft was built with {ours} but the target config says {target_rope}",
+              "use the target's RoPE (config_from_target copies it)")
+
+
+def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") -> dict:
+    """The draft's config.json (keys: see the module doc)."""
+    cfg.validate()
+    tc = target_text_config(target_hf_config)
+    _check_against_target(cfg, tc)
+    rope_parameters = cfg.rope.to_hf()
+    legacy_scaling = None if rope_parameters["rope_type"] == "default" else {
+        k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    n = int(cfg.num_layers)
+    conf: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": int(cfg.hidden_size),
+        "num_hidden_layers": n,
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_key_value_heads": int(cfg.num_key_value_heads),
+        "head_dim": int(cfg.head_dim),
+        "intermediate_size": int(cfg.intermediate_size),
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": float(cfg.rms_norm_eps),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": int(tc.get("max_position_embeddings", cfg.max_position_embeddings)),
+        "rope_theta": rope_parameters["rope_theta"],
+        "rope_scaling": legacy_scaling,
+        "rope_parameters": rope_parameters,
+        "vocab_size": int(cfg.vocab_size),
+        "draft_vocab_size": int(cfg.draft_vocab_size),
+        "target_hidden_size": int(cfg.hidden_size),
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * n,
+        "block_size": int(cfg.block_size),
+        "num_target_layers": int(tc.get("num_hidden_layers", cfg.num_target_layers or 0)) or None,
+        "dflash_config": {
+            "mask_token_id": int(cfg.mask_token_id),
+            "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
+            "causal": False,
+            "sample_from_anchor": bool(cfg.sample_from_anchor),
+            "use_aux_hidden_state": True,
+        },
+        "torch_dtype": _normalize_dtype(dtype),
+    }
+    for key in _COPIED_TOKEN_FIELDS:
+        if tc.get(key) is not None:
+            conf[key] = tc[key]
+    return conf
+
+
+def _is_replaceable(path: str) -> bool:
+    """An existing out_dir may be replaced only when empty or an earlier DFlash export."""
+    if not os.path.isdir(path):
+        return False
+    names = set(os.listdir(path))
+    if not names:
+        return True
+    if names != {WEIGHTS_FILE, CONFIG_FILE}:
+        return False
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return json.load(f).get("architectures") == [ARCHITECTURE]
+    except (OSError, ValueError):
+        return False
+
+
+def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str | os.PathLike, *, vocab=None,
+                  dtype: str = "bfloat16") -> str:
+    """Write model.safetensors + config.json to `out_dir` (atomically: a temporary folder beside
+    it, renamed at the end). An existing out_dir is replaced only when it is empty or an earlier
+    DFlash export. Returns the absolute out_dir."""
+    from safetensors.numpy import save_file
+
+    dtype = _normalize_dtype(dtype)
+    tensors = dflash_state_dict(params, cfg, vocab, dtype)
+    config = dflash_hf_config(cfg, target_hf_config, dtype)
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not _is_replaceable(out_dir):
+        _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash export",
+              "choose an empty or new folder (the export will not overwrite other files)")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a server running as another user must read it
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "x"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
