@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from export._heads import (
+    AUX, FAST_COMPILE, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, VD, H, V, import_speculators, inputs, jax_logits,
+    make_draft, rel_err, speculators_logits, target_config, write_target,
+)
 from safetensors.numpy import load_file
 
-from export._heads import (AUX, H, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, V, VD, import_speculators, inputs,
-                           jax_logits, make_draft, rel_err, speculators_logits, target_config, write_target)
 from specjax_converters.eagle3_export import export_eagle3
 from specjax_converters.eagle3_import import read_head
 from specjax_converters.eagle3_validate import errors, validate_folder
@@ -118,8 +120,9 @@ def test_two_layer_ttt_loss_trains_both_layers(head):
                  final_hidden=jnp.asarray(rng.standard_normal((1, T, H)), jnp.float32),
                  embed_table=jnp.asarray(head["embed"]), lm_head=jnp.asarray(rng.standard_normal((V, H)), jnp.float32),
                  draft_ids=ids, t2d=jnp.zeros((V,), bool).at[ids].set(True), d2t=ids - jnp.arange(VD))
-    (loss, m), g = jax.value_and_grad(lambda p: ttt_loss(p, cfg, TTTConfig(ttt_steps=3, vocab_chunk=64), **batch),
-                                      has_aux=True)(params)
+    ttt = TTTConfig(ttt_steps=3, vocab_chunk=64)
+    (loss, m), g = jax.jit(jax.value_and_grad(lambda p: ttt_loss(p, cfg, ttt, **batch), has_aux=True),
+                           compiler_options=FAST_COMPILE)(params)
     assert np.isfinite(float(loss)) and float(loss) > 0
     assert float(jnp.abs(g["layers"]["1"]["self_attn"]["q_proj"]["kernel"]).max()) > 0
     assert float(jnp.abs(g["midlayer"]["self_attn"]["q_proj"]["kernel"]).max()) > 0

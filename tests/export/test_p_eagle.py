@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from export._heads import (
+    AUX, FAST_COMPILE, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, VD, H, V, import_speculators, make_draft, rel_err,
+    target_config, write_target,
+)
 from safetensors.numpy import load_file
 
-from export._heads import (AUX, H, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, V, VD, import_speculators, make_draft,
-                           rel_err, target_config, write_target)
 from specjax.drafts import eagle3
 from specjax.drafts.eagle3 import mask_hidden_projected
 from specjax.drafts.ttt import TTTConfig, cod_row_masks, shift_left, ttt_loss
@@ -120,8 +122,8 @@ def _speculators_model(sp, head, loss_name="kl_div"):
 
 def _run_speculators(sp, head, batch, keeps, loss_name):
     """speculators' forward + backward on the same rows: (per-depth logits, loss, {file name: grad})."""
-    import torch
     import speculators.models.peagle.core as core
+    import torch
     from speculators.losses import resolve_loss_config
 
     model = _speculators_model(sp, head)
@@ -129,7 +131,7 @@ def _run_speculators(sp, head, batch, keeps, loss_name):
     with torch.no_grad():  # the teacher over the draft vocab from the target's final-norm hidden
         model.verifier_lm_head.weight.copy_(torch.from_numpy(np.asarray(batch["lm_head"])[draft_ids]))
     model.verifier_norm = torch.nn.Identity()  # final_hidden is already the target's final-norm output
-    model.lm_head.weight.requires_grad_(True)  # speculators freezes its (verifier-initialised) lm_head; specjax trains it
+    model.lm_head.weight.requires_grad_(True)  # speculators freezes its verifier-initialised lm_head; specjax trains it
     # speculators' frame: row i = specjax row i (token x[i+1], aux at i, teacher at i+1), T-1 rows
     anchors = [np.arange(T - 1)] + [np.flatnonzero(np.asarray(k[0])) for k in keeps[1:]]
     depth = np.concatenate([np.full(len(a), d) for d, a in enumerate(anchors)])
@@ -164,9 +166,10 @@ def _teacher_entropy(batch, trained):
     ids = np.asarray(batch["draft_ids"])
     logits = np.einsum("btd,vd->btv", np.asarray(batch["final_hidden"], np.float64),
                        np.asarray(batch["lm_head"], np.float64)[ids])
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
-    ent = -(np.exp(logp) * logp).sum(-1)  # [1, T] at target position t
-    num = sum(float((np.asarray(m) * np.asarray(shift_left(jnp.asarray(ent), 1 + k))).sum()) for k, m in enumerate(trained))
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    ent = jnp.asarray(-(np.exp(logp) * logp).sum(-1))  # [1, T] at target position t
+    num = sum(float((np.asarray(m) * np.asarray(shift_left(ent, 1 + k))).sum()) for k, m in enumerate(trained))
     return num / sum(float(np.asarray(m).sum()) for m in trained)
 
 
@@ -180,8 +183,8 @@ def test_p_eagle_matches_speculators(head, loss_name):
     trained = [m * c for m, c in zip(_step_masks(batch), keeps)]
     assert all(float(jnp.sum(c)) > 0 for c in keeps[1:]), "every depth must train some rows"
     ttt = TTTConfig(ttt_steps=K, step_decay=1.0, vocab_chunk=64, loss=loss_name)
-    (loss, metrics), grads = jax.value_and_grad(
-        lambda p: ttt_loss(p, cfg, ttt, cod_key=key, **batch), has_aux=True)(params)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(lambda p: ttt_loss(p, cfg, ttt, cod_key=key, **batch),
+                                                        has_aux=True), compiler_options=FAST_COMPILE)(params)
     ref_depths, ref_loss, ref_grads = _run_speculators(sp, head, batch, keeps,
                                                        "kl_div" if loss_name == "soft_ce" else "lk_hybrid")
     ours = _jax_depth_logits(head["params"], cfg, batch)
