@@ -43,6 +43,7 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
+from specjax_converters.head_files import publish_folder
 from specjax_converters.target_facts import rope_dict, target_text_config
 
 __all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict", "export_dflash"]
@@ -228,18 +229,7 @@ def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a server running as another user must read it
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "x"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,7 +30,7 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax_converters.eagle3_validate import ARCHITECTURE, ExportValidationError, check_head, errors, validate_folder
-from specjax_converters.head_files import Finding, file_sha256
+from specjax_converters.head_files import Finding, file_sha256, publish_folder
 from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
@@ -230,16 +230,6 @@ def _json_default(x):
     return str(x)
 
 
-def _apply_umask_modes(folder: str) -> None:
-    """mkdtemp makes a private 0700 folder; give it (and the files) the modes a plain mkdir/open would,
-    so a server running as another user can read the export."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
-
-
 def _is_replaceable(path: str) -> bool:
     """An existing out_dir may be replaced only if it is empty or an earlier export."""
     if not os.path.isdir(path):
@@ -317,15 +307,7 @@ def export_eagle3(
         findings, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=aux_ids, check_finite=False)
         if errors(findings):
             raise ExportValidationError(findings, "EAGLE-3 export (written files)")
-        _apply_umask_modes(tmp)
-        if os.path.exists(out_dir):
-            # Swap: the old export is moved aside first so out_dir is never half-written.
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "x"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

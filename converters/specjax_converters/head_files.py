@@ -15,6 +15,8 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
+import tempfile
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -186,3 +188,24 @@ def file_sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
+
+# ---------------------------------------------------------------------------------------------
+# publishing an export folder (every exporter writes into a temporary sibling, then this)
+# ---------------------------------------------------------------------------------------------
+def publish_folder(tmp: str, out_dir: str) -> None:
+    """Give the finished temporary folder `tmp` (a sibling of `out_dir` made by tempfile.mkdtemp, so
+    private 0700) the modes a plain mkdir/open would, so a server running as another user can read
+    it, then rename it to `out_dir`. An existing `out_dir` is moved aside first and removed after, so
+    `out_dir` is never half-written."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+        os.rename(out_dir, os.path.join(old, "x"))
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
