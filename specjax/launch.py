@@ -23,7 +23,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-only", action="store_true",
                    help="lower + compile the train step for the configured mesh from the target's config.json "
                         "(no weights, no data) and print per-device memory and FLOPs")
+    p.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None,
+                   help="with --compile-only: the platform to lower the step for (default: this host's). "
+                        "tpu on a host without one lowers the step and every Pallas TPU kernel for a TPU "
+                        "without compiling it (CPU devices stand in for the mesh's TPU devices) and prints "
+                        "the kernels used and the per-device parameter and optimizer bytes")
+    p.add_argument("--tpu-chip", default=None,
+                   help="with --platform tpu: the TPU chip Mosaic's lowering is told it targets "
+                        "(v4, v5e, v5p, v6e, 7x; default v6e)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="with --platform tpu: the number of TPU devices to lower for (a parallelism.* size of -1 "
+                        "fills them; default: the product of the fixed sizes)")
     return p
+
+
+def _stand_in_cpu_devices(cfg, n_devices=None) -> None:
+    """Lowering for a TPU from another host: give JAX as many CPU devices as the mesh needs, if JAX
+    has not started its backends yet (otherwise the lowering's error says how to start it)."""
+    import math
+
+    import jax
+
+    from specjax.mesh import MESH_AXES
+
+    needed = n_devices or math.prod(max(int(getattr(cfg.parallelism, a)), 1) for a in MESH_AXES)
+    if needed > 1 and jax.config.jax_num_cpu_devices < needed:
+        try:
+            jax.config.update("jax_num_cpu_devices", needed)
+        except RuntimeError:  # backends already started: lowering_mesh reports the shortfall
+            pass
 
 
 def run_regenerate_stage(cfg):
@@ -72,6 +100,19 @@ def main(argv=None) -> int:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
 
+    if (args.platform or args.tpu_chip or args.devices) and not args.compile_only:
+        print("error: --platform, --tpu-chip and --devices apply to --compile-only; add --compile-only.",
+              file=sys.stderr)
+        return 2
+    if (args.tpu_chip or args.devices) and args.platform != "tpu":
+        print("error: --tpu-chip and --devices describe the TPU to lower for; add --platform tpu.", file=sys.stderr)
+        return 2
+    if args.devices is not None and args.devices < 1:
+        print(f"error: --devices {args.devices}: give the number of TPU devices, >= 1.", file=sys.stderr)
+        return 2
+    if args.platform == "tpu":
+        _stand_in_cpu_devices(cfg, args.devices)
+
     from specjax.distributed import initialize
 
     initialize()
@@ -79,7 +120,8 @@ def main(argv=None) -> int:
         from specjax.train.aot import compile_step, format_report
 
         try:
-            print(format_report(compile_step(cfg)))
+            print(format_report(compile_step(cfg, platform=args.platform, tpu_chip=args.tpu_chip,
+                                             n_devices=args.devices)))
         except (ValueError, FileNotFoundError) as e:  # bad aux ids, draft/target mismatch, no config.json
             print(f"error: {e}", file=sys.stderr)
             return 1

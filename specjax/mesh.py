@@ -142,10 +142,15 @@ CONTEXT_AXIS = "context"
 
 @_contextlib.contextmanager
 def use_mesh(mesh: Optional[Mesh]):
-    """Make `mesh` the one the layers' explicit collectives use while tracing inside this block."""
+    """Make `mesh` the one the layers' explicit collectives use while tracing inside this block, and
+    the one the Mosaic TPU kernels are split over (batch over the batch axes, heads over `tensor`:
+    XLA cannot partition a Mosaic call, specjax_kernels.tpu_lowering.kernel_mesh)."""
+    from specjax_kernels.tpu_lowering import kernel_mesh
+
     token = _ACTIVE.set(mesh)
     try:
-        yield mesh
+        with kernel_mesh(mesh, batch_axes=RULES["batch"], head_axes=(RULES["heads"],)):
+            yield mesh
     finally:
         _ACTIVE.reset(token)
 

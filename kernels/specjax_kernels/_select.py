@@ -2,10 +2,14 @@
 
 Each op has a table name -> loader. A loader returns the function, or raises `Unavailable(reason)`
 (or returns None) when the implementation cannot run here (wrong backend, missing package). The
-preference table lists names best-first per backend (`jax.default_backend()`: cpu, gpu, tpu).
+preference table lists names best-first per platform: `target_platform()` (cpu, gpu, tpu), which is
+`jax.default_backend()` except while a step is traced for another platform inside
+`specjax_kernels.tpu_lowering.lowering_for` (a TPU step lowered on a CPU host).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from typing import Callable
 
@@ -15,6 +19,43 @@ log = logging.getLogger("specjax_kernels")
 
 NAMES = ("reference", "xla", "pallas_tpu", "pallas_gpu", "triton")
 _logged: set = set()
+_PLATFORM: contextvars.ContextVar = contextvars.ContextVar("specjax_kernels_platform", default=None)
+_CHOICES: contextvars.ContextVar = contextvars.ContextVar("specjax_kernels_choices", default=None)
+
+
+def target_platform() -> str:
+    """The platform kernels are chosen for: the one `tpu_lowering.lowering_for` names while a step is
+    traced for another platform, else `jax.default_backend()`."""
+    return _PLATFORM.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def platform_override(platform: str):
+    """Choose kernels for `platform` inside this block (use `tpu_lowering.lowering_for`, which also
+    names the TPU chip to Mosaic's lowering and keys JAX's trace cache on it)."""
+    token = _PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+@contextlib.contextmanager
+def recording_choices():
+    """Collect {op: set of implementation names} of every selection made inside this block."""
+    choices: dict[str, set] = {}
+    token = _CHOICES.set(choices)
+    try:
+        yield choices
+    finally:
+        _CHOICES.reset(token)
+
+
+def record_choice(op: str, name: str) -> None:
+    """Note a choice made outside `select` (the target attention's plain path) for `recording_choices`."""
+    rec = _CHOICES.get()
+    if rec is not None:
+        rec.setdefault(op, set()).add(name)
 
 
 class Unavailable(RuntimeError):
@@ -47,7 +88,13 @@ def log_once_fallback(op: str, name: str, why: str, fallback: str, level: int = 
 
 def select(op: str, impls: dict[str, Callable[[], Callable | None]], preference: dict[str, list[str]],
            implementation: str | None) -> tuple[str, Callable]:
-    backend = jax.default_backend()
+    name, fn = _select(op, impls, preference, implementation)
+    record_choice(op, name)
+    return name, fn
+
+
+def _select(op, impls, preference, implementation):
+    backend = target_platform()
     order = preference.get(backend, preference["cpu"])
     if implementation not in (None, "auto"):
         if implementation not in impls:

@@ -8,7 +8,15 @@ DMA is issued for it either. m/l/lse are kept lane-replicated ([block,128]) like
 TPU flash kernel in jax.experimental.pallas.ops.tpu (layout fact only). Segment ids go in as
 [B,T,1] (queries) and [B,1,T] (keys) so the mask is a broadcast compare.
 
-Tested on CPU in interpret mode only (no TPU in this project's CI); compiled TPU runs are untested.
+`interpret=None` (what the api passes) decides at lowering: the Mosaic kernels when lowering for a TPU
+(from any host: tests/kernels/test_tpu_lowering.py lowers fwd and bwd at T = 32768 on the CPU), the TPU
+interpreter elsewhere. Index maps divide with lax.div, not `//`: jnp's floor division lowers through
+lax.sign, whose Mosaic rule needs the chip's identity, which a CPU host does not have.
+
+On a mesh of several devices (specjax_kernels.tpu_lowering.kernel_mesh) the three kernels run under
+shard_map, batch and heads split; XLA cannot partition a Mosaic call itself.
+
+Tested on CPU in interpret mode and lowered for a TPU from the CPU; never compiled or run on a TPU.
 """
 from __future__ import annotations
 
@@ -18,7 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
+from specjax_kernels.tpu_lowering import (active_kernel_mesh, axes_dividing, dim_spec, mosaic_or_interpret,
+                                          resolve_interpret, shard_kernel)
 from specjax_kernels.ttt_attention.common import Backend, f32, ttt_attention_with
 
 MASK = -1.0e30
@@ -31,10 +42,6 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 def _params(sem):
     return pltpu.CompilerParams(dimension_semantics=sem)
-
-
-def _interp(interpret):
-    return pltpu.InterpretParams() if interpret else False
 
 
 def _masked(s, i, j, bs, qseg_ref, kseg_ref, has_seg, value):
@@ -141,8 +148,8 @@ def fwd0(q, k, v, seg, scale, *, block, has_seg, interpret):
     n = T // bs
     qt, kt, vt, qseg, kseg = _prep(q, k, v, seg)
     kern = functools.partial(_fwd_kernel, bs=bs, scale=scale, has_seg=has_seg)
-    kv_map = lambda b, h, i, j: (b, h // G, jnp.minimum(j, i), 0)
-    o, lse = pl.pallas_call(
+    kv_map = lambda b, h, i, j: (b, jax.lax.div(h, G), jnp.minimum(j, i), 0)
+    o, lse = mosaic_or_interpret(lambda interp, *xs: pl.pallas_call(
         kern, grid=(B, HQ, n, n),
         in_specs=[pl.BlockSpec((None, None, bs, D), lambda b, h, i, j: (b, h, i, 0)),
                   pl.BlockSpec((None, None, bs, D), kv_map), pl.BlockSpec((None, None, bs, D), kv_map),
@@ -153,8 +160,8 @@ def fwd0(q, k, v, seg, scale, *, block, has_seg, interpret):
         out_shape=[jax.ShapeDtypeStruct((B, HQ, T, D), f32), jax.ShapeDtypeStruct((B, HQ, T, LANES), f32)],
         scratch_shapes=[pltpu.VMEM((bs, LANES), f32), pltpu.VMEM((bs, LANES), f32), pltpu.VMEM((bs, D), f32)],
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=_interp(interpret), name="ttt_block0_fwd_tpu",
-    )(qt, kt, vt, qseg, kseg)
+        interpret=interp, name="ttt_block0_fwd_tpu",
+    )(*xs), qt, kt, vt, qseg, kseg, interpret=interpret)
     return o.transpose(0, 2, 1, 3), lse[..., 0].transpose(0, 2, 1)
 
 
@@ -171,10 +178,10 @@ def bwd0(q, k, v, seg, do, lse, delta, scale, *, block, has_seg, interpret):
     sem = _params(("parallel", "parallel", "parallel", "arbitrary"))
     # dq: query block i (grid axis 2), key block j (axis 3, clamped to <= i)
     qrow = lambda b, h, i, j: (b, h, i, 0)
-    kv_map = lambda b, h, i, j: (b, h // G, jnp.minimum(j, i), 0)
+    kv_map = lambda b, h, i, j: (b, jax.lax.div(h, G), jnp.minimum(j, i), 0)
     blk = lambda m: pl.BlockSpec((None, None, bs, D), m)
     lrow = pl.BlockSpec((None, None, bs, LANES), qrow)
-    dq = pl.pallas_call(
+    dq = mosaic_or_interpret(lambda interp, *xs: pl.pallas_call(
         functools.partial(_dq_kernel, **kw), grid=(B, HQ, n, n),
         in_specs=[blk(qrow), blk(kv_map), blk(kv_map),
                   pl.BlockSpec((None, bs, 1), lambda b, h, i, j: (b, i, 0)),
@@ -182,14 +189,14 @@ def bwd0(q, k, v, seg, do, lse, delta, scale, *, block, has_seg, interpret):
                   blk(qrow), lrow, lrow],
         out_specs=blk(qrow), out_shape=jax.ShapeDtypeStruct((B, HQ, T, D), f32),
         scratch_shapes=[pltpu.VMEM((bs, D), f32)], compiler_params=sem,
-        interpret=_interp(interpret), name="ttt_block0_dq_tpu",
-    )(qt, kt, vt, qseg, kseg, dot_, lse_l, delta_l)
+        interpret=interp, name="ttt_block0_dq_tpu",
+    )(*xs), qt, kt, vt, qseg, kseg, dot_, lse_l, delta_l, interpret=interpret)
     # dk/dv: key block j (axis 2), query block i (axis 3, clamped to >= j); per query head, summed below
     q_map = lambda b, h, j, i: (b, h, jnp.maximum(i, j), 0)
-    k_map = lambda b, h, j, i: (b, h // G, j, 0)
+    k_map = lambda b, h, j, i: (b, jax.lax.div(h, G), j, 0)
     out_map = lambda b, h, j, i: (b, h, j, 0)
     lq = pl.BlockSpec((None, None, bs, LANES), q_map)
-    dk, dv = pl.pallas_call(
+    dk, dv = mosaic_or_interpret(lambda interp, *xs: pl.pallas_call(
         functools.partial(_dkdv_kernel, **kw), grid=(B, HQ, n, n),
         in_specs=[blk(q_map), blk(k_map), blk(k_map),
                   pl.BlockSpec((None, bs, 1), lambda b, h, j, i: (b, jnp.maximum(i, j), 0)),
@@ -198,24 +205,59 @@ def bwd0(q, k, v, seg, do, lse, delta, scale, *, block, has_seg, interpret):
         out_specs=[blk(out_map), blk(out_map)],
         out_shape=[jax.ShapeDtypeStruct((B, HQ, T, D), f32)] * 2,
         scratch_shapes=[pltpu.VMEM((bs, D), f32), pltpu.VMEM((bs, D), f32)], compiler_params=sem,
-        interpret=_interp(interpret), name="ttt_block0_dkdv_tpu",
-    )(qt, kt, vt, qseg, kseg, dot_, lse_l, delta_l)
+        interpret=interp, name="ttt_block0_dkdv_tpu",
+    )(*xs), qt, kt, vt, qseg, kseg, dot_, lse_l, delta_l, interpret=interpret)
     back = lambda x: x.transpose(0, 2, 1, 3)
     dk = back(dk).reshape(B, T, HKV, G, D).sum(3)
     dv = back(dv).reshape(B, T, HKV, G, D).sum(3)
     return back(dq), dk, dv
 
 
+def _split_specs(q, k):
+    """(mesh, [B,T,H,D] spec, [B,T] spec, [B,T,H] spec) to split the kernels over, or None (see
+    specjax_kernels.tpu_lowering.kernel_mesh): batch over the batch axes, heads over the head axes
+    when both Hq and Hkv divide (query head h reads kv head h // G, so equal splits of both agree)."""
+    km = active_kernel_mesh()
+    if km is None:
+        return None
+    mesh, batch_axes, head_axes = km
+    b = dim_spec(axes_dividing(mesh, batch_axes, q.shape[0]))
+    h = dim_spec(axes_dividing(mesh, head_axes, q.shape[2], k.shape[2]))
+    return mesh, P(b, None, h, None), P(b, None), P(b, None, h)
+
+
+def split_fwd0(q, k, v, seg, scale, *, block, has_seg, interpret):
+    fwd = lambda q, k, v, seg: fwd0(q, k, v, seg, scale, block=block, has_seg=has_seg, interpret=interpret)
+    split = _split_specs(q, k)
+    if split is None:
+        return fwd(q, k, v, seg)
+    mesh, x4, x2, x3 = split
+    return shard_kernel(fwd, mesh, (x4, x4, x4, x2), (x4, x3), q, k, v, seg)
+
+
+def split_bwd0(q, k, v, seg, do, lse, delta, scale, *, block, has_seg, interpret):
+    bwd = lambda q, k, v, seg, do, lse, delta: bwd0(q, k, v, seg, do, lse, delta, scale, block=block,
+                                                    has_seg=has_seg, interpret=interpret)
+    split = _split_specs(q, k)
+    if split is None:
+        return bwd(q, k, v, seg, do, lse, delta)
+    mesh, x4, x2, x3 = split
+    return shard_kernel(bwd, mesh, (x4, x4, x4, x2, x4, x3, x3), (x4, x4, x4), q, k, v, seg, do, lse, delta)
+
+
 @functools.lru_cache(maxsize=None)
-def backend(block: int, has_seg: bool, interpret: bool) -> Backend:
+def backend(block: int, has_seg: bool, interpret: bool | None) -> Backend:
     kw = dict(block=block, has_seg=has_seg, interpret=interpret)
-    return Backend("pallas_tpu", functools.partial(fwd0, **kw), functools.partial(bwd0, **kw), block)
+    return Backend("pallas_tpu", functools.partial(split_fwd0, **kw), functools.partial(split_bwd0, **kw), block)
 
 
 def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None,
-                  interpret=False):
+                  interpret: bool | None = None):
+    """interpret: True = Pallas's TPU interpreter, False = the Mosaic kernels, None = decided by the platform
+    lowered for (Mosaic for a TPU, Pallas's interpreter elsewhere). A block that is not legal on a TPU
+    runs the TPU interpreter off TPU and is an error for a TPU."""
     block = block_size or DEFAULT_BLOCK
-    if not interpret and block % 128:
-        raise ValueError(f"pallas_tpu ttt_attention block_size must be a multiple of 128 on TPU, got {block}.")
+    interpret = resolve_interpret(interpret, block % 128 == 0,
+                                  f"pallas_tpu ttt_attention block_size must be a multiple of 128 on TPU, got {block}.")
     return ttt_attention_with(backend(block, segment_ids is not None, interpret), q, k0, v0, k_diag, v_diag,
                               segment_ids, scale)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import mesh as meshlib
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels._select import record_choice, target_platform
 from specjax_kernels.ttt_attention import ttt_attention
 
 # query block used under context parallelism when the target config sets none (same result)
@@ -231,7 +232,8 @@ def dot_product_attention(
     ``mask_bts``: a bool [B, T, S] array or a ``SegmentCausalMask`` (S = T).
 
     ``implementation`` (training-time self-attention with a SegmentCausalMask only): None/"auto" =
-    on GPU the flash-style kernels of ``specjax_kernels.ttt_attention`` with no diagonal keys
+    on GPU and TPU (the platform kernels are chosen for: ``specjax_kernels._select.target_platform``;
+    on TPU lowered, not yet measured) the flash-style kernels of ``specjax_kernels.ttt_attention`` with no diagonal keys
     (causal + segment-aware + GQA, O(T) memory; benchmarks/results/train_throughput.md measured the
     plain path's [B,N,T,T] fp32 scores as the largest cost of the target forward), elsewhere the
     plain path below (exact reference; the HF parity tests run it). "plain" forces the plain path;
@@ -245,12 +247,14 @@ def dot_product_attention(
     if cp_mesh is not None and k_bskh.shape[1] == t:  # training-time self-attention (not a KV-cache decode)
         return _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, cp_mesh)
     if implementation in (None, "auto"):
-        implementation = "auto" if jax.default_backend() == "gpu" else "plain"
+        implementation = "auto" if target_platform() in ("gpu", "tpu") else "plain"
     if implementation != "plain" and isinstance(mask_bts, SegmentCausalMask) and k_bskh.shape[1] == t:
+        record_choice("target_attention", "ttt_attention kernel")
         # step 0 of the TTT attention is exactly segment-causal GQA self-attention
         return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, scale=scale,
                              implementation=implementation)
     if isinstance(mask_bts, SegmentCausalMask):
+        record_choice("target_attention", "plain")
         seg = mask_bts.segment_ids
         return _grouped(q_btnh, k_bskh, v_bskh, (seg, seg, 0), scale, q_block)
     return _grouped(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block)
