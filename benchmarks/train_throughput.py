@@ -13,7 +13,9 @@
 
 Both systems train an EAGLE-3 draft (Vd=32000, K=7 TTT steps, 0.8^k weights, AdamW lr 1e-4, clip 0.5,
 fp32 master weights, bf16 compute) against a frozen target with random bf16 weights of a real model's
-shape; nothing is downloaded.
+shape; nothing is downloaded. The two targets hold the same weights (one counter-based generator,
+transformers' init law: normal(0, 0.02), norms 1; "the random target weights" below), so both train
+against the same teacher and route tokens to the same experts.
   specjax   : specjax.train.step.build_step_fns (one jit: target forward + teacher + TTT unroll + AdamW).
   SpecForge : specforge==0.2.0 OnlineEagle3Model around LlamaForCausalLMEagle3(attention_backend=
               "flex_attention"), its Triton LogSoftmaxLoss, its compact teacher (target_hidden_for_compact =
@@ -258,32 +260,195 @@ def job_docs(job) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# specjax worker
+# the random target weights, the same on both sides
 # --------------------------------------------------------------------------------------------------
+# Both systems fill their target from one counter-based generator, so they train against the same
+# target (results/train_throughput.md, "Random MoE target: why the first losses differed"). The law is
+# transformers' init for these models: normal(0, initializer_range = 0.02) for every Linear, expert,
+# router and embedding weight, 1 for the RMSNorm scales. Value of element j (C order) of slot s of the
+# leaf at `path` (s = the index on the stacked layer axis, in specjax's layout):
+#   key = mix(seed ^ mix(crc32(path) ^ mix(s + 0x9E3779B9)))     (python ints, per slice)
+#   u1 = ((mix(key ^ mix(2j)) >> 9) + 0.5) / 2^23,  u2 = (mix(key ^ mix(2j + 1)) >> 9) / 2^23
+#   w = 0.02 * sqrt(-2 ln u1) * cos(2 pi u2)                       (Box-Muller, fp32, then the dtype)
+# with mix a 32-bit integer hash (multipliers of C. Wellons' "lowbias32"). The integer part is exact
+# in numpy, JAX (uint32) and torch (int64, masked); log/cos round within an ulp of fp32 in each.
+INIT_STD = 0.02
+_MUL1, _MUL2, _M32 = 0x7FEB352D, 0x846CA68B, 0xFFFFFFFF
+
+
+def _mix_int(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _MUL1) & _M32
+    x ^= x >> 15
+    x = (x * _MUL2) & _M32
+    return x ^ (x >> 16)
+
+
+def slice_key(seed: int, path, slot: int) -> int:
+    import zlib
+    return _mix_int(seed ^ _mix_int(zlib.crc32("/".join(path).encode()) ^ _mix_int(slot + 0x9E3779B9)))
+
+
+def _mix_u32(x):  # numpy / jax uint32 arrays: multiplication wraps modulo 2^32
+    x = x ^ (x >> 16)
+    x = x * x.dtype.type(_MUL1)
+    x = x ^ (x >> 15)
+    x = x * x.dtype.type(_MUL2)
+    return x ^ (x >> 16)
+
+
+def _box_muller(h1, h2, xp):
+    u1 = ((h1 >> 9).astype(xp.float32) + xp.float32(0.5)) * xp.float32(2.0**-23)
+    u2 = (h2 >> 9).astype(xp.float32) * xp.float32(2.0**-23)
+    return xp.float32(INIT_STD) * xp.sqrt(xp.float32(-2.0) * xp.log(u1)) * xp.cos(xp.float32(2 * math.pi) * u2)
+
+
+def shared_normal_np(key: int, shape) -> np.ndarray:
+    """The generator in numpy (float32), the reference the JAX and torch versions are tested against."""
+    n = math.prod(shape)
+    assert n < 2**31, shape
+    j = np.arange(n, dtype=np.uint32)
+    k = np.uint32(key)
+    h1, h2 = _mix_u32(k ^ _mix_u32(2 * j)), _mix_u32(k ^ _mix_u32(2 * j + np.uint32(1)))
+    return _box_muller(h1, h2, np).reshape(shape)
+
+
+_JAX_LEAF_FNS: dict = {}
+
+
+def shared_normal_jax(keys, slice_shape, dtype):
+    """[len(keys), *slice_shape] (one slice per key) in `dtype`, made on the device in one fused
+    computation (only the output is materialised; a 48-layer expert stack is one call)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = math.prod(slice_shape)
+    assert n < 2**31, slice_shape
+    sig = (tuple(slice_shape), jnp.dtype(dtype).name)
+    if sig not in _JAX_LEAF_FNS:
+        def make(keys_u32):
+            j = jax.lax.broadcasted_iota(jnp.uint32, (keys_u32.shape[0], n), 1)
+            k = keys_u32[:, None]
+            h1, h2 = _mix_u32(k ^ _mix_u32(2 * j)), _mix_u32(k ^ _mix_u32(2 * j + jnp.uint32(1)))
+            return _box_muller(h1, h2, jnp).astype(dtype).reshape((keys_u32.shape[0], *slice_shape))
+        _JAX_LEAF_FNS[sig] = jax.jit(make)
+    return _JAX_LEAF_FNS[sig](jnp.asarray(np.asarray(keys, np.uint32)))
+
+
+def shared_normal_torch(key: int, shape, device, chunk: int = 1 << 25):
+    """The generator in torch (float32 on `device`), in chunks of `chunk` elements (int64 counters)."""
+    import torch
+
+    n = math.prod(shape)
+    assert n < 2**31, shape
+    out = torch.empty(n, dtype=torch.float32, device=device)
+
+    def mix(x):  # x in [0, 2^32) as int64; products wrap mod 2^64, so the low 32 bits are exact
+        x = x ^ (x >> 16)
+        x = (x * _MUL1) & _M32
+        x = x ^ (x >> 15)
+        x = (x * _MUL2) & _M32
+        return x ^ (x >> 16)
+
+    for a in range(0, n, chunk):
+        j = torch.arange(a, min(n, a + chunk), dtype=torch.int64, device=device)
+        h1, h2 = mix(key ^ mix(2 * j)), mix(key ^ mix(2 * j + 1))
+        u1 = ((h1 >> 9).to(torch.float32) + 0.5) * 2.0**-23
+        u2 = (h2 >> 9).to(torch.float32) * 2.0**-23
+        out[a:a + len(j)] = INIT_STD * torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)
+    return out.reshape(shape)
+
+
+def _slots(spec):
+    """(slot, layer id) of each slice of a leaf: the stacked layer axis, or one unstacked slice."""
+    if not spec.stacked:
+        return [(0, None)]
+    ids = spec.layer_ids if spec.layer_ids is not None else range(spec.shape[0])
+    return list(enumerate(ids))
 
 
 def _jax_random_params(target, dtype, seed):
-    import jax
+    """specjax's target params from the shared generator (norm scales 1)."""
     import jax.numpy as jnp
 
     from specjax.targets.base import tree_set
 
-    makers = {}
     tree: dict = {}
-    key = jax.random.key(seed)
-    rng = np.random.default_rng(seed)
-    for i, spec in enumerate(type(target).weight_specs(target.config)):
+    for spec in type(target).weight_specs(target.config):
         if spec.path[-1] == "scale":
             value = jnp.ones(spec.shape, dtype)
-        elif math.prod(spec.shape) < 2**22:  # small leaves: drawn on the host (no compile per shape)
-            value = jnp.asarray(0.02 * rng.standard_normal(spec.shape, dtype=np.float32), dtype)
         else:
-            shp = tuple(spec.shape)
-            if shp not in makers:  # one compiled init per distinct shape, run on the device
-                makers[shp] = jax.jit(lambda k, s=shp: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype))
-            value = makers[shp](jax.random.fold_in(key, i))
+            slots = _slots(spec)
+            keys = [slice_key(seed, spec.path, s) for s, _ in slots]
+            shape = spec.shape[1:] if spec.stacked else spec.shape
+            if math.prod(spec.shape) < 2**22:  # small leaves: on the host (no compile per shape)
+                value = jnp.asarray(np.stack([shared_normal_np(k, shape) for k in keys]), dtype)
+            else:
+                value = shared_normal_jax(keys, shape, dtype)
+            value = value if spec.stacked else value[0]
         tree_set(tree, spec.path, value)
     return tree
+
+
+def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
+    """Overwrite a transformers model's weights with the values `_jax_random_params` gives specjax
+    (same generator, placed through specjax's weight map: transposes, layer slots, and the expert stack
+    transformers 5 keeps fused as gate_up_proj [E, 2F, D] / down_proj [E, D, F]). Returns the number
+    of tensors written; every model parameter must be written once (else ValueError)."""
+    import torch
+
+    from specjax.targets.shapes import make_target
+
+    target = make_target(hf)
+    params = dict(model.named_parameters())
+    written: set = set()
+
+    def put(name, value, index=None):
+        if name not in params:
+            raise ValueError(f"fill_hf_target_shared: transformers' model has no parameter {name!r}")
+        p = params[name]
+        dst = p if index is None else p[index]
+        if tuple(dst.shape) != tuple(value.shape):
+            raise ValueError(f"fill_hf_target_shared: {name}{'' if index is None else index}: shape "
+                             f"{tuple(dst.shape)} != {tuple(value.shape)}")
+        with torch.no_grad():
+            dst.copy_(value.to(p.dtype))
+        written.add(name)
+
+    for spec in type(target).weight_specs(target.config):
+        for slot, layer in _slots(spec):
+            shape = spec.shape[1:] if spec.stacked else spec.shape
+            if spec.path[-1] == "scale":
+                value = torch.ones(shape, device=next(iter(params.values())).device)
+            else:
+                value = shared_normal_torch(slice_key(seed, spec.path, slot), shape,
+                                            next(iter(params.values())).device)
+            if spec.expert_stacked:  # value [E, in, out] (specjax) -> HF [E, out, in]
+                value = value.transpose(1, 2)
+                per_expert = spec.hf_name.format(i=layer, e=0)
+                if per_expert in params:  # an unfused ModuleList of experts
+                    for e in range(value.shape[0]):
+                        put(spec.hf_name.format(i=layer, e=e), value[e])
+                    continue
+                prefix = spec.hf_name.split("{e}")[0].format(i=layer)  # "model.layers.{i}.mlp.experts."
+                kind = spec.path[-2]
+                if kind == "down_proj":
+                    put(prefix + "down_proj", value)
+                else:
+                    f = value.shape[1]
+                    put(prefix + "gate_up_proj", value, (slice(None), slice(0, f) if kind == "gate_proj" else slice(f, 2 * f)))
+                continue
+            put(spec.hf_name.format(i=layer), value.T if spec.transpose else value)
+    missing = sorted(set(params) - written)
+    if missing:
+        raise ValueError(f"fill_hf_target_shared: parameters not in specjax's weight map: {missing[:5]}")
+    return len(written)
+
+
+# --------------------------------------------------------------------------------------------------
+# specjax worker
+# --------------------------------------------------------------------------------------------------
 
 
 def _jax_mem_stats():
@@ -395,6 +560,10 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
         losses = [float(m["loss"]) for m in ms]
         return {"compile_s": compile_s, "step_s": wall / len(batches), "time_s": wall, "losses": losses,
                 "acc0": [float(m["acc_k"][0]) for m in ms], "plan_bytes": plan_bytes,
+                # the share of step-0 rows whose target argmax is in the draft vocab (the loss counts
+                # only those rows; with a random MoE target it is a lottery, see the results file)
+                "in_vocab0": [float(m["in_vocab_tokens_k"][0] / max(float(m["mask_tokens_k"][0]), 1.0))
+                              for m in ms if "in_vocab_tokens_k" in m],
                 "skipped": sum(float(m["skipped"]) for m in ms)}
 
     emit({"event": "setup", "system": system, "setup_s": setup_s, "aux_ids": list(aux),
@@ -654,6 +823,8 @@ def run_specforge(plan: dict, emit) -> None:
     conf = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k not in ("model_type",)})
     with torch.device(dev):
         target = AutoModelForCausalLM.from_config(conf, dtype=dt, attn_implementation="sdpa").eval()
+    # transformers' own init draws the same law, but another sample: the weights specjax's side uses
+    fill_hf_target_shared(target, hf, plan["seed"])
     target.requires_grad_(False)
     captured: dict = {}
     for i in aux:  # output of decoder layer i (= HF hidden_states[i+1])
@@ -846,6 +1017,8 @@ def summarise(plan: dict, rows: list[dict]) -> list[dict]:
 
 
 def _worker_main(system: str, plan_path: str, out_path: str) -> None:
+    if system == "specforge":  # it reads specjax's weight map only: JAX must not take the GPU's memory
+        os.environ["JAX_PLATFORMS"] = "cpu"
     with open(plan_path) as f:
         plan = json.load(f)
 

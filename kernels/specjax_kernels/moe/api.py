@@ -10,6 +10,8 @@ its result: for each token k expert ids and k weights. See reference.py for the 
   mgpu       JAX's Hopper grouped GEMM, ragged_dot_mgpu (forward only; bf16/fp16; see mgpu.py); auto
              on one Hopper GPU
   pallas_tpu JAX's TPU grouped GEMM, megablox gmm (interpret mode off TPU; see pallas_tpu.py)
+  pallas_gpu a Pallas grouped GEMM through the Triton lowering, for any NVIDIA GPU (forward + VJP;
+             interpret mode on CPU; see pallas_gpu.py); not picked by auto (not measured yet)
 """
 from __future__ import annotations
 
@@ -47,7 +49,22 @@ def _pallas_tpu():
     return fn
 
 
-IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_tpu": _pallas_tpu}
+def _pallas_gpu():
+    import functools
+
+    from specjax_kernels import _select
+    from specjax_kernels._select import Unavailable
+
+    # the platform kernels are chosen for (a TPU step lowered on a CPU host is not CPU)
+    backend = getattr(_select, "target_platform", jax.default_backend)()
+    if backend not in ("gpu", "cpu"):
+        raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
+    from specjax_kernels.moe.pallas_gpu import moe_experts as fn
+    return functools.partial(fn, interpret=backend == "cpu")
+
+
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_tpu": _pallas_tpu,
+                   "pallas_gpu": _pallas_gpu}
 # Off TPU, ragged_dot is expanded into a dense masked product over all experts (E x the FLOPs), so
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
 # 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
@@ -59,7 +76,8 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_
 # Hopper GPU for bf16/fp16 -- on ONE device: the Mosaic custom call is not partitioned by XLA and has
 # not been measured in a sharded step, so with several devices auto keeps xla (kernels.moe=mgpu forces
 # it). TPU: pallas_tpu (megablox) lowers for a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not
-# measured on one, so ragged_dot stays first.
+# measured on one, so ragged_dot stays first. pallas_gpu (any NVIDIA GPU, Triton lowering) is in no
+# list: it has not been timed on a GPU yet (kernels.moe=pallas_gpu selects it).
 PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
               "tpu": ["reference", "pallas_tpu", "xla"]}
 

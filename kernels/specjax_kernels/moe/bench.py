@@ -1,10 +1,12 @@
 """Time the routed-experts implementations on the current backend (forward only, after compile).
 
     python -m specjax_kernels.moe.bench [--tokens 8192] [--k 8] [--experts 128] [--hidden 2048]
-        [--inter 768] [--dtype bfloat16] [--blocks 128,512]
+        [--inter 768] [--dtype bfloat16] [--blocks 128,512] [--mgpu-sweep] [--pallas-gpu-sweep] [--grad]
 
 Defaults are one Qwen3-30B-A3B MoE layer on 8192 tokens. Prints ms per call and the max relative
-difference of each implementation against `reference`.
+difference of each implementation against the first one timed (`reference` unless --skip-reference).
+On a GPU it times xla, mgpu (Hopper) and pallas_gpu (any NVIDIA GPU); --grad also times
+forward + backward (d x and the three weight gradients) for the differentiable ones (xla, pallas_gpu).
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ def main(argv=None):
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--mgpu-sweep", action="store_true",
                     help="also time mgpu at several (block_m, block_n, block_k, max_concurrent_steps)")
+    ap.add_argument("--pallas-gpu-sweep", action="store_true",
+                    help="also time pallas_gpu at several (block_m, block_n, block_k, num_warps, num_stages)")
+    ap.add_argument("--grad", action="store_true", help="also time forward + backward of xla and pallas_gpu")
+    ap.add_argument("--interpret", action="store_true", help="run pallas_gpu in interpret mode (a CPU smoke run)")
     a = ap.parse_args(argv)
     dt = jnp.dtype(a.dtype)
     ks = jax.random.split(jax.random.key(0), 5)
@@ -82,6 +88,44 @@ def main(argv=None):
         mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS = default
     else:
         print("mgpu skipped:", mgpu.available() or mgpu.supports(x, up, down))
+    from specjax_kernels.moe import pallas_gpu
+
+    pg_ok = pallas_gpu.available() is None or a.interpret
+    if pg_ok:
+        pg = pallas_gpu
+        f = jax.jit(lambda x, ids, w: pg.moe_experts(x, ids, w, up, down, gate, "silu", interpret=a.interpret))
+        results["pallas_gpu"] = _time(f, x, ids, w, iters=a.iters, name="pallas_gpu default")
+        default = (pg.BLOCK_M, pg.BLOCK_N, pg.BLOCK_K, pg.NUM_WARPS, pg.NUM_STAGES)
+        for cfg in ([(64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                     (128, 128, 32, 4, 4), (64, 64, 64, 4, 3)] if a.pallas_gpu_sweep else []):
+            pg.BLOCK_M, pg.BLOCK_N, pg.BLOCK_K, pg.NUM_WARPS, pg.NUM_STAGES = cfg
+            try:
+                f = jax.jit(lambda x, ids, w: pg.moe_experts(x, ids, w, up, down, gate, "silu",
+                                                             interpret=a.interpret))
+                results[f"pallas_gpu {cfg}"] = _time(f, x, ids, w, iters=a.iters, name=f"pallas_gpu {cfg}")
+            except Exception as e:  # noqa: BLE001 - a configuration Triton refuses (shared memory, registers)
+                print(f"pallas_gpu {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        pg.BLOCK_M, pg.BLOCK_N, pg.BLOCK_K, pg.NUM_WARPS, pg.NUM_STAGES = default
+    else:
+        print("pallas_gpu skipped:", pallas_gpu.available())
+    if a.grad:
+        def fb(fn):
+            def loss(x, up, gate, down):
+                return jnp.sum(fn(x, ids, w, up, down, gate, "silu").astype(jnp.float32))
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+        impls = [("xla", lambda *a_: xla_impl.moe_experts(*a_, block=int(a.blocks.split(",")[-1])))]
+        if pg_ok:
+            impls.append(("pallas_gpu", lambda *a_: pallas_gpu.moe_experts(*a_, interpret=a.interpret)))
+        grads = {}
+        for name, fn in impls:
+            ms, g = _time(fb(fn), x, up, gate, down, iters=a.iters, name=f"{name} fwd+bwd")
+            grads[name] = (ms, g)
+        first = next(iter(grads.values()))[1]
+        for name, (ms, g) in grads.items():
+            errs = [float(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32)).max() / jnp.abs(v.astype(jnp.float32)).max())
+                    for u, v in zip(g, first)]
+            print(f"{name + ' fwd+bwd':24s} {ms:9.2f} ms  {3 * flops / ms / 1e9:8.1f} TFLOP/s useful  "
+                  f"rel diff of dx, dup, dgate, ddown vs first {', '.join(f'{e:.1e}' for e in errs)}")
     ref = next(iter(results.values()))[1].astype(jnp.float32)
     for name, (ms, out) in results.items():
         err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
