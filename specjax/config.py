@@ -114,7 +114,8 @@ class DraftConfig(_Checked):
     norm_output: bool = False
     # decoder layers of the head (the Nemotron card's 2-layer ablation); vLLM serves N > 1, SGLang one
     num_layers: int = _ranged(1, ge=1)
-    # warm start: a published head folder (SpecForge midlayer.* / speculators layers.0.* / specjax export)
+    # warm start: a published head folder (SpecForge midlayer.* / speculators layers.0.* / specjax export;
+    # with draft.type=dflash a specjax DFlash export)
     init_from: Optional[str] = None
 
 
@@ -217,7 +218,7 @@ class KernelsConfig(_Checked):
     ttt_attention: Literal["auto", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     soft_ce: Literal["auto", "reference", "xla", "xla_saved", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     # target-side forward kernels (MoE experts: Qwen3-MoE / Nemotron-H; SSD scan: Nemotron-H)
-    moe: Literal["auto", "reference", "xla", "mgpu", "pallas_tpu"] = "auto"
+    moe: Literal["auto", "reference", "xla", "mgpu", "pallas_tpu", "pallas_gpu"] = "auto"
     ssd: Literal["auto", "reference", "xla"] = "auto"
     # the target's causal self-attention in the training forward: auto (the ttt_attention kernels on
     # GPU, the plain path elsewhere), plain (the exact [B, heads, T, T] reference), or a ttt_attention
@@ -302,7 +303,6 @@ _DFLASH_ONLY = (("draft", "block_size"), ("draft", "sample_from_anchor"), ("trai
                 ("train", "dflash_anchors"), ("train", "dflash_decay_gamma"))
 _NOT_DFLASH = (("draft", "fc_norm", "EAGLE-3.1's per-chunk fc norms have no DFlash counterpart"),
                ("draft", "norm_output", "a DFlash block has no next draft step to feed"),
-               ("draft", "init_from", "warm starts read EAGLE-3 head layouts only"),
                ("train", "loss", "the DFlash objective is train.dflash_objective"))
 
 

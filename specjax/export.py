@@ -1,4 +1,4 @@
-"""Export a trained draft for vLLM / SGLang, or validate any EAGLE-3 head folder.
+"""Export a trained draft for vLLM / SGLang, or validate any EAGLE-3 or DFlash head folder.
 
     python -m specjax.export --checkpoint RUN_DIR --out OUT_DIR [--dtype bf16|fp32] [--step N]
                              [--variant eagle3|eagle3.1]
@@ -7,9 +7,10 @@
 RUN_DIR is a training run's output_dir (run_meta.json, draft_vocab.npz, checkpoints/<step>/). Only
 the draft params are read from the orbax checkpoint; the target model is not needed (its config is
 in run_meta.json). The format is described in specjax_converters.eagle3_export (a DFlash run:
-specjax_converters.dflash_export; --variant does not apply, and no manifest is written). --validate runs
-every contract rule (specjax_converters.eagle3_validate) on a head folder, ours or another
-trainer's (SpecForge / speculators layout), and exits 1 when it finds an error.
+specjax_converters.dflash_export; --variant does not apply). --validate runs every contract rule
+(specjax_converters.eagle3_validate) on a head folder, ours or another trainer's (SpecForge /
+speculators layout), or the DFlash rules (specjax_converters.dflash_validate) when its config.json
+is a DFlash head's, and exits 1 when it finds an error (2 when the folder cannot be read).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_d
 
         if variant not in (None, "dflash"):
             raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; a DFlash run exports as DFlash (drop --variant)")
-        out = export_dflash(params, draft_cfg, target_hf_config, out_dir, dtype=dtype, vocab=vocab)
+        out = export_dflash(params, draft_cfg, target_hf_config, out_dir, dtype=dtype, vocab=vocab,
+                            extra_manifest=extra_manifest)
         log.info("exported the DFlash draft to %s", out)
         return out
     out = export_eagle3(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,

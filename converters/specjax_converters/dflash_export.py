@@ -8,6 +8,12 @@ Layout: one folder with
                      the names itself and shares the target's embedding when the file has none.
   config.json        a Qwen3 config with architectures ["DFlashDraftModel"] (vLLM's registry entry for
                      its qwen3_dflash drafter) and a `dflash_config` block.
+  specjax_manifest.json  the manifest every specjax export writes (head_files.write_manifest: sha256
+                     of each file, variant "dflash", draft config, target config and its hash, plus
+                     the caller's step / metrics / training config / target path)
+
+Every rule of specjax_converters.dflash_validate runs on the tensors and config before anything is
+written, and again on the written folder before it is renamed into place.
 
 What vLLM 0.32 reads from config.json (qwen3_dflash.py, config/speculative.py, v1/spec_decode):
   architectures                      ["DFlashDraftModel"]; names starting with "DFlash" are kept as they are
@@ -34,23 +40,29 @@ export leaves no partial folder behind. Plain numpy + safetensors; no jax at imp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
-from specjax_converters.head_files import publish_folder
+from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
+from specjax_converters.eagle3_validate import ExportValidationError, errors, validate_folder
+from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, publish_folder, write_manifest
 from specjax_converters.target_facts import rope_dict, target_text_config
 
-__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict", "export_dflash"]
+__all__ = ["ARCHITECTURE", "CONFIG_FILE", "FORMAT", "VARIANT", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict",
+           "export_dflash"]
 
-ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+FORMAT = "specjax-dflash"  # specjax_manifest.json's format
+VARIANT = "dflash"  # and its variant
+log = logging.getLogger("specjax")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16"}
 _COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -192,13 +204,14 @@ def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
 
 
 def _is_replaceable(path: str) -> bool:
-    """An existing out_dir may be replaced only when empty or an earlier DFlash export."""
+    """An existing out_dir may be replaced only when empty or an earlier DFlash export (with or
+    without the manifest: exports before it had none)."""
     if not os.path.isdir(path):
         return False
     names = set(os.listdir(path))
     if not names:
         return True
-    if names != {WEIGHTS_FILE, CONFIG_FILE}:
+    if names not in ({WEIGHTS_FILE, CONFIG_FILE}, {WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}):
         return False
     try:
         with open(os.path.join(path, CONFIG_FILE)) as f:
@@ -208,15 +221,26 @@ def _is_replaceable(path: str) -> bool:
 
 
 def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str | os.PathLike, *, vocab=None,
-                  dtype: str = "bfloat16") -> str:
-    """Write model.safetensors + config.json to `out_dir` (atomically: a temporary folder beside
-    it, renamed at the end). An existing out_dir is replaced only when it is empty or an earlier
-    DFlash export. Returns the absolute out_dir."""
+                  dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None) -> str:
+    """Validate, then write model.safetensors + config.json + specjax_manifest.json to `out_dir`
+    (atomically: a temporary folder beside it, renamed at the end). Every rule of
+    specjax_converters.dflash_validate runs on the tensors and config first and on the written files
+    before the rename; an error raises ExportValidationError (a ValueError) and leaves no folder.
+    `extra_manifest` adds keys to the manifest (step, metrics, ...; the writer's own are refused). An
+    existing out_dir is replaced only when it is empty or an earlier DFlash export. Returns the
+    absolute out_dir."""
     from safetensors.numpy import save_file
 
     dtype = _normalize_dtype(dtype)
+    extra = manifest_extra(extra_manifest, "DFlash export")
     tensors = dflash_state_dict(params, cfg, vocab, dtype)
     config = dflash_hf_config(cfg, target_hf_config, dtype)
+    ids = [int(i) for i in cfg.target_layer_ids]
+    findings = check_dflash_head(config, tensors, target_config=target_hf_config, training_layer_ids=ids)
+    if errors(findings):
+        raise ExportValidationError(findings, "DFlash export")
+    for w in findings:
+        log.warning("export: %s", w)
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not _is_replaceable(out_dir):
         _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash export",
@@ -229,6 +253,12 @@ def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
+        write_manifest(tmp, format=FORMAT, variant=VARIANT, dtype=dtype, draft_config=cfg,
+                       target_config=target_hf_config, warnings=findings, extra=extra)
+        # what was written, read back (safetensors header, dtypes, manifest hashes) before it is published
+        written, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=ids, check_finite=False)
+        if errors(written):
+            raise ExportValidationError(written, "DFlash export (written files)")
         publish_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,12 +1,15 @@
 """Read a DFlash head folder (what specjax_converters.dflash_export writes: config.json with
 architectures ["DFlashDraftModel"] and a dflash_config block, model.safetensors) back into specjax's
-DFlashConfig, param tree and draft vocab. The file layout is the table in
-specjax.drafts.dflash_weights; the keys read from config.json are the ones dflash_export documents.
+DFlashConfig, param tree and draft vocab, and start a DFlash run from one (`draft.init_from`:
+warm_start_dflash_params). The file layout is the table in specjax.drafts.dflash_weights; the keys
+read from config.json are the ones dflash_export documents. The folder is read through
+specjax_converters.head_files (checked safetensors headers; pickles refused, never unpickled).
 Plain numpy + safetensors; no jax at import.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Mapping, NamedTuple
 
@@ -14,19 +17,20 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_WEIGHTS
-from specjax_converters.dflash_export import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE
+from specjax_converters.dflash_export import CONFIG_FILE, WEIGHTS_FILE
+from specjax_converters.dflash_validate import is_dflash_config, speculators_dflash_error
+from specjax_converters.head_files import read_head_files
 
-__all__ = ["DFlashHead", "config_from_hf", "is_dflash_config", "is_dflash_folder", "read_dflash_head"]
+__all__ = ["DFlashHead", "config_from_hf", "is_dflash_config", "is_dflash_folder", "read_dflash_head",
+           "warm_start_dflash_params"]
+
+log = logging.getLogger("specjax")
 
 
 class DFlashHead(NamedTuple):
     params: dict  # numpy leaves, the tree of specjax.drafts.dflash.init_draft_params
     config: object  # specjax.drafts.dflash.DFlashConfig
     vocab: object  # specjax.drafts.vocab.DraftVocab
-
-
-def is_dflash_config(conf: Mapping) -> bool:
-    return list(conf.get("architectures") or []) == [ARCHITECTURE] or "dflash_config" in conf
 
 
 def is_dflash_folder(folder: str) -> bool:
@@ -49,7 +53,9 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
     from specjax.drafts.dflash import DFlashConfig
     from specjax.targets.layers.rope import rope_spec_from_hf
 
-    dc = conf.get("dflash_config") or {}
+    dc = dict(conf.get("dflash_config") or {})
+    if "mask_token_id" not in dc and conf.get("mask_token_id") is not None:
+        dc["mask_token_id"] = conf["mask_token_id"]  # vLLM's fallback, read the same way
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dc]
     if missing:
         _fail(folder, f"config.json's dflash_config lacks {missing}", "export the head with specjax.export")
@@ -83,38 +89,104 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
 
 def read_dflash_head(folder: str) -> DFlashHead:
     """params (fp32 numpy), DFlashConfig and DraftVocab of a DFlash head folder."""
-    from safetensors.numpy import load_file
-
     from specjax.drafts.vocab import DraftVocab
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
-    with open(os.path.join(folder, CONFIG_FILE)) as f:
-        conf = json.load(f)
+    conf, tensors, _, _ = read_head_files(folder)  # checked headers; a pickle-only folder is refused
+    refused = speculators_dflash_error(folder, conf)
+    if refused:
+        raise ValueError(refused)
+    if not is_dflash_config(conf):
+        _fail(folder, f"config.json is not a DFlash head's (architectures {conf.get('architectures')!r}, no "
+              "dflash_config)", "pass a DFlash export (specjax.export of a draft.type=dflash run)")
     cfg = config_from_hf(conf, folder)
-    wpath = os.path.join(folder, WEIGHTS_FILE)
-    if not os.path.isfile(wpath):
-        _fail(folder, f"no {WEIGHTS_FILE}", "export the head with specjax.export (one safetensors file)")
-    tensors = load_file(wpath)
     leaves, missing = [], []
     for e in weights.entries(DFLASH_WEIGHTS, cfg):
         if e.file_name not in tensors:
             missing.append(e.file_name)
             continue
-        arr = np.asarray(tensors[e.file_name], np.float32)
-        if arr.shape != e.file_shape:
-            _fail(folder, f"{e.file_name} has shape {arr.shape}, expected {e.file_shape}",
+        if tuple(tensors.shape(e.file_name)) != e.file_shape:
+            _fail(folder, f"{e.file_name} has shape {tensors.shape(e.file_name)}, expected {e.file_shape}",
                   "check that config.json belongs to these weights")
+        arr = np.asarray(tensors.array(e.file_name), np.float32)
         leaves.append((e.path, np.ascontiguousarray(arr.T) if e.row.transpose else arr))
     if missing:
-        _fail(folder, f"{WEIGHTS_FILE} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}",
+        shared = " (vLLM shares the target's lm_head when it is absent; specjax reads the head's own)" \
+            if missing == ["lm_head.weight"] else ""
+        _fail(folder, f"{WEIGHTS_FILE} lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}{shared}",
               "export the head with specjax.export")
     V, Vd = cfg.vocab_size, cfg.draft_vocab_size
     if Vd == V:
         vocab = DraftVocab.identity(V)
     elif "d2t" in tensors:
-        d2t = np.asarray(tensors["d2t"], np.int64)
-        vocab = DraftVocab.from_ids(np.arange(Vd, dtype=np.int64) + d2t, V)
+        d2t = np.asarray(tensors.array("d2t"), np.int64)
+        if d2t.shape != (Vd,):
+            _fail(folder, f"d2t has shape {d2t.shape}, expected ({Vd},)", "export the head with its draft vocab")
+        try:
+            vocab = DraftVocab.from_ids(np.arange(Vd, dtype=np.int64) + d2t, V)
+        except ValueError as e:
+            _fail(folder, f"d2t: {e}", "rebuild d2t from the sorted unique draft ids")
     else:
         _fail(folder, f"draft_vocab_size {Vd} < vocab_size {V} but {WEIGHTS_FILE} has no d2t",
               "export the head with its draft vocab (specjax.export writes d2t/t2d)")
     return DFlashHead(weights.nest(leaves), cfg, vocab)
+
+
+# fields a warm start must share with the run (the param shapes, the taps fc reads, the mask token the
+# head learned to read), and the run key that sets each
+_FIT_FIELDS = {"hidden_size": None, "vocab_size": None, "num_layers": "draft.num_layers",
+               "num_attention_heads": "draft.num_attention_heads", "num_key_value_heads": "draft.num_key_value_heads",
+               "head_dim": "draft.head_dim", "intermediate_size": "draft.intermediate_size",
+               "mask_token_id": "draft.mask_token_id"}
+
+
+def warm_start_dflash_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:
+    """Params for a DFlash run that starts from an exported DFlash head (`draft.init_from`).
+
+    The head must have the run's shapes, taps and mask token; errors name the key to set. A
+    different block_size, sample_from_anchor, RoPE or eps is logged and training continues with the
+    run's. When the head's draft vocab differs from the run's, lm_head rows are matched by target
+    token id (eagle3_import.match_lm_head_rows). Leaves come back as jax arrays with init_params'
+    dtypes."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax_converters.eagle3_import import match_lm_head_rows
+
+    folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
+    if os.path.isdir(folder) and os.path.isfile(os.path.join(folder, CONFIG_FILE)) and not is_dflash_folder(folder):
+        raise ValueError(f"draft.init_from={folder}: not a DFlash head (config.json has neither architectures "
+                         "[\"DFlashDraftModel\"] nor a dflash_config); a draft.type=dflash run starts from a DFlash "
+                         "export. Fix: point draft.init_from at a DFlash export (specjax.export of a draft.type=dflash "
+                         "run), or set draft.type=eagle3 to start from this EAGLE-3 head")
+    try:
+        head = read_dflash_head(folder)
+    except ValueError as e:
+        raise ValueError(f"draft.init_from: {e}") from None
+    hc = head.config
+    diff = [f for f in _FIT_FIELDS if getattr(hc, f) != getattr(draft_cfg, f)]
+    if diff:
+        lines = "; ".join(f"{f}: head {getattr(hc, f)} vs run {getattr(draft_cfg, f)}"
+                          + (f" (set {_FIT_FIELDS[f]}={getattr(hc, f)})" if _FIT_FIELDS[f] else " (another target)")
+                          for f in diff)
+        raise ValueError(f"draft.init_from={folder}: the DFlash head does not fit this run's draft: {lines}. Fix: set "
+                         "the keys named; a head for another target (hidden_size / vocab_size) cannot be "
+                         "warm-started from")
+    if tuple(hc.target_layer_ids) != tuple(draft_cfg.target_layer_ids):
+        raise ValueError(f"draft.init_from={folder}: the head was trained on target layers "
+                         f"{list(hc.target_layer_ids)}, the run taps {list(draft_cfg.target_layer_ids)}. Fix: set "
+                         f"target.aux_layer_ids=[{','.join(map(str, hc.target_layer_ids))}] (fc is tied to its taps)")
+    for f in ("block_size", "sample_from_anchor", "rope", "rms_norm_eps"):
+        if getattr(hc, f) != getattr(draft_cfg, f):
+            log.warning("draft.init_from=%s: the head's %s (%s) differs from the run's (%s); training continues with "
+                        "the run's", folder, f, getattr(hc, f), getattr(draft_cfg, f))
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), head.params)
+    params["lm_head"]["kernel"] = match_lm_head_rows(folder, params["lm_head"]["kernel"], head.vocab, vocab,
+                                                     init_params["lm_head"]["kernel"])
+    want = jax.tree_util.tree_structure(init_params)
+    got = jax.tree_util.tree_structure(params)
+    if want != got:
+        raise ValueError(f"draft.init_from={folder}: imported params {got} do not match the draft's {want}")
+    out = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, dtype=old.dtype), params, dict(init_params))
+    log.info("warm start: DFlash draft params loaded from %s", folder)
+    return out

@@ -17,8 +17,6 @@ export leaves no partial folder behind.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +28,8 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax_converters.eagle3_validate import ARCHITECTURE, ExportValidationError, check_head, errors, validate_folder
-from specjax_converters.head_files import Finding, file_sha256, publish_folder
+from specjax_converters.head_files import (Finding, manifest_extra, publish_folder, target_config_sha256,
+                                           write_manifest)
 from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
@@ -50,13 +49,10 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "specjax_manifest.json"
 FORMAT = "specjax-eagle3"
-FORMAT_VERSION = 1
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 # Target config fields copied verbatim when present (special-token ids the engines may read).
 _COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-_RESERVED_MANIFEST_KEYS = ("format", "format_version", "dtype", "files", "variant", "target_config",
-                           "target_config_sha256", "draft_config", "warnings")
 VARIANTS = ("eagle3", "eagle3.1")
 log = logging.getLogger("specjax")
 
@@ -209,27 +205,6 @@ def validate_export(tensors: Mapping[str, np.ndarray], config: Mapping, target_h
     return findings
 
 
-def _config_dict(cfg) -> dict:
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
-    return dict(vars(cfg))
-
-
-def target_config_sha256(target_hf_config: Mapping) -> str:
-    """Hash of the target's config.json content (key order does not matter)."""
-    blob = json.dumps(target_hf_config, sort_keys=True, separators=(",", ":"), default=_json_default)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
 def _is_replaceable(path: str) -> bool:
     """An existing out_dir may be replaced only if it is empty or an earlier export."""
     if not os.path.isdir(path):
@@ -265,10 +240,7 @@ def export_eagle3(
 
     dtype = normalize_dtype(dtype)
     variant = normalize_variant(variant, draft_cfg)
-    extra = dict(extra_manifest or {})
-    clash = [k for k in extra if k in _RESERVED_MANIFEST_KEYS]
-    if clash:
-        _fail("extra_manifest", f"keys {clash} are reserved", f"rename them (reserved: {_RESERVED_MANIFEST_KEYS})")
+    extra = manifest_extra(extra_manifest, "EAGLE-3 export")
     tensors = eagle3_state_dict(draft_params, draft_cfg, vocab, dtype)
     config = eagle3_hf_config(draft_cfg, target_hf_config, dtype)
     aux_ids = [int(i) for i in draft_cfg.aux_layer_ids]
@@ -288,21 +260,8 @@ def export_eagle3(
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
             f.write("\n")
-        files = {
-            name: {"sha256": file_sha256(os.path.join(tmp, name)), "bytes": os.path.getsize(os.path.join(tmp, name))}
-            for name in (WEIGHTS_FILE, CONFIG_FILE)
-        }
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "variant": variant, "files": files,
-            "draft_config": _config_dict(draft_cfg),
-            "target_config_sha256": target_config_sha256(target_hf_config),
-            "target_config": dict(target_hf_config),
-            "warnings": [str(w) for w in warnings],
-            **extra,
-        }
-        with open(os.path.join(tmp, MANIFEST_FILE), "w") as f:
-            json.dump(manifest, f, indent=2, default=_json_default)
-            f.write("\n")
+        write_manifest(tmp, format=FORMAT, variant=variant, dtype=dtype, draft_config=draft_cfg,
+                       target_config=target_hf_config, warnings=warnings, extra=extra)
         # What was written, read back (safetensors header, dtypes, manifest hashes) before it is published.
         findings, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=aux_ids, check_finite=False)
         if errors(findings):

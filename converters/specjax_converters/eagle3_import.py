@@ -27,7 +27,7 @@ from specjax_converters.eagle3_validate import _LEGACY_AUX_NORMS, expected_weigh
 from specjax_converters.head_files import read_head_files
 from specjax_converters.target_facts import target_virtual_depth
 
-__all__ = ["ImportedHead", "read_head", "warm_start_params"]
+__all__ = ["ImportedHead", "match_lm_head_rows", "read_head", "warm_start_params"]
 
 log = logging.getLogger("specjax")
 _IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
@@ -226,6 +226,26 @@ _DRAFT_KEYS = {"intermediate_size": "draft.intermediate_size", "num_attention_he
                "mask_token_id": "draft.mask_token_id", "parallel_drafting": "draft.type"}
 
 
+def match_lm_head_rows(folder: str, head_kernel, head_vocab, run_vocab, init_kernel) -> np.ndarray:
+    """The warm-start lm_head kernel ([H, Vd] of the run) from a head's kernel: when the two draft
+    vocabs differ, columns are matched by target token id (shared tokens keep the head's column, the
+    others `init_kernel`'s fresh one). Used by every draft family's warm start."""
+    run_ids = np.asarray(run_vocab.draft_ids)
+    head_ids = np.asarray(head_vocab.draft_ids)
+    if np.array_equal(run_ids, head_ids):
+        return head_kernel
+    kernel = np.asarray(init_kernel, np.float32).copy()
+    pos = {int(t): j for j, t in enumerate(head_ids)}
+    shared = [(i, pos[int(t)]) for i, t in enumerate(run_ids) if int(t) in pos]
+    if shared:
+        run_idx, head_idx = map(np.asarray, zip(*shared))
+        kernel[:, run_idx] = np.asarray(head_kernel)[:, head_idx]
+    log.warning("draft.init_from=%s: draft vocab differs from the run's; %d of %d lm_head rows taken from the "
+                "head (matched by target token id), the rest freshly initialised", folder, len(shared),
+                run_ids.size)
+    return kernel
+
+
 def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:
     """Params for a run that starts from a published head (`draft.init_from`).
 
@@ -255,20 +275,8 @@ def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> di
                     "training continues with the target's", folder, hc.rope, hc.rms_norm_eps, draft_cfg.rope,
                     draft_cfg.rms_norm_eps)
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), head.params)
-    run_ids = np.asarray(vocab.draft_ids)
-    head_ids = np.asarray(head.vocab.draft_ids)
-    if not np.array_equal(run_ids, head_ids):
-        init_head = np.asarray(init_params["lm_head"]["kernel"], np.float32)
-        kernel = init_head.copy()
-        pos = {int(t): j for j, t in enumerate(head_ids)}
-        shared = [(i, pos[int(t)]) for i, t in enumerate(run_ids) if int(t) in pos]
-        if shared:
-            run_idx, head_idx = map(np.asarray, zip(*shared))
-            kernel[:, run_idx] = params["lm_head"]["kernel"][:, head_idx]
-        params["lm_head"]["kernel"] = kernel
-        log.warning("draft.init_from=%s: draft vocab differs from the run's; %d of %d lm_head rows taken from the "
-                    "head (matched by target token id), the rest freshly initialised", folder, len(shared),
-                    run_ids.size)
+    params["lm_head"]["kernel"] = match_lm_head_rows(folder, params["lm_head"]["kernel"], head.vocab, vocab,
+                                                     init_params["lm_head"]["kernel"])
     want = jax.tree_util.tree_structure(init_params)
     got = jax.tree_util.tree_structure(params)
     if want != got:

@@ -14,7 +14,8 @@ Each finding names a rule id, the field (config key or tensor name), the problem
 Errors make a head unservable or silently wrong; warnings are portability notes.
 
 Reading a head folder is specjax_converters.head_files (read_head_files, HeadTensors, Finding);
-facts about the target config are specjax_converters.target_facts.
+facts about the target config are specjax_converters.target_facts. A DFlash block drafter's folder
+is not an EAGLE-3 head: `validate_folder` hands it to specjax_converters.dflash_validate.
 """
 from __future__ import annotations
 
@@ -565,9 +566,20 @@ def validate_folder(
 ) -> tuple[list[Finding], dict]:
     """(findings, info) for a head folder. The target config comes from `target` (a folder, a
     config.json path or a dict), else from a specjax manifest, else from a speculators config's local
-    verifier path; `info` says which, plus the layout. Raises ValueError for folders that are not heads."""
+    verifier path; `info` says which, plus the layout. Raises ValueError for folders that are not heads.
+
+    A DFlash head (config.json architectures ["DFlashDraftModel"] or a dflash_config block) gets the
+    DFlash rules (specjax_converters.dflash_validate) instead of these, layout "dflash";
+    `training_aux_ids` are then its trained target_layer_ids."""
+    from specjax_converters import dflash_validate  # imported here: it imports this module
+
     config, tensors, manifest, findings = read_head_files(folder)
-    info: dict[str, Any] = {"layout": flatten_head_config(config)[0], "target_source": None}
+    refused = dflash_validate.speculators_dflash_error(os.path.abspath(os.path.expanduser(os.fspath(folder))), config)
+    if refused:
+        raise ValueError(refused)
+    is_dflash = dflash_validate.is_dflash_config(config)
+    info: dict[str, Any] = {"layout": "dflash" if is_dflash else flatten_head_config(config)[0],
+                            "target_source": None}
     target_config = None
     if isinstance(target, Mapping):
         target_config, info["target_source"] = dict(target), "argument"
@@ -580,12 +592,17 @@ def validate_folder(
         if verifier and os.path.isfile(os.path.join(os.fspath(verifier), CONFIG_FILE)):
             target_config, info["target_source"] = _load_target_config(verifier), verifier
     if training_aux_ids is None and manifest and isinstance(manifest.get("draft_config"), Mapping):
-        training_aux_ids = manifest["draft_config"].get("aux_layer_ids")
-    variant = manifest.get("variant") if manifest else None
-    findings += check_head(config, tensors, target_config=target_config, training_aux_ids=training_aux_ids,
-                           variant=variant, check_finite=check_finite)
+        training_aux_ids = manifest["draft_config"].get("target_layer_ids" if is_dflash else "aux_layer_ids")
+    if is_dflash:
+        findings += dflash_validate.check_dflash_head(config, tensors, target_config=target_config,
+                                                      training_layer_ids=training_aux_ids, check_finite=check_finite)
+    else:
+        variant = manifest.get("variant") if manifest else None
+        findings += check_head(config, tensors, target_config=target_config, training_aux_ids=training_aux_ids,
+                               variant=variant, check_finite=check_finite)
     if target_config is None:
         findings.append(Finding("target.unknown", "target", "no target config given, so the target rules "
-                                "(hidden size, vocab, RoPE, context, KV heads, aux range) were not run",
+                                "(hidden size, vocab, RoPE, context, KV heads, aux range / target_layer_ids) "
+                                "were not run",
                                 "pass --target <target folder>", "warning"))
     return findings, info

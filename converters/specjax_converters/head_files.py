@@ -6,7 +6,12 @@ file-level findings (manifest hashes). Pickled weights are refused, never unpick
 file cut short fails by name (specjax.safetensors_io.UnreadableWeightsError).
 
 `Finding` (one problem with a head: rule id, field, problem, fix) lives here because the file checks
-produce findings too; the rules themselves are in specjax_converters.eagle3_validate.
+produce findings too; the rules themselves are in specjax_converters.eagle3_validate (EAGLE-3,
+EAGLE-3.1, P-EAGLE) and specjax_converters.dflash_validate (DFlash).
+
+Every exporter ends here too: `write_manifest` writes specjax_manifest.json (the sha256 the checks
+above compare against, the draft and target configs, the caller's extra keys) and `publish_folder`
+moves the finished folder into place.
 """
 from __future__ import annotations
 
@@ -31,7 +36,11 @@ __all__ = [
     "Finding",
     "HeadTensors",
     "file_sha256",
+    "manifest_extra",
+    "publish_folder",
     "read_head_files",
+    "target_config_sha256",
+    "write_manifest",
 ]
 
 CONFIG_FILE = "config.json"
@@ -187,6 +196,70 @@ def file_sha256(path: str) -> str:
     """sha256 of a file's bytes (streamed by the standard library)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the manifest (one writer for every draft family: EAGLE-3 and DFlash exports carry the same keys)
+# ---------------------------------------------------------------------------------------------
+MANIFEST_FORMAT_VERSION = 1
+# written by write_manifest itself; a caller's extra keys may not replace them
+RESERVED_MANIFEST_KEYS = ("format", "format_version", "dtype", "files", "variant", "target_config",
+                          "target_config_sha256", "draft_config", "warnings")
+
+
+def manifest_extra(extra: Optional[Mapping], what: str) -> dict:
+    """The caller's extra manifest keys (step, metrics, training config, target path, ...), refused
+    when one would replace a key the writer owns. `what` names the export in the error."""
+    extra = dict(extra or {})
+    clash = [k for k in extra if k in RESERVED_MANIFEST_KEYS]
+    if clash:
+        raise ValueError(f"{what}: extra_manifest: keys {clash} are reserved. Fix: rename them "
+                         f"(reserved: {RESERVED_MANIFEST_KEYS})")
+    return extra
+
+
+def json_default(x):
+    """json.dump's fallback for numpy scalars/arrays and anything else (its str)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def target_config_sha256(target_hf_config: Mapping) -> str:
+    """Hash of the target's config.json content (key order does not matter)."""
+    blob = json.dumps(target_hf_config, sort_keys=True, separators=(",", ":"), default=json_default)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _config_dict(cfg) -> dict:
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return dict(cfg) if isinstance(cfg, Mapping) else dict(vars(cfg))
+
+
+def write_manifest(folder: str, *, format: str, variant: str, dtype: str, draft_config, target_config: Mapping,
+                   warnings: Sequence = (), extra: Optional[Mapping] = None,
+                   files: Sequence[str] = (WEIGHTS_FILE, CONFIG_FILE)) -> dict:
+    """Write `folder`/specjax_manifest.json for the head files already in `folder` and return it:
+    format / format_version, dtype, variant, sha256 and size of each of `files`, the draft config
+    (a dataclass or dict), the target config and its hash, the export's warnings, then `extra`
+    (check it with manifest_extra first). read_head_files compares the hashes on every read."""
+    manifest = {
+        "format": format, "format_version": MANIFEST_FORMAT_VERSION, "dtype": dtype, "variant": variant,
+        "files": {name: {"sha256": file_sha256(os.path.join(folder, name)),
+                         "bytes": os.path.getsize(os.path.join(folder, name))} for name in files},
+        "draft_config": _config_dict(draft_config),
+        "target_config_sha256": target_config_sha256(target_config),
+        "target_config": dict(target_config),
+        "warnings": [str(w) for w in warnings],
+        **dict(extra or {}),
+    }
+    with open(os.path.join(folder, MANIFEST_FILE), "w") as f:
+        json.dump(manifest, f, indent=2, default=json_default)
+        f.write("\n")
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from specjax.targets.registry import get_target_class
 from specjax.targets.shapes import abstract_params
 from specjax.train.optim import lr_schedule, make_optimizer
 from specjax.train.step import DFlashObjective, StepFns, build_step_fns
+from specjax_converters.dflash_import import is_dflash_folder, warm_start_dflash_params
 from specjax_converters.eagle3_import import warm_start_params
 
 VOCAB_FILE = "draft_vocab.npz"
@@ -318,11 +319,20 @@ class RunSetup:
 
     def init_draft_params(self, vocab=None):
         """The configured initialisation: random from run.seed, then the published head of
-        draft.init_from (checked against the draft config; rows matched by target id via `vocab`)."""
+        draft.init_from (checked against the draft config; rows matched by target id via `vocab`):
+        an EAGLE-3 head for eagle3 / p_eagle, a DFlash export for dflash."""
         cfg = self.cfg
         if draft_types.is_dflash(self.draft_config):
-            return draft_types.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std,
-                                                 lm_head_rows=dflash_lm_head_rows(self.target, vocab))
+            params = draft_types.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed),
+                                                   std=cfg.draft.init_std,
+                                                   lm_head_rows=dflash_lm_head_rows(self.target, vocab))
+            if cfg.draft.init_from:
+                params = warm_start_dflash_params(cfg.draft.init_from, self.draft_config, vocab, params)
+            return params
+        if cfg.draft.init_from and is_dflash_folder(cfg.draft.init_from):
+            raise ValueError(f"draft.init_from={cfg.draft.init_from} is a DFlash head (a block drafter) but "
+                             f"draft.type is {cfg.draft.type!r}. Fix: set draft.type=dflash to start from it, or "
+                             "point draft.init_from at an EAGLE-3 head")
         params = eagle3.init_draft_params(self.draft_config, jax.random.key(cfg.run.seed), std=cfg.draft.init_std)
         if cfg.draft.init_from:
             params = warm_start_params(cfg.draft.init_from, self.draft_config, vocab, params)

@@ -2,8 +2,8 @@
 devices, fp32) through the same jitted step, the metrics show its drafted slots learning (averaged
 over the last steps: per-batch accuracy is noisy), the export at the end is a DFlash folder (vLLM's
 config keys, the mask token from the target's pad/eos, block_size), specjax.eval reads it back and
-decodes losslessly with block_size - 1 drafts per step, and `python -m specjax.export` re-exports
-the run from its checkpoint with the same weights. A stop_at_step run resumed to the end trains
+decodes losslessly with block_size - 1 drafts per step, the DFlash validator passes it (with its
+manifest), and `python -m specjax.export` re-exports the run from its checkpoint with the same weights. A stop_at_step run resumed to the end trains
 the same params as the uninterrupted one (the anchor draw is keyed by the step, not by state)."""
 import json
 import os
@@ -53,6 +53,12 @@ def test_dflash_head_trains_exports_and_decodes(tiny_target, tmp_path):
     assert conf["dflash_config"]["target_layer_ids"] == [target_conf["num_hidden_layers"] // 2]  # one draft layer
     meta = json.load(open(tmp_path / "run" / "run_meta.json"))
     assert meta["draft_family"] == "dflash" and meta["draft_config"]["block_size"] == 4
+    from specjax_converters.eagle3_validate import errors, validate_folder
+
+    findings, info = validate_folder(res.export_dir, target=tiny_target)  # the DFlash rules, not EAGLE-3's
+    assert info["layout"] == "dflash" and not errors(findings), [str(f) for f in findings]
+    manifest = json.load(open(os.path.join(res.export_dir, "specjax_manifest.json")))
+    assert manifest["variant"] == "dflash" and manifest["step"] == 10 and "config" in manifest
 
     draft = load_draft(res.export_dir)
     assert draft.config.block_size == 4 and draft.config.num_draft_tokens == 3
@@ -93,13 +99,13 @@ def test_dflash_settings_are_checked_when_the_config_loads():
     from specjax.config import ConfigError, load_config
 
     load_config(None, ["draft.type=dflash", "draft.block_size=2", "train.dflash_objective=token_ce"])
+    load_config(None, ["draft.type=dflash", "draft.init_from=/x"])  # warm starts from a DFlash export
     for overrides, match in (
             (["draft.type=dflash", "draft.block_size=1"], "draft.block_size"),
             (["draft.type=dflash", "train.dflash_objective=ce"], "dflash_objective"),
             (["draft.type=dflash", "train.dflash_anchors=0"], "dflash_anchors"),
             (["draft.type=dflash", "draft.fc_norm=true"], "draft.fc_norm"),
             (["draft.type=dflash", "train.loss=lk_alpha"], "train.dflash_objective"),
-            (["draft.type=dflash", "draft.init_from=/x"], "draft.init_from"),
             (["draft.type=dflash", "draft.sample_from_anchor=true", "train.dflash_objective=token_ce"], "slot 0"),
             (["draft.type=dflash", "draft.block_size=4", "decode_eval.at_end=true", "decode_eval.num_spec_tokens=5"],
              "decode_eval.num_spec_tokens"),
