@@ -128,16 +128,15 @@ def test_devices_hold_their_share_of_the_draft(lowered):
         assert report["draft_param_bytes_per_device"] < whole / 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kernels.moe=pallas_tpu: kernels/specjax_kernels/moe/pallas_tpu.py picks interpret mode from "
-    "jax.default_backend(), so lowered from a CPU host the experts run in Pallas's interpreter (XLA ops, "
-    "no Mosaic call); on several devices megablox's gmm also needs a shard_map (tpu_lowering.kernel_mesh)"))
 def test_moe_experts_lower_as_mosaic(lowered):
+    """kernels.moe=pallas_tpu inside the step: megablox's gmm is a Mosaic call (not Pallas's
+    interpreter) when lowered for a TPU from this CPU host, on one device and under shard_map on 8."""
     target, mesh, _, report = lowered
-    if not TARGETS[target][2] or mesh != "1dev":
-        pytest.skip("no MoE experts, or several devices (the one-device case shows the gap)")
+    if not TARGETS[target][2]:
+        pytest.skip("no MoE experts in this target")
     others = {k: v for k, v in report["mosaic_kernels"].items() if not k.startswith(("ttt_", "soft_ce_"))}
-    assert others  # megablox gmm / tgmm
+    # megablox gmm, its pallas_call named "kernel": gate/up and down (the target is frozen: no tgmm)
+    assert sum(others.values()) >= 2, report["mosaic_kernels"]
 
 
 def test_cli_errors(tmp_path):

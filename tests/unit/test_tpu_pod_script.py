@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 WORKER_PREFIX = "each worker (--worker=all): "
-TRAIN = ["train", "my-pod", "us-east5-a", "configs/llama3_8b_eagle3.yaml", "parallelism.fsdp=-1",
+TRAIN = ["train", "my-pod", "us-east5-a", "configs/llama3_8b_eagle3.yaml", "parallelism.fsdp=8",
          "run.name=two words", "data.batch_size=64"]
 
 
@@ -54,7 +54,7 @@ def test_dry_run_shows_each_workers_command(fake_gcloud):
     # what each worker's shell runs: the overrides arrive as separate, intact arguments
     assert shlex.split(worker) == ["cd", "~/specjax", "&&", "SPECJAX_DISTRIBUTED=auto", ".venv/bin/python", "-m",
                                    "specjax.launch", "--config", "configs/llama3_8b_eagle3.yaml",
-                                   "parallelism.fsdp=-1", "run.name=two words", "data.batch_size=64"]
+                                   "parallelism.fsdp=8", "run.name=two words", "data.batch_size=64"]
 
 
 def test_dry_run_setup_copies_nothing(fake_gcloud, tmp_path):
