@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="start no prompt after this many seconds (counted from the start of the run); the "
                          "results cover the prompts finished, in order, and say that the budget cut the run")
     ap.add_argument("--out", default=None, help="write every number to this JSON file")
+    ap.add_argument("--record-tokens", action="store_true",
+                    help="keep every turn's prompt ids and speculative output ids in the --out JSON (to run another "
+                         "engine, e.g. vLLM, on exactly the same inputs and compare outputs token for token)")
     ap.add_argument("--compare", default=None, help="a results JSON of an earlier run to test equivalence against")
     ap.add_argument("--margin", type=float, default=None, help="equivalence margin (metric units, or a fraction "
                                                                  "of the other run's value with --relative-margin)")
@@ -158,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = measure(decoder, tokenizer, template, prompts, num_spec_tokens=args.num_spec_tokens,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=eos,
                       seed=args.seed, with_greedy=with_greedy, warmup=args.warmup, progress=progress,
-                      deadline=None if args.budget_s is None else started + args.budget_s)
+                      deadline=None if args.budget_s is None else started + args.budget_s,
+                      record_tokens=args.record_tokens)
     cut = len(records) < len(prompts)
     if cut:
         print(f"--budget-s {args.budget_s:g}: stopped after {len(records)} of {len(prompts)} prompts; the results "
@@ -178,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "mode": args.mode,
                    "tree_top_k": args.tree_top_k, "dtype": args.dtype,
                    "matmul_precision": decoder.matmul_precision or "default", "seed": args.seed, "warmup": args.warmup,
-                   "eos_token_ids": list(eos), "greedy_baseline": with_greedy},
+                   "eos_token_ids": list(eos), "greedy_baseline": with_greedy,
+                   "record_tokens": args.record_tokens},
         "versions": versions(),
         "device": device_info(),
         "statistics": {"unit": "prompt (all turns of a conversation)", "level": 0.95,

@@ -105,10 +105,12 @@ def _spec_numbers(res, num_spec_tokens: int) -> dict:
 
 def run_prompt(decoder, tokenizer, template: str, prompt, *, num_spec_tokens: int, max_new_tokens: int,
                temperature: float, eos_ids: Sequence[int], seed: int, with_greedy: bool,
-               retime: bool = False) -> dict:
+               retime: bool = False, record_tokens: bool = False) -> dict:
     """Speculative (and, with `with_greedy`, plain greedy) decoding of every turn of one prompt.
     Returns the prompt's record: per-turn raw numbers plus per-prompt totals (the statistics' unit).
-    `retime`: re-run a call that compiled something, so timings exclude compilation."""
+    `retime`: re-run a call that compiled something, so timings exclude compilation.
+    `record_tokens`: each turn also keeps its prompt ids and the speculative output ids
+    (`prompt_ids`, `output_ids`), so another engine can be run on exactly the same inputs."""
     spec_msgs: list[dict] = []
     greedy_msgs: list[dict] = []
     turns = []
@@ -119,6 +121,9 @@ def run_prompt(decoder, tokenizer, template: str, prompt, *, num_spec_tokens: in
                                                       eos_token_ids=tuple(eos_ids), seed=seed + t), retime)
         turn = {"prompt_tokens": len(ids), "spec": _spec_numbers(res, num_spec_tokens), "greedy": None,
                 "match": None, "reruns": rerun}
+        if record_tokens:
+            turn["prompt_ids"] = [int(x) for x in ids]
+            turn["output_ids"] = [int(x) for x in res.tokens]
         spec_msgs.append({"role": "assistant", "content": tokenizer.decode(res.tokens, skip_special_tokens=True)})
         if with_greedy:
             greedy_msgs.append({"role": "user", "content": user_text})
@@ -164,7 +169,7 @@ def measure(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_to
             max_new_tokens: int, temperature: float = 0.0, eos_ids: Sequence[int] = (), seed: int = 0,
             with_greedy: bool = True, warmup: int = 1, retime: bool = True,
             progress: Optional[Callable[[int, int, dict], None]] = None,
-            deadline: Optional[float] = None) -> list[dict]:
+            deadline: Optional[float] = None, record_tokens: bool = False) -> list[dict]:
     """Run every prompt and return the per-prompt records. Compilation is kept out of the timings:
     `warmup` prompts are run once untimed first, and with `retime` any call that still compiles
     (a new shape bucket: prompt length, cache size) is run again and the second run is timed.
@@ -174,6 +179,7 @@ def measure(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_to
               eos_ids=eos_ids, seed=seed, with_greedy=with_greedy, retime=retime)
     for p in list(prompts)[:max(0, warmup)]:
         run_prompt(decoder, tokenizer, template, p, **dict(kw, retime=False))
+    kw["record_tokens"] = record_tokens
     records = []
     for i, p in enumerate(prompts):
         if deadline is not None and time.time() >= deadline:

@@ -123,7 +123,7 @@ def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_fil
     # 90% interval of the difference is wide (t with ~2 df), so only a loose margin shows equivalence
     out_b = tmp_path / "b.json"
     assert main(_args(tiny_target, draft_dir, prompt_file, out_b, "--compare", str(out), "--margin", "2.5",
-                      "--warmup", "0")) == 0
+                      "--warmup", "0", "--record-tokens")) == 0
     printed = capsys.readouterr().out
     assert "TOST" in printed and printed.count("-> EQUIVALENT") == 2, printed
     res_b = json.loads(out_b.read_text())
@@ -133,6 +133,16 @@ def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_fil
         assert d["diff"] == pytest.approx(0.0, abs=1e-12) and d["verdict"] == "equivalent"
         assert d["p_low"] < 0.05 and d["p_high"] < 0.05
     tight = compare_runs(res_b, res, margin=0.05)  # recomputed from the saved per-prompt numbers
+    # --record-tokens: each turn's exact prompt ids and speculative output (what benchmarks/methods.py
+    # feeds vLLM); without it the JSON holds counts only
+    assert all("prompt_ids" not in t for r in res["prompts"] for t in r["turns"])
+    assert res_b["config"]["record_tokens"] is True
+    for r in res_b["prompts"]:
+        for t in r["turns"]:
+            assert len(t["prompt_ids"]) == t["prompt_tokens"] and len(t["output_ids"]) == t["spec"]["new_tokens"]
+        if len(r["turns"]) == 2:  # turn 2's prompt is turn 1's prompt, its answer, then the new user turn
+            first, second = r["turns"][0]["prompt_ids"], r["turns"][1]["prompt_ids"]
+            assert second[:len(first)] == first and len(second) > len(first) + 1
     assert all(d["verdict"] == "not shown equivalent" and d["p_low"] > 0.05 for d in tight.values())
 
 
