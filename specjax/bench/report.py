@@ -35,7 +35,138 @@ def format_estimate(e: Optional[dict], fmt: str = ".3f", scale: float = 1.0) -> 
 
 
 def format_markdown(results: dict) -> str:
-    """Three tables (throughput and speedup, latency, acceptance) from a results dict."""
+    """The report: a setup section (command, versions, servers and their flags) when the results
+    carry the command, three tables (throughput and speedup, latency, acceptance), then the repeated
+    windows and the task accuracy with its equivalence test when they were measured, and what the
+    intervals do not cover."""
+    lines = []
+    if results.get("command"):
+        lines += _setup_section(results) + ["## Throughput, latency and acceptance", ""]
+    lines += _tables(results)
+    if results.get("repeats"):
+        lines += [""] + _repeats_section(results)
+    if results.get("accuracy"):
+        lines += [""] + _accuracy_section(results)
+    if results.get("repeats") or results.get("accuracy"):
+        lines += [""] + _limits_section(results)
+    return "\n".join(lines) + "\n"
+
+
+def _label(results: dict, arm: str) -> str:
+    return (results.get("labels") or {}).get(arm, arm)
+
+
+def _setup_section(results: dict) -> list[str]:
+    cfg = results.get("config", {})
+    lines = ["# Serving evaluation (specjax.bench)", "", "## Setup", "",
+             f"Created {results.get('created', '–')}. The exact command:", "", "```", results["command"], "```", ""]
+    for arm, srv in (results.get("servers") or {}).items():
+        lines.append(f"* arm `{arm}` ({_label(results, arm)}): {srv.get('url')}, model `{srv.get('model')}`, "
+                     f"engine {srv.get('engine') or 'unknown'} {srv.get('version') or '(no /version)'}, "
+                     f"spec-decode metrics: {'yes' if srv.get('spec_metrics') else 'no'}")
+        flags = srv.get("flags")
+        lines.append(f"  * server flags: `{flags}`" if flags else
+                     "  * server flags: not recorded (pass --server-flags / --baseline-server-flags)")
+    vers = results.get("versions") or {}
+    lines.append("* client versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if v))
+    pr = results.get("prompts") or {}
+    lines.append(f"* prompts: {', '.join(pr.get('sets', []))} ({pr.get('count', '–')} prompts); endpoint "
+                 f"{cfg.get('endpoint')}, max_tokens {cfg.get('max_tokens')}, temperature {cfg.get('temperature')}, "
+                 f"concurrency {cfg.get('concurrency')}, windows {cfg.get('repeats') or 1}")
+    return lines + [""]
+
+
+def _repeats_section(results: dict) -> list[str]:
+    rp = results["repeats"]
+    level = results.get("config", {}).get("confidence", 0.95)
+    pct = f"{100 * level:.0f}%"
+    n = rp["windows"]
+    lines = [f"## Repeated windows ({n} windows, one server session per arm)", "",
+             f"Each window runs every concurrency level on every arm, the arms alternating which goes first. Unit: "
+             f"the window (its aggregate output tok/s and its tau). Means with {pct} t intervals over the {n} windows; "
+             "the ratio of the means with the two-sample delta-method interval (Welch df), and paired by window. "
+             "The tables above pool the requests of all windows.", "",
+             "| conc | arm | tok/s mean | tau mean | failed requests |", "|---|---|---|---|---|"]
+    for e in rp["levels"]:
+        for arm, a in e["arms"].items():
+            lines.append(f"| {e['concurrency']} | {_label(results, arm)} | "
+                         f"{format_estimate(a['output_tok_s_mean'], '.2f')} | {format_estimate(a.get('tau_mean'), '.3f')} | "
+                         f"{a['failed_requests']} |")
+    rows = [e for e in rp["levels"] if e.get("ratio_of")]
+    if rows:
+        a, b = rows[0]["ratio_of"]
+        lines += ["", f"| conc | tok/s ratio {_label(results, a)} / {_label(results, b)} (two-sample) | paired by window | "
+                      "per-window ratios, min – max |", "|---|---|---|---|"]
+        for e in rows:
+            wr = e.get("window_ratios") or []
+            rng = f"{min(wr):.3f} – {max(wr):.3f}" if wr else "–"
+            lines.append(f"| {e['concurrency']} | {format_estimate(e.get('ratio'), '.3f')} | "
+                         f"{format_estimate(e.get('ratio_paired'), '.3f')} | {rng} |")
+    return lines
+
+
+def _accuracy_section(results: dict) -> list[str]:
+    acc = results["accuracy"]
+    level = results.get("config", {}).get("confidence", 0.95)
+    pct = f"{100 * level:.0f}%"
+    ex = acc.get("exec") or {}
+    lines = [f"## Task accuracy: {acc['task']} pass@1, executed", "",
+             f"{acc['problems']} problems, concurrency {acc['concurrency']}, max_tokens {acc['max_tokens']}. Each reply's "
+             f"code (its ```python block) runs with the problem's tests in a child process: `{ex.get('python')} "
+             f"{ex.get('flags')}`, time limit {ex.get('timeout_s')} s, {ex.get('network')}; {ex.get('limits')}. "
+             f"pass@1 with {pct} intervals (temperature 0: over problems; above 0: over runs).", "",
+             "| temperature | unit | arm | runs | pass@1 | failed requests | cut at max_tokens | no code block | "
+             "timed out |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in acc["temperatures"]:
+        for arm, rs in t["runs"].items():
+            lines.append(f"| {t['temperature']:g} | {t['unit']} | {_label(results, arm)} | {len(rs)} | "
+                         f"{format_estimate(t['pass_at_1'].get(arm), '.4f')} | "
+                         f"{sum(r['failed_requests'] for r in rs)} | {sum(r['truncated'] for r in rs)} | "
+                         f"{sum(r['no_code_block'] for r in rs)} | {sum(r['timed_out'] for r in rs)} |")
+    eq = [t for t in acc["temperatures"] if t.get("diff_of")]
+    if eq:
+        lines += ["", "### Equivalence (two one-sided tests)", ""]
+    for t in eq:
+        a, b = (_label(results, x) for x in t["diff_of"])
+        n = t["pass_at_1"][t["diff_of"][0]].get("n")
+        unit = f"n = {n} problems per arm" if t["unit"] == "problem" else f"n = {n} runs per arm"
+        head = f"* temperature {t['temperature']:g} ({t['unit']} as the unit, {unit}):"
+        if t.get("tost") is None:
+            lines.append(f"{head} no test: {t.get('tost_error')}")
+            continue
+        r, m = t["tost"], t["margins"]
+        conf = f"{100 * (1 - 2 * r['alpha']):.0f}%"
+        verdict = (f"equivalent within ±{t['margin']:g}: both one-sided tests reject at p < {r['alpha']:g}"
+                   if r["equivalent"] else f"not shown equivalent within ±{t['margin']:g} at alpha {r['alpha']:g}")
+        lines.append(f"{head} pass@1 {a} − {b} = {r['diff']:+.4f}, se {r['se']:.4f}, {conf} interval "
+                     f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]; p_low = {r['p_low']:.3g}, p_high = {r['p_high']:.3g}: "
+                     f"{verdict}. The smallest margin this difference supports is ±{m['smallest_margin']:.3f}; "
+                     f"at this sample size no margin below ±{m['margin_floor']:.3f} is demonstrable however small "
+                     "the true difference.")
+        pc = t.get("paired_counts")
+        if pc:
+            only = [k for k in pc if k.startswith("only_")]
+            lines.append(f"  * per problem: both passed {pc['both_passed']}, " +
+                         ", ".join(f"only {_label(results, k[5:])} {pc[k]}" for k in only) +
+                         f", both failed {pc['both_failed']}; byte-identical replies {pc['identical_replies']} of "
+                         f"{pc['problems']} (byte identity is not the test: a serving stack need not be "
+                         "deterministic or batch-invariant, with or without speculation)")
+    return lines
+
+
+def _limits_section(results: dict) -> list[str]:
+    lines = ["## What this evidence does not cover", ""]
+    for c in (results.get("repeats") or {}).get("caveats") or []:
+        lines.append(f"* {c}")
+    if results.get("accuracy"):
+        lines.append("* Task accuracy is measured on one task and the problems listed; equivalence on it says "
+                     "nothing about other tasks or domains.")
+        lines.append("* The proportion test at temperature 0 uses the normal approximation and treats the arms as "
+                     "independent samples; with few problems or pass@1 near 0 or 1 it is approximate.")
+    return lines
+
+
+def _tables(results: dict) -> list[str]:
     arms = [a for a in ARMS if a in results.get("arms", {})]
     level = results.get("config", {}).get("confidence", 0.95)
     pct = f"{100 * level:.0f}%"
@@ -79,7 +210,7 @@ def format_markdown(results: dict) -> str:
     if acc_rows:
         lines += ["", "| arm | conc | drafts | tau = 1 + accepted/drafts | acceptance by position | "
                   "conditional on the previous |", "|---|---|---|---|---|---|"] + acc_rows
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def json_safe(x: Any) -> Any:
@@ -134,8 +265,11 @@ def _err(e: dict) -> tuple[float, float, float]:
 
 
 def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print) -> list[str]:
-    """acceptance_by_position.png (spec arm, one bar group per concurrency) and
-    tok_s_vs_concurrency.png (aggregate and per-request tok/s of each arm). Returns the paths."""
+    """acceptance_by_position.png (every arm with per-position counters, one bar group per
+    concurrency), tok_s_vs_concurrency.png (aggregate and per-request tok/s of each arm; with
+    repeated windows also the mean over windows with its interval) and, with repeated windows and
+    two arms, window_ratios.png (the tok/s ratio of every window per concurrency, with the
+    delta-method interval of the ratio of means as a band). Returns the paths."""
     plt = _matplotlib()
     if plt is None:
         log("matplotlib is not installed (pip install matplotlib, or specjax[bench]): plots skipped")
@@ -143,18 +277,20 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
     paths = []
     arms = results.get("arms", {})
     try:
-        levels = [lv for lv in arms.get("spec", {}).get("levels", [])
+        levels = [(arm, lv) for arm in ARMS for lv in arms.get(arm, {}).get("levels", [])
                   if (lv["summary"].get("acceptance") or {}).get("per_position")]
+        several = len({arm for arm, _ in levels}) > 1
         if levels:
             fig, ax = plt.subplots(figsize=(6, 4))
-            k = max(len(lv["summary"]["acceptance"]["per_position"]["unconditional"]) for lv in levels)
+            k = max(len(lv["summary"]["acceptance"]["per_position"]["unconditional"]) for _, lv in levels)
             width = 0.8 / len(levels)
-            for j, lv in enumerate(levels):
+            for j, (arm, lv) in enumerate(levels):
                 ests = lv["summary"]["acceptance"]["per_position"]["unconditional"]
                 vals = [_err(e) for e in ests]
                 xs = [i + (j - (len(levels) - 1) / 2) * width for i in range(len(ests))]
                 ax.bar(xs, [v[0] for v in vals], width, yerr=[[v[1] for v in vals], [v[2] for v in vals]],
-                       capsize=3, label=f"concurrency {lv['summary']['concurrency']}")
+                       capsize=3, label=(f"{(results.get('labels') or {}).get(arm, arm)} " if several else "") +
+                       f"concurrency {lv['summary']['concurrency']}")
             ax.set_xticks(range(k))
             ax.set_xlabel("draft position")
             ax.set_ylabel("accepted_i / drafts")
@@ -177,6 +313,12 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
                 vals = [_err(s["request_output_tok_s"]) for s in lvs]
                 ax.errorbar(cs, [v[0] for v in vals], yerr=[[v[1] for v in vals], [v[2] for v in vals]],
                             marker="s", linestyle="--", capsize=3, label=f"{arm}: per request (mean)")
+                rp = (results.get("repeats") or {}).get("levels") or []
+                wm = [(e["concurrency"], _err(e["arms"][arm]["output_tok_s_mean"])) for e in rp if arm in e["arms"]]
+                if wm:
+                    ax.errorbar([c for c, _ in wm], [v[0] for _, v in wm],
+                                yerr=[[v[1] for _, v in wm], [v[2] for _, v in wm]], marker="D", linestyle=":",
+                                capsize=3, label=f"{arm}: mean over {results['repeats']['windows']} windows")
             levels_c = sorted({s["concurrency"] for a in arms.values() for s in (lv["summary"] for lv in a["levels"])})
             ax.set_xscale("log", base=2)
             ax.set_xticks(levels_c)
@@ -188,6 +330,29 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
             ax.legend()
             fig.tight_layout()
             p = os.path.join(out_dir, "tok_s_vs_concurrency.png")
+            fig.savefig(p, dpi=100)
+            plt.close(fig)
+            paths.append(p)
+        rows = [e for e in (results.get("repeats") or {}).get("levels") or [] if e.get("window_ratios")]
+        if rows:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for e in rows:
+                xs = list(range(1, len(e["window_ratios"]) + 1))
+                line, = ax.plot(xs, e["window_ratios"], marker="o", label=f"concurrency {e['concurrency']}")
+                r = e.get("ratio") or {}
+                if r.get("lo") is not None and r.get("hi") is not None and math.isfinite(r["lo"]):
+                    ax.axhspan(r["lo"], r["hi"], color=line.get_color(), alpha=0.15)
+                if r.get("value") is not None:
+                    ax.axhline(r["value"], color=line.get_color(), linestyle="--", linewidth=1)
+            a, b = ((results.get("labels") or {}).get(x, x) for x in rows[0]["ratio_of"])
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xticks(range(1, max(len(e["window_ratios"]) for e in rows) + 1))
+            ax.set_xlabel("window")
+            ax.set_ylabel(f"output tok/s, {a} / {b}")
+            ax.set_title("Per-window throughput ratio (band: delta-method interval)")
+            ax.legend()
+            fig.tight_layout()
+            p = os.path.join(out_dir, "window_ratios.png")
             fig.savefig(p, dpi=100)
             plt.close(fig)
             paths.append(p)

@@ -26,7 +26,10 @@ Choices (so results can be reproduced by hand):
 * TOST: H0_low: d <= -margin and H0_high: d >= +margin for d = est_a - est_b, each tested with a
   one-sided Welch-type t (se^2 = se_a^2 + se_b^2, Welch-Satterthwaite df). Equivalence is declared
   when both one-sided p-values are below alpha, i.e. when the (1 - 2 alpha) interval of d lies
-  inside (-margin, +margin).
+  inside (-margin, +margin). `equivalence_margins` gives the smallest margin an observed difference
+  supports, |d| + t_{1-alpha} se, and the floor t_{1-alpha} se no difference could get below at that
+  sample size. For task accuracy (a share of problems passed) `tost_proportions` uses the unpooled
+  binomial se^2 = p_a(1-p_a)/n_a + p_b(1-p_b)/n_b and the normal distribution.
 
 The t distribution is implemented here (regularised incomplete beta by a continued fraction,
 quantile by bisection) so nothing beyond numpy is needed.
@@ -43,7 +46,7 @@ import numpy as np
 __all__ = [
     "Estimate", "TostResult", "betainc", "t_cdf", "t_sf", "t_ppf", "normal_cdf", "normal_ppf",
     "ratio_estimate", "tau_estimate", "acceptance_rates", "mean_estimate", "ratio_of_means",
-    "welch_df", "tost", "tost_from_estimates",
+    "welch_df", "tost", "tost_from_estimates", "equivalence_margins", "proportion_estimate", "tost_proportions",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -368,3 +371,52 @@ def tost(a, b, margin: Union[float, tuple[float, float]], alpha: float = 0.05) -
         raise ValueError(f"TOST needs at least 2 values per sample, got {a.size} and {b.size}")
     ea, eb = mean_estimate(a), mean_estimate(b)
     return tost_from_estimates(ea.value, ea.se, ea.df, eb.value, eb.se, eb.df, margin, alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# equivalence: the margin a sample supports, and task accuracy (proportions)
+
+
+def equivalence_margins(diff: float, se: float, df: float, alpha: float) -> dict:
+    """What margins a TOST at `alpha` can declare for an observed difference `diff` with standard
+    error `se` and `df` degrees of freedom (symmetric margins +-m):
+
+    * `smallest_margin` = |diff| + t_{1-alpha, df} * se: equivalence is declared for every margin
+      above it (there the (1 - 2 alpha) interval of the difference lies inside (-m, +m));
+    * `margin_floor` = t_{1-alpha, df} * se: the smallest margin this sample size could support
+      however small the true difference (the observed difference 0).
+
+    Both are the half-width arithmetic of the TOST in `tost_from_estimates`; `se` 0 gives |diff|."""
+    if not 0.0 < alpha < 0.5:
+        raise ValueError(f"alpha must be in (0, 0.5), got {alpha}")
+    if not (math.isfinite(se) and se >= 0):
+        raise ValueError(f"se={se}: the margins need a finite, non-negative standard error")
+    q = t_ppf(1.0 - alpha, df) if se > 0 else 0.0
+    return {"smallest_margin": abs(float(diff)) + q * se, "margin_floor": q * se, "quantile": q, "alpha": alpha}
+
+
+def proportion_estimate(successes: int, n: int, level: float = 0.95) -> Estimate:
+    """A proportion successes / n with the normal (Wald) interval, se = sqrt(p (1 - p) / n)."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"a proportion needs 0 <= successes <= n and n >= 1, got {successes} of {n}")
+    p = successes / n
+    se = math.sqrt(p * (1.0 - p) / n)
+    lo, hi = _interval(p, se, math.inf, level) if se > 0 else (p, p)
+    return Estimate(p, max(lo, 0.0), min(hi, 1.0), se, math.inf, int(n), level, "proportion, normal (Wald)")
+
+
+def tost_proportions(successes_a: int, n_a: int, successes_b: int, n_b: int,
+                     margin: Union[float, tuple[float, float]], alpha: float = 0.05) -> TostResult:
+    """TOST on the difference of two proportions p_a - p_b (e.g. pass@1 of two arms, the problem
+    as the unit), with the unpooled binomial standard error se^2 = p_a(1-p_a)/n_a + p_b(1-p_b)/n_b
+    and the normal distribution (df = inf). The arms are treated as independent samples even when
+    they answered the same problems: with outcomes positively correlated between arms that makes
+    the test conservative. ValueError when neither arm varies (all pass or all fail in both): the
+    sample then gives no standard error, and no equivalence can be shown from it."""
+    ea = proportion_estimate(successes_a, n_a)
+    eb = proportion_estimate(successes_b, n_b)
+    if ea.se == 0.0 and eb.se == 0.0:
+        raise ValueError(f"no variation in either arm ({successes_a}/{n_a} and {successes_b}/{n_b}): the "
+                         "standard error is 0 and equivalence cannot be tested; use more problems or a task "
+                         "the model neither always passes nor always fails")
+    return tost_from_estimates(ea.value, ea.se, math.inf, eb.value, eb.se, math.inf, margin, alpha)

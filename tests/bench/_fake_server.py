@@ -7,7 +7,9 @@ Every request answers with `len(chunk_tokens)` text chunks: the first after `ttf
 A request whose last user message contains the tag `pN` (p0, p1, ...) advances the counters by
 `increments[N % len(increments)]` (drafts, draft_tokens, accepted per position) just before its final
 chunk, so the client sees the counters of a request updated by the time its stream ends (as vLLM
-does). A user message containing `FAIL` is answered with HTTP 500."""
+does). A user message containing `FAIL` is answered with HTTP 500. With `reply(text, body)` given,
+the answer's text is what it returns for the last user message (and the request body), cut into
+`len(chunk_tokens)` chunks; the token counts stay those of `chunk_tokens`."""
 from __future__ import annotations
 
 import json
@@ -28,11 +30,12 @@ DEFAULT_INCREMENTS = (
 class FakeServer:
     def __init__(self, *, spec: bool = True, model: str = "fake-model", ttft_s: float = 0.05, gap_s: float = 0.02,
                  chunk_tokens=(1, 3, 2, 3), increments=DEFAULT_INCREMENTS, num_spec_tokens: int = 3,
-                 total_suffix: bool = True, usage: bool = True, engines: int = 1):
+                 total_suffix: bool = True, usage: bool = True, engines: int = 1, reply=None):
         self.spec, self.model = spec, model
         self.ttft_s, self.gap_s, self.chunk_tokens = ttft_s, gap_s, tuple(chunk_tokens)
         self.increments, self.k = increments, num_spec_tokens
         self.total_suffix, self.usage, self.engines = total_suffix, usage, engines
+        self.reply = reply
         self.lock = threading.Lock()
         self.drafts = self.draft_tokens = self.accepted = 0
         self.per_pos = [0] * num_spec_tokens
@@ -100,12 +103,17 @@ class FakeServer:
                                         "finish_reason": None}]})
                 time.sleep(server.ttft_s)
                 last = len(server.chunk_tokens) - 1
-                for i, nt in enumerate(server.chunk_tokens):
+                pieces = ["tok " * nt for nt in server.chunk_tokens]
+                if server.reply is not None:
+                    full, n = server.reply(text, body), len(server.chunk_tokens)
+                    pieces = [full[i * len(full) // n:(i + 1) * len(full) // n] for i in range(n)]
+                for i, piece in enumerate(pieces):
                     if i:
                         time.sleep(server.gap_s)
                     if i == last:
                         server.advance(tag)
-                    event({"choices": [choice("tok " * nt, "length" if i == last else None)]})
+                    event({"choices": [choice(piece, ("length" if server.reply is None else "stop") if i == last
+                                              else None)]})
                 if server.usage:
                     event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": sum(server.chunk_tokens),
                                                     "total_tokens": 7 + sum(server.chunk_tokens)}})

@@ -226,3 +226,65 @@ def test_bad_inputs_are_named():
         st.ratio_estimate([1, 2], [1, 2, 3])
     with pytest.raises(ValueError, match="non-finite"):
         st.ratio_of_means([1.0, float("nan")], [1.0, 2.0])
+
+
+# --- equivalence margins and proportions (task accuracy) ------------------------------------------
+
+def test_equivalence_margins_by_hand():
+    # diff -0.02, se 0.01, df 9, alpha 0.05: t_{0.95,9} = 1.833113 (t table)
+    m = st.equivalence_margins(-0.02, 0.01, 9, 0.05)
+    assert m["quantile"] == pytest.approx(1.833113, abs=1e-6)
+    assert m["margin_floor"] == pytest.approx(0.01833113, abs=1e-8)
+    assert m["smallest_margin"] == pytest.approx(0.03833113, abs=1e-8)
+    # it is where the TOST verdict flips (1e-6 either side)
+    ok = st.tost_from_estimates(-0.02, 0.01, 9, 0.0, 0.0, 1, margin=m["smallest_margin"] + 1e-6, alpha=0.05)
+    no = st.tost_from_estimates(-0.02, 0.01, 9, 0.0, 0.0, 1, margin=m["smallest_margin"] - 1e-6, alpha=0.05)
+    assert ok.equivalent and not no.equivalent
+    assert st.equivalence_margins(0.03, 0.0, math.inf, 0.01)["smallest_margin"] == 0.03  # no noise: |diff|
+    with pytest.raises(ValueError, match="alpha"):
+        st.equivalence_margins(0.0, 0.01, 9, 0.5)
+    with pytest.raises(ValueError, match="standard error"):
+        st.equivalence_margins(0.0, math.nan, 9, 0.05)
+
+
+def test_proportion_estimate_by_hand():
+    e = st.proportion_estimate(3, 4)
+    # p = 0.75, se = sqrt(0.75 * 0.25 / 4) = 0.216506; 0.75 +- 1.959964 * se, the top clipped at 1
+    assert e.value == 0.75 and e.se == pytest.approx(0.2165064, abs=1e-7) and e.df == math.inf
+    assert e.lo == pytest.approx(0.75 - 1.959964 * 0.2165064, abs=1e-6) and e.hi == 1.0
+    assert st.proportion_estimate(4, 4).se == 0.0  # all pass: no spread
+    with pytest.raises(ValueError, match="successes <= n"):
+        st.proportion_estimate(5, 4)
+
+
+def test_tost_proportions_reproduces_the_nemotron_card():
+    # the card's GSM8K numbers: n = 1319 per arm, 0.6869 (906/1319) against 0.6823 (900/1319)
+    n, ka, kb = 1319, 906, 900
+    pa, pb = ka / n, kb / n
+    res = st.tost_proportions(ka, n, kb, n, margin=0.05, alpha=0.01)
+    se = math.sqrt(pa * (1 - pa) / n + pb * (1 - pb) / n)
+    assert res.se == pytest.approx(se, rel=1e-12) and res.df == math.inf
+    assert round(res.se, 3) == 0.018  # "the standard error of the difference is 0.018"
+    d = pa - pb
+    phi = lambda x: 0.5 * math.erfc(-x / math.sqrt(2))  # noqa: E731
+    assert res.p_low == pytest.approx(1 - phi((d + 0.05) / se), abs=1e-12)
+    assert res.p_high == pytest.approx(phi((d - 0.05) / se), abs=1e-12)
+    assert res.p < 0.01 and res.equivalent  # "both rejected at p < 0.01"
+    # the card's margins are at the 90% interval (alpha 0.05): no margin below +-0.030, and this
+    # difference supports +-0.035 (its 0.0343 rounded up to the third decimal)
+    m = st.equivalence_margins(res.diff, res.se, res.df, 0.05)
+    assert m["margin_floor"] == pytest.approx(1.644854 * se, abs=1e-6) and round(m["margin_floor"], 3) == 0.030
+    assert 0.034 < m["smallest_margin"] <= 0.035
+
+
+def test_tost_proportions_small_sample_and_no_variation():
+    # 3/4 against 2/4: se = sqrt(0.1875/4 + 0.25/4) = 0.3307189; at +-0.05 nothing can be shown:
+    # p_high = Phi((0.25 - 0.05) / se) = Phi(0.6047) = 0.7273
+    res = st.tost_proportions(3, 4, 2, 4, margin=0.05, alpha=0.01)
+    assert res.diff == 0.25 and res.se == pytest.approx(0.3307189, abs=1e-7)
+    assert not res.equivalent and res.p_high == pytest.approx(0.5 * math.erfc(-(0.25 - 0.05) / 0.3307189 / math.sqrt(2)),
+                                                              abs=1e-7)  # se given to 7 decimals
+    # one arm without spread still has a standard error from the other
+    assert st.tost_proportions(4, 4, 3, 4, margin=0.05).se == pytest.approx(math.sqrt(0.1875 / 4), abs=1e-12)
+    with pytest.raises(ValueError, match="no variation in either arm"):
+        st.tost_proportions(4, 4, 4, 4, margin=0.05)

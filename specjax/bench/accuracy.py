@@ -1,0 +1,151 @@
+"""Task accuracy of the arms (`python -m specjax.bench --accuracy humaneval`): HumanEval pass@1 of
+each server's replies, and an equivalence test (TOST) between the two arms.
+
+Each HumanEval problem is sent as the humaneval preset's user turn (the whole function asked for in
+one ```python block) through `core.run_level` (no /metrics scrapes), and every reply is checked by
+running the problem's tests in a child process (`specjax.eval.task_accuracy`; never in this
+process). Per temperature:
+
+* temperature 0: one run per arm; the problem is the unit. pass@1 of each arm is a proportion;
+  the TOST compares the two proportions with the unpooled binomial standard error and the normal
+  distribution (`stats.tost_proportions`; the arms are taken as independent samples, which is
+  conservative when the same problems are easy or hard for both). Also reported: how many problems
+  each arm alone passed (discordant pairs) and how many replies were byte-identical.
+* temperature > 0: `runs` runs per arm, the arms alternating which goes first; the run is the unit,
+  because sampled replies differ from run to run. pass@1 of a run is its share of problems passed;
+  the TOST is Welch's on the runs' pass@1 values (`stats.tost`).
+
+Equivalence is declared when both one-sided p-values are below alpha, i.e. the (1 - 2 alpha)
+interval of the difference (first arm - second arm) lies inside (-margin, +margin). With it the
+smallest margin this sample supports (|diff| + q se) and the floor no observed difference could
+get below (q se) are reported (`stats.equivalence_margins`)."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+from specjax.bench import core
+from specjax.bench.client import Endpoint
+from specjax.bench.repeats import arm_order
+from specjax.eval import stats
+from specjax.eval import task_accuracy as ta
+
+__all__ = ["TASKS", "problems_for", "run_accuracy", "score_run", "compare_arms"]
+
+TASKS = ("humaneval",)
+
+
+def problems_for(task: str, limit: Optional[int] = None) -> list[ta.Problem]:
+    if task not in TASKS:
+        raise ValueError(f"unknown accuracy task {task!r}; tasks: {', '.join(TASKS)}")
+    return ta.load_humaneval(limit)
+
+
+def score_run(problems: Sequence[ta.Problem], level_result: dict, *, timeout_s: float, workers: int) -> dict:
+    """Check every reply of one run (a `run_level` result over the problems) and count."""
+    by_id = {r["job_id"]: r for r in level_result["requests"]}
+    replies = [by_id[p.task_id]["text"] if p.task_id in by_id and by_id[p.task_id]["ok"] else None
+               for p in problems]
+    verdicts = ta.check_replies(problems, replies, timeout_s=timeout_s, workers=workers)
+    rows = []
+    for p, v in zip(problems, verdicts):
+        r = by_id.get(p.task_id) or {}
+        rows.append(dict(v.to_dict(), finish_reason=r.get("finish_reason"), output_tokens=r.get("output_tokens"),
+                         request_ok=bool(r.get("ok")), error=r.get("error"), text=r.get("text")))
+    n = len(rows)
+    passed = sum(r["passed"] for r in rows)
+    return {"n": n, "passed": passed, "pass_at_1": passed / n if n else math.nan,
+            "failed_requests": sum(not r["request_ok"] for r in rows),
+            "truncated": sum(r["finish_reason"] == "length" for r in rows),
+            "no_code_block": sum(r["code_found"] in ("whole reply", "none") for r in rows),
+            "timed_out": sum(r["result"].startswith("timed out") for r in rows),
+            "wall_s": level_result["wall_s"], "problems": rows}
+
+
+def compare_arms(runs: dict[str, list[dict]], temperature: float, margin: float, alpha: float,
+                 level: float = 0.95) -> dict:
+    """pass@1 per arm and (two arms) the TOST of the first arm against the second; see the module
+    docstring for the unit at each temperature."""
+    arms = list(runs)
+    out: dict = {"temperature": temperature, "unit": "problem" if temperature == 0 else "run",
+                 "pass_at_1": {}, "tost": None, "tost_error": None, "margins": None, "margin": margin, "alpha": alpha}
+    for arm in arms:
+        rs = runs[arm]
+        if temperature == 0:
+            out["pass_at_1"][arm] = stats.proportion_estimate(rs[0]["passed"], rs[0]["n"], level).to_dict()
+        else:
+            e = stats.mean_estimate([r["pass_at_1"] for r in rs], level).to_dict()
+            if e["lo"] == e["lo"]:  # a t interval of a share, clipped to the possible [0, 1]
+                e["lo"], e["hi"] = max(e["lo"], 0.0), min(e["hi"], 1.0)
+            out["pass_at_1"][arm] = e
+    if len(arms) != 2:
+        return out
+    a, b = runs[arms[0]], runs[arms[1]]
+    out["diff_of"] = [arms[0], arms[1]]
+    try:
+        if temperature == 0:
+            res = stats.tost_proportions(a[0]["passed"], a[0]["n"], b[0]["passed"], b[0]["n"], margin, alpha)
+            pa = {r["task_id"]: r for r in a[0]["problems"]}
+            pb = {r["task_id"]: r for r in b[0]["problems"]}
+            common = [k for k in pa if k in pb]
+            out["paired_counts"] = {
+                "both_passed": sum(pa[k]["passed"] and pb[k]["passed"] for k in common),
+                f"only_{arms[0]}": sum(pa[k]["passed"] and not pb[k]["passed"] for k in common),
+                f"only_{arms[1]}": sum(pb[k]["passed"] and not pa[k]["passed"] for k in common),
+                "both_failed": sum(not pa[k]["passed"] and not pb[k]["passed"] for k in common),
+                "identical_replies": sum(pa[k]["text"] is not None and pa[k]["text"] == pb[k]["text"] for k in common),
+                "problems": len(common)}
+        else:
+            xa, xb = [r["pass_at_1"] for r in a], [r["pass_at_1"] for r in b]
+            if len(set(xa)) == 1 and len(set(xb)) == 1:
+                raise ValueError(f"no variation between runs in either arm ({xa} and {xb}): the standard error is 0 "
+                                 "and equivalence cannot be tested; use more problems or runs (a server that ignores "
+                                 "the temperature gives the same replies every run)")
+            res = stats.tost(xa, xb, margin, alpha)
+    except ValueError as e:
+        out["tost_error"] = str(e)
+        return out
+    out["tost"] = res.to_dict()
+    out["margins"] = stats.equivalence_margins(res.diff, res.se, res.df, alpha)
+    return out
+
+
+def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Sequence[ta.Problem], *,
+                 temperatures: Sequence[float], runs: int, concurrency: int, max_tokens: int, margin: float,
+                 alpha: float, timeout_s: float = ta.DEFAULT_TIMEOUT_S, workers: int = 2,
+                 system: Optional[str] = None, extra_body: Optional[dict] = None, request_timeout: float = 600.0,
+                 level: float = 0.95, task: str = "humaneval",
+                 log: Callable[[str], None] = print) -> dict:
+    """Generate and check the problems on every arm at every temperature (one run at temperature 0,
+    `runs` runs above it) and compare the arms. Returns the `accuracy` section of results.json."""
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    if any(t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be >= 0, got {list(temperatures)}")
+    if runs < 2 and any(t > 0 for t in temperatures) and len(eps) == 2:
+        raise ValueError(f"--accuracy-runs {runs}: the TOST at temperature > 0 takes the run as the unit and needs "
+                         "at least 2 runs per arm (the Nemotron card used about 20)")
+    from specjax.data.presets import humaneval_user_turn  # the data stack: only here
+
+    jobs = [core.BenchJob(p.task_id, task, (humaneval_user_turn(p.prompt),)) for p in problems]
+    out: dict = {"task": task, "problems": len(problems), "margin": margin, "alpha": alpha,
+                 "exec": dict(ta.isolation(), timeout_s=timeout_s, workers=workers), "concurrency": concurrency,
+                 "max_tokens": max_tokens, "temperatures": []}
+    for t in temperatures:
+        n_runs = 1 if t == 0 else runs
+        per_arm: dict[str, list[dict]] = {arm: [] for arm in eps}
+        for r in range(n_runs):
+            for arm in arm_order(list(eps), r):
+                res = core.run_level(eps[arm], models[arm], jobs, concurrency, max_tokens=max_tokens,
+                                     temperature=t, system=system, extra_body=extra_body, scrape="none",
+                                     request_timeout=request_timeout)
+                sc = score_run(problems, res, timeout_s=timeout_s, workers=workers)
+                sc.update(run=r, arm=arm, temperature=t)
+                per_arm[arm].append(sc)
+                log(f"accuracy {task} T={t:g} run {r + 1}/{n_runs} {arm}: pass@1 {sc['passed']}/{sc['n']} = "
+                    f"{sc['pass_at_1']:.3f} ({sc['failed_requests']} failed requests, {sc['truncated']} cut at "
+                    f"max_tokens)")
+        entry = compare_arms(per_arm, t, margin, alpha, level)
+        entry["runs"] = per_arm
+        out["temperatures"].append(entry)
+    return out

