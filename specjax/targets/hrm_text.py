@@ -1,6 +1,6 @@
 """HRM-Text frozen target (``HrmTextForCausalLM``, transformers' HRM-Text by Sapient) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> block -> forward -> Target class.
+Read top to bottom: config -> HF weight map -> block -> forward -> cached decoding -> Target class.
 
 Two stacks of Llama-style blocks (weightless RMSNorms, MHA with a sigmoid output gate per head dim,
 SwiGLU MLP), the L(ow) and the H(igh) module, each ending in a weightless RMSNorm. With
@@ -29,9 +29,10 @@ import numpy as np
 
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
 from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
+from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
 from specjax.targets.layers.scan import index_layer, scan_layers
 from specjax.targets.llama import embed_table, lm_head_weight  # same embedding / lm_head layout
 from specjax.targets.registry import register
@@ -166,13 +167,18 @@ def _unit_rms_norm(x, eps):
     return rms_norm(x, jnp.ones((), x.dtype), eps)
 
 
-def hrm_block(lp: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask):
-    """x + gated attn(norm(x)), then + SwiGLU(norm(x)), both norms weightless."""
+def hrm_block(lp: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, *, cache: dict | None = None, layer=None,
+              slots_bt=None):
+    """x + gated attn(norm(x)), then + SwiGLU(norm(x)), both norms weightless: (new x, new cache or
+    None). ``cache``/``layer``/``slots_bt``: cached decoding (see layers/attention.attention_block)."""
     h = _unit_rms_norm(x_btd, cfg.rms_norm_eps)
-    x_btd = x_btd + attention_block(lp["self_attn"], cfg.attention, h, mask, rope)[0]
+    o, cache = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=cache, layer=layer,
+                               slots_bt=slots_bt)
+    x_btd = x_btd + o
     h = _unit_rms_norm(x_btd, cfg.rms_norm_eps)
     mlp = lp["mlp"]
-    return x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
+    return x_btd, cache
 
 
 # =============================================================================================
@@ -191,23 +197,69 @@ def hrm_forward(
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
     mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
+    z_h, aux, _ = _run_cycles(params, cfg, x, rope, mask, aux_ids)
+    return z_h, aux
 
+
+def _run_cycles(params: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, aux_ids, *, cache: dict | None = None,
+                slots_bt=None):
+    """The H/L cycles from the scaled embeddings: (final z_H, aux tuple, new cache or None). Virtual
+    layer v = j * n + i (layer i of stack invocation j) taps aux id v and uses cache row v."""
     n = cfg.num_layers_per_stack
-    z = {"H_module": x, "L_module": jnp.broadcast_to(params["z_L_init"].astype(x.dtype), x.shape)}
+    z = {"H_module": x_btd, "L_module": jnp.broadcast_to(params["z_L_init"].astype(x_btd.dtype), x_btd.shape)}
     other = {"L_module": "H_module", "H_module": "L_module"}
     aux = []
     for j, stack in enumerate(cfg.invocations()):
         layers = params[stack]["layers"]
 
-        def step(h, i, layers=layers):
-            return hrm_block(index_layer(layers, i), cfg, h, rope, mask)
+        def step(carry, layer, layers=layers):
+            (h, c), (i, v) = carry, layer
+            return hrm_block(index_layer(layers, i), cfg, h, rope, mask, cache=c, layer=v, slots_bt=slots_bt)
 
         h = z[stack] + z[other[stack]]  # input injection: the other state is added on entry
         taps = [k - j * n for k in aux_ids]  # virtual ids of this invocation -> its layer ids
-        h, tapped = scan_layers(step, h, np.arange(n, dtype=np.int32), taps)
+        xs = (np.arange(n, dtype=np.int32), j * n + np.arange(n, dtype=np.int32))
+        (h, cache), tapped = scan_layers(step, (h, cache), xs, taps, tapped=lambda carry: carry[0])
         aux.extend(tapped)
         z[stack] = _unit_rms_norm(h, cfg.rms_norm_eps)
-    return z["H_module"], tuple(aux)
+    return z["H_module"], tuple(aux), cache
+
+
+# =============================================================================================
+# Cached decoding: a KV cache row per virtual layer
+# =============================================================================================
+# Every block attends causally over the sequence (the prefix-LM option is unused), and z_L / z_H
+# of a token depend on earlier tokens only through those attentions, so each stack invocation's
+# layer has a well-defined K/V per token: {"k", "v"} [Lv, B, S, H, D], virtual layer v = j * n + i
+# writes and reads row v. Layout, slot rules and mask: layers/attention.py "KV cache"; rollback =
+# a shorter valid length.
+def hrm_init_cache(cfg: HrmTextTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Zeroed KV cache for `max_len` slots per row (rounded up), one row per virtual layer."""
+    return init_kv_cache(cfg.num_virtual_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+
+def hrm_decode_chunk(
+    params: dict,
+    cfg: HrmTextTargetConfig,
+    cache: dict,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    chunk_mask_btt: jax.Array | None = None,
+    valid_from_b: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+) -> tuple[jax.Array, tuple, jax.Array, dict]:
+    """PURE cached forward of a chunk: (fp32 logits, aux tuple at virtual `aux_layer_ids`, final
+    z_H, new cache); arguments as ``llama.decode_chunk``. Same blocks and op order as
+    :func:`hrm_forward`."""
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
+    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+    final, aux, cache = _run_cycles(params, cfg, x, rope, mask, aux_ids, cache=cache, slots_bt=slots)
+    return picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
 
 
 # =============================================================================================
@@ -221,6 +273,7 @@ class HrmTextTarget(Target):
     forward_fn = staticmethod(hrm_forward)
     embed_fn = staticmethod(embed_table)
     lm_head_fn = staticmethod(lm_head_weight)
+    decode_fn, init_cache_fn = staticmethod(hrm_decode_chunk), staticmethod(hrm_init_cache)  # cached decoding
 
     @classmethod
     def weight_specs(cls, config: HrmTextTargetConfig) -> list[WeightSpec]:

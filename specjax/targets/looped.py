@@ -20,8 +20,10 @@ or Qwen3 checkpoint (same tensors on disk) whose config.json adds the loop field
 
 Unroll: layers [0, loop_start), then [loop_start, loop_end) num_loops times, then [loop_end, L).
 Lv = L + (num_loops - 1) * (loop_end - loop_start). Positions, RoPE and the segment mask are the
-same on every pass; the final norm runs once at the end. Read top to bottom: config -> weight map
-(the Llama one) -> forward (``llama.forward_over`` the unroll) -> Target class.
+same on every pass; the final norm runs once at the end. Cached decoding keeps one KV cache row per
+virtual layer (each application of a shared layer sees different inputs, so its K/V differ). Read
+top to bottom: config -> weight map (the Llama one) -> forward (``llama.forward_over`` the unroll)
+-> cached decoding -> Target class.
 """
 from __future__ import annotations
 
@@ -29,9 +31,15 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from specjax.targets import llama
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
+from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
+from specjax.targets.layers.norms import rms_norm
+from specjax.targets.layers.rope import inverse_frequencies, rope_cos_sin
+from specjax.targets.layers.scan import index_layer, scan_layers
 from specjax.targets.registry import model_type_of, register
 
 # looped architecture name -> the dense architecture whose layers it loops
@@ -127,6 +135,49 @@ def looped_llama_forward(
 
 
 # =============================================================================================
+# Cached decoding: the Llama KV cache with one row per virtual layer
+# =============================================================================================
+# {"k", "v"} [Lv, B, S, Hkv, D]: virtual layer v (physical layer virtual_layers()[v]) writes and
+# reads row v. Layout, slot rules and mask: layers/attention.py "KV cache"; rollback = a shorter
+# valid length.
+def looped_llama_init_cache(cfg: LoopedLlamaConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Zeroed KV cache for `max_len` slots per row (rounded up), one row per virtual layer."""
+    return init_kv_cache(cfg.num_virtual_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+
+def looped_llama_decode_chunk(
+    params: dict,
+    cfg: LoopedLlamaConfig,
+    cache: dict,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    chunk_mask_btt: jax.Array | None = None,
+    valid_from_b: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+) -> tuple[jax.Array, tuple, jax.Array, dict]:
+    """PURE cached forward of a chunk: ``llama.decode_chunk`` over the unroll. Returns (fp32 logits,
+    aux tuple at virtual `aux_layer_ids`, final hidden after the final norm, new cache); arguments
+    as ``llama.decode_chunk``. Same layers and op order as :func:`looped_llama_forward`."""
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
+    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+
+    def step(carry, layer):
+        (x, c), (i, v) = carry, layer  # physical layer i applied as virtual layer v
+        return llama.decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask, cache=c, layer=v,
+                                   slots_bt=slots)
+
+    xs = (np.asarray(cfg.virtual_layers(), np.int32), np.arange(cfg.num_virtual_layers, dtype=np.int32))
+    (x, cache), aux = scan_layers(step, (x, cache), xs, aux_ids, tapped=lambda carry: carry[0])
+    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
+    return picked_logits(final, llama.lm_head_weight(params, cfg), logits_index), aux, final, cache
+
+
+# =============================================================================================
 # Target wrapper
 # =============================================================================================
 @register(*LOOPED_LLAMA_ARCHS)  # aux ids address the unrolled virtual depth
@@ -137,6 +188,8 @@ class LoopedLlamaTarget(Target):
     forward_fn = staticmethod(looped_llama_forward)
     embed_fn = staticmethod(llama.embed_table)
     lm_head_fn = staticmethod(llama.lm_head_weight)
+    decode_fn = staticmethod(looped_llama_decode_chunk)  # cached decoding, a cache row per virtual layer
+    init_cache_fn = staticmethod(looped_llama_init_cache)
 
     @classmethod
     def weight_specs(cls, config: LoopedLlamaConfig) -> list[WeightSpec]:

@@ -1,6 +1,7 @@
 """Qwen3-MoE frozen target (``Qwen3MoeForCausalLM``) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> blocks (router, feed-forwards) -> forward -> Target class.
+Read top to bottom: config -> HF weight map -> blocks (router, feed-forwards) -> forward -> cached
+decoding -> Target class.
 
 Layout (transformers' Qwen3MoeForCausalLM): Qwen3 attention (GQA, per-head q/k RMSNorm before RoPE,
 explicit head_dim, no biases) in every layer; the feed-forward of layer i is
@@ -31,9 +32,10 @@ from specjax_kernels.moe import moe_experts
 
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
 from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
+from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
 from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
 from specjax.targets.llama import embed_table, lm_head_weight  # same embedding / lm_head layout
 from specjax.targets.registry import register
@@ -230,12 +232,15 @@ def _dense_ffn(mp: dict, h_btd):
 # =============================================================================================
 # Forward
 # =============================================================================================
-def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence[int], rope, mask):
-    """Apply decoder ``layers`` (consecutive ids) with one lax.scan over a static schedule.
+def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence[int], rope, mask, *,
+                cache: dict | None = None, slots_bt=None):
+    """Apply decoder ``layers`` (consecutive ids) with one lax.scan over a static schedule:
+    (new x, new cache or None).
 
     Each step reads its attention weights from ``layers`` and its feed-forward from the MoE or the
     dense stack at the scheduled slot. A segment with only one kind calls that kind directly; a
-    mixed segment (interleaved MoE / dense layers) picks per layer with ``lax.cond``.
+    mixed segment (interleaved MoE / dense layers) picks per layer with ``lax.cond``. ``cache`` /
+    ``slots_bt``: cached decoding (layer i writes cache row i; see layers/attention.attention_block).
     """
     kinds = {cfg.is_moe(i) for i in layers}
     xs = (
@@ -253,15 +258,17 @@ def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence
             return dense(h, slot)
         return jax.lax.cond(is_moe, moe, dense, h, slot)
 
-    def step(x, layer):
+    def step(carry, layer):
+        x, c = carry
         i, slot, is_moe = layer
         lp = index_layer(params["layers"], i)
         h = rms_norm(x, lp["input_layernorm"]["scale"], cfg.rms_norm_eps)
-        x = x + attention_block(lp["self_attn"], cfg.attention, h, mask, rope)[0]
+        o, c = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=c, layer=i, slots_bt=slots_bt)
+        x = x + o
         h = rms_norm(x, lp["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-        return x + ffn(h, slot, is_moe)
+        return x + ffn(h, slot, is_moe), c
 
-    return layer_scan(step, x_btd, xs)
+    return layer_scan(step, (x_btd, cache), xs)
 
 
 def forward(
@@ -283,10 +290,51 @@ def forward(
     mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
 
     def run_span(x, a, b):
-        return _run_layers(params, cfg, x, range(a, b), rope, mask)
+        return _run_layers(params, cfg, x, range(a, b), rope, mask)[0]
 
     x, aux = scan_at_taps(run_span, x, cfg.num_hidden_layers, aux_ids)
     return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), aux
+
+
+# =============================================================================================
+# Cached decoding (generation, regeneration, speculative decoding)
+# =============================================================================================
+# The Llama KV cache {"k", "v"} [L, B, S, Hkv, D] (one row per decoder layer; every layer has
+# attention); the feed-forwards are per token, so nothing else is cached. Layout, slot rules and
+# mask: layers/attention.py "KV cache"; rollback = a shorter valid length.
+def init_cache(cfg: Qwen3MoeTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Zeroed KV cache for `max_len` slots per row (rounded up by ``cache_size_for``)."""
+    return init_kv_cache(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
+
+def decode_chunk(
+    params: dict,
+    cfg: Qwen3MoeTargetConfig,
+    cache: dict,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    chunk_mask_btt: jax.Array | None = None,
+    valid_from_b: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+) -> tuple[jax.Array, tuple, jax.Array, dict]:
+    """PURE cached forward of a chunk of new tokens: (fp32 logits, aux tuple [B,T,D] at
+    `aux_layer_ids` (output of layer k, as :func:`forward`), final hidden [B,T,D] after the final
+    norm, new cache). Arguments and shapes as ``llama.decode_chunk``; same layers and op order as
+    :func:`forward` (the router sees each token alone, so a chunk routes as the full sequence does)."""
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
+    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+
+    def run_span(carry, a, b):
+        return _run_layers(params, cfg, carry[0], range(a, b), rope, mask, cache=carry[1], slots_bt=slots)
+
+    (x, cache), aux = scan_at_taps(run_span, (x, cache), cfg.num_hidden_layers, aux_ids, tapped=lambda c: c[0])
+    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
+    return picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
 
 
 # =============================================================================================
@@ -300,6 +348,7 @@ class Qwen3MoeTarget(Target):
     forward_fn = staticmethod(forward)
     embed_fn = staticmethod(embed_table)
     lm_head_fn = staticmethod(lm_head_weight)
+    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_cache)  # cached decoding
 
     @classmethod
     def weight_specs(cls, config: Qwen3MoeTargetConfig) -> list[WeightSpec]:

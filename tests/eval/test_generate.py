@@ -98,6 +98,6 @@ def test_errors(model_dir):
     with pytest.raises(ValueError, match="temperature"):
         generate(target, [[1]], max_new_tokens=2, temperature=-1.0)
     other = Target(types.SimpleNamespace(architecture="NemotronHForCausalLM", num_hidden_layers=4), {}, {})
-    with pytest.raises(NotImplementedError, match=r"supports LlamaForCausalLM, Qwen3ForCausalLM; got NemotronH"):
+    with pytest.raises(NotImplementedError, match=r"supports .*LlamaForCausalLM.*Qwen3ForCausalLM.*Qwen3MoeForCausalLM.*; got NemotronH"):
         generate(other, [[1]], max_new_tokens=2)
     assert [prompt_bucket(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]

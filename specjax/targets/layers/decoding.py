@@ -1,0 +1,42 @@
+"""Shared pieces of cached decoding for attention-only targets (one KV cache row per attention
+layer application): the cache itself, the per-chunk mask and slots every layer shares, and the
+logits at the picked chunk rows.
+
+Same contract as ``llama.decode_chunk`` (whose layout and slot rules are in ``layers/attention.py``
+"KV cache"): a target whose stack applies some attention layer more than once (a looped target,
+HRM-Text's H/L cycles) keeps one cache row per *virtual* layer, so the cache's leading axis is the
+unrolled depth and rollback stays "a shorter valid length".
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.targets.layers.attention import cache_attention_mask, cache_size_for
+
+
+def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype=jnp.float32) -> dict:
+    """Zeroed {"k", "v"} [num_layers, B, S, Hkv, D] with S = cache_size_for(max_len)."""
+    shape = (int(num_layers), int(batch_size), cache_size_for(max_len), int(num_kv_heads), int(head_dim))
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def chunk_inputs(cache: dict, input_ids_bt: jax.Array, start_b, chunk_mask_btt=None, valid_from_b=None):
+    """(start [B] int32, bool attention mask [B,T,S], write slots [B,T]) of a chunk written at
+    slots start[b].. (chunk mask causal by default), exactly as ``llama.decode_chunk`` builds them."""
+    b, t = input_ids_bt.shape
+    num_slots = cache["k"].shape[2]
+    start_b = jnp.asarray(start_b, jnp.int32).reshape(b)
+    if chunk_mask_btt is None:
+        chunk_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    mask = cache_attention_mask(start_b, num_slots, chunk_mask_btt, valid_from_b)
+    slots = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return start_b, mask, slots
+
+
+def picked_logits(final_btd: jax.Array, w_vd: jax.Array, logits_index=None) -> jax.Array:
+    """fp32 logits (fp32 accumulation) of the final hidden [B,T,D] against the [V,D] output
+    projection: [B,T,V], or [B,n,V] at chunk indices ``logits_index`` [B,n]."""
+    picked = final_btd if logits_index is None else jnp.take_along_axis(final_btd, logits_index[:, :, None], axis=1)
+    return jnp.einsum("btd,vd->btv", picked, w_vd, preferred_element_type=jnp.float32)

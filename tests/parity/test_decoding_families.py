@@ -1,0 +1,327 @@
+"""Cached decoding and lossless speculative decoding for the attention-only target families other
+than Llama / Qwen3: Qwen3-MoE (mixed MoE / dense layers), looped Llama / Qwen3 (a KV cache row per
+virtual layer) and HRM-Text (H/L cycles, a cache row per virtual layer). Tiny random targets built
+from their configs; CPU, fp32, no torch.
+
+Bars:
+  (a) ``target.decode`` equals the uncached forward (logits, the three aux states and the final
+      hidden; 1e-5 abs + 1e-5 rel, fp32) for a prefill written over a stale chunk after a rollback,
+      then one token at a time, then a chunk (two rows); a left-padded row (valid_from) with
+      logits_index; a tree-masked chunk against the forward of each root-to-node path. Every
+      virtual cache row is read: corrupting any one moves the next logits by > 1e-4.
+  (b) speculative decoding (specjax.eval.spec_decode, batch 1, the decoder's only batch size) equals
+      the target's own greedy output token for token: a random EAGLE-3 head (chain and tree, K=3),
+      and drafts that are right except at one position that moves every step, so a partial
+      acceptance (rollback, and in a tree a KV move) happens at every draft position. Batched greedy
+      generation (specjax.eval.generate, B=3, ragged prompts) equals an uncached greedy loop over the
+      full forward.
+"""
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafts.eagle3 import config_from_target, init_draft_params
+from specjax.drafts.vocab import DraftVocab
+from specjax.eval.generate import generate
+from specjax.eval.spec_decode import Draft, SpecDecoder
+from specjax.targets import registry
+from specjax.targets.base import Target, tree_set
+from specjax.targets.hrm_text import HrmTextTarget, HrmTextTargetConfig
+from specjax.targets.looped import LoopedLlamaConfig, LoopedLlamaTarget
+from specjax.targets.qwen3_moe import Qwen3MoeTarget, Qwen3MoeTargetConfig
+
+VOCAB = 96
+ATOL = RTOL = 1e-5
+PROMPT = [5, 17, 3, 9, 11, 2, 40]
+MAX_NEW = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, head_dim=8)
+
+
+def _moe():
+    # 4 layers, layer 1 dense (mlp_only_layers): both feed-forward kinds in one scan span
+    return Qwen3MoeTarget, Qwen3MoeTargetConfig(
+        architecture="Qwen3MoeForCausalLM", moe_intermediate_size=16, num_hidden_layers=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=(1,), **COMMON)
+
+
+def _looped_llama():
+    # layers 0, [1, 2] x 2 -> virtual [0, 1, 2, 1, 2]
+    return LoopedLlamaTarget, LoopedLlamaConfig(
+        architecture="LoopedLlamaForCausalLM", num_hidden_layers=3, num_key_value_heads=2, num_loops=2,
+        loop_start=1, loop_end=3, **COMMON)
+
+
+def _looped_qwen3():
+    # [0, 1] x 3, then 2 -> virtual [0, 1, 0, 1, 0, 1, 2]; q/k norm
+    return LoopedLlamaTarget, LoopedLlamaConfig(
+        architecture="LoopedQwen3ForCausalLM", num_hidden_layers=3, num_key_value_heads=2, num_loops=3,
+        loop_start=0, loop_end=2, tie_word_embeddings=True, **COMMON)
+
+
+def _hrm():
+    # 2 layers per stack, invocations L, H, L, H -> 8 virtual layers
+    return HrmTextTarget, HrmTextTargetConfig(
+        architecture="HrmTextForCausalLM", num_layers_per_stack=2, H_cycles=2, L_cycles=1, embedding_scale=1.0,
+        **COMMON)
+
+
+FAMILIES = {"qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
+
+
+def build(name, seed=0):
+    """Random params from the weight table: matrices N(0, 0.15^2) (embeddings, z_L_init and the
+    lm_head 0.5), norm scales 1 + 0.1 N(0, 1); large enough that logits and routing are peaked."""
+    cls, cfg = FAMILIES[name]()
+    params: dict = {}
+    key = jax.random.key(seed)
+    for i, spec in enumerate(cls.weight_specs(cfg)):
+        noise = jax.random.normal(jax.random.fold_in(key, i), spec.shape, jnp.float32)
+        if spec.path[-1] == "scale":
+            value = 1.0 + 0.1 * noise
+        elif spec.path[0] in ("embed_tokens", "lm_head", "z_L_init"):
+            value = 0.5 * noise
+        else:
+            value = 0.15 * noise
+        tree_set(params, spec.path, value)
+    return cls(cfg, {}, params)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def target(request):
+    return build(request.param)
+
+
+def _decoder(target, aux_ids):
+    return jax.jit(lambda c, i, p, s, m=None, vf=None, li=None: target.decode(
+        target.params, c, i, p, s, aux_layer_ids=aux_ids, chunk_mask=m, valid_from=vf, logits_index=li))
+
+
+def _max_diff(got, ref):
+    return float(np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64)).max())
+
+
+# =============================================================================================
+# (a) cached decoding == uncached forward
+# =============================================================================================
+DECODING_ARCHS = ("Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
+
+
+def test_registered_for_decoding():
+    for name in FAMILIES:
+        assert build(name).supports_decoding, name
+    ok = {a for a, cls in registry.ARCHITECTURES.items() if cls.decode_fn is not None}
+    assert set(DECODING_ARCHS) <= ok
+    # the refusal names every architecture that decodes
+    other = Target(types.SimpleNamespace(architecture="NemotronHForCausalLM", num_hidden_layers=4), {}, {})
+    with pytest.raises(NotImplementedError, match="got NemotronHForCausalLM") as err:
+        other.require_decoding()
+    assert all(a in str(err.value) for a in DECODING_ARCHS + ("LlamaForCausalLM", "Qwen3ForCausalLM"))
+
+
+def test_cached_decoding_equals_forward(target):
+    aux_ids = target.default_aux_layer_ids()
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, VOCAB, (2, 11)), jnp.int32)
+    full = target(ids, aux_layer_ids=aux_ids)
+    cache = target.init_cache(2, 40)
+    for leaf in jax.tree.leaves(cache):  # one row per (virtual) layer
+        assert leaf.shape[:3] == (target.num_layers, 2, 256)
+    decode = _decoder(target, aux_ids)
+    pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
+    at = lambda s: jnp.full((2,), s, jnp.int32)  # noqa: E731
+    # a wrong 8-token chunk first (stale entries), then roll back to 0: prefill 5, 3 single tokens, a chunk of 3
+    cache = decode(cache, ids[:, ::-1][:, :8], pos[:, :8], at(0))[3]
+    pieces = []
+    for a, b in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 11)]:
+        logits, aux, final, cache = decode(cache, ids[:, a:b], pos[:, a:b], at(a))
+        pieces.append((logits, aux, final))
+    logits = np.concatenate([p[0] for p in pieces], 1)
+    final = np.concatenate([p[2] for p in pieces], 1)
+    diffs = {"logits": _max_diff(logits, full.logits), "final": _max_diff(final, full.final_hidden)}
+    np.testing.assert_allclose(logits, full.logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(final, full.final_hidden, rtol=RTOL, atol=ATOL)
+    for k in range(len(aux_ids)):
+        aux_k = np.concatenate([p[1][k] for p in pieces], 1)
+        diffs[f"aux{aux_ids[k]}"] = _max_diff(aux_k, full.aux_hidden[k])
+        np.testing.assert_allclose(aux_k, full.aux_hidden[k], rtol=RTOL, atol=ATOL)
+    print(f"\n{target.arch}: max |cached - uncached| {diffs}")
+    # the logits are not trivially equal (a test that could not fail): rows differ, values are O(1)
+    assert np.abs(np.asarray(full.logits)).max() > 1.0
+
+    # every virtual cache row is read: corrupting row v's K at the valid slots moves token 8's logits
+    ref8 = np.asarray(pieces[-1][0][:, 0])
+    prefix = jnp.arange(cache["k"].shape[2]) < 8
+    for v in range(target.num_layers):
+        bad = dict(cache, k=cache["k"].at[v].set(jnp.where(prefix[None, :, None, None], 1.0, cache["k"][v])))
+        moved = _max_diff(decode(bad, ids[:, 8:9], pos[:, 8:9], at(8))[0][:, 0], ref8)
+        assert moved > 1e-4, (v, moved)
+
+
+def test_left_padding_and_logits_index(target):
+    # Two rows of one 6-token prompt: row 0 at slots 0..5 (3 junk tokens after it, stale later), row 1
+    # left-padded (3 pad tokens at slots 0..2, the prompt at 3..8, positions 0..5; its chunk mask
+    # hides the pads, later calls pass valid_from=3). Prefill logits at logits_index, then one token
+    # per row at different starts (6 and 9): both equal the uncached forward.
+    aux_ids = target.default_aux_layer_ids()
+    ids = np.random.RandomState(1).randint(0, VOCAB, (1, 7)).astype(np.int32)
+    full = target(jnp.asarray(ids), aux_layer_ids=aux_ids)
+    p = ids[0, :6]
+    chunk = np.stack([np.concatenate([p, [0, 0, 0]]), np.concatenate([[7, 7, 7], p])]).astype(np.int32)
+    pos = np.stack([np.arange(9), np.concatenate([[0, 0, 0], np.arange(6)])]).astype(np.int32)
+    causal = np.tril(np.ones((9, 9), bool))
+    mask = np.stack([causal, causal & ((np.arange(9)[None, :] >= 3) | np.eye(9, dtype=bool))])
+    valid_from = jnp.asarray([0, 3], jnp.int32)
+    decode = _decoder(target, aux_ids)
+    logits, aux, final, cache = decode(target.init_cache(2, 16), jnp.asarray(chunk), jnp.asarray(pos),
+                                       jnp.zeros((2,), jnp.int32), jnp.asarray(mask), valid_from,
+                                       jnp.asarray([[5], [8]], jnp.int32))
+    assert logits.shape == (2, 1, VOCAB)
+    for r in range(2):
+        np.testing.assert_allclose(logits[r, 0], full.logits[0, 5], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(final[1, 3:], full.final_hidden[0, :6], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(aux[0][1, 3:], full.aux_hidden[0][0, :6], rtol=RTOL, atol=ATOL)
+    nxt = jnp.full((2, 1), ids[0, 6], jnp.int32)
+    logits, aux, _, _ = decode(cache, nxt, jnp.full((2, 1), 6, jnp.int32), jnp.asarray([6, 9], jnp.int32), None,
+                               valid_from)
+    for r in range(2):
+        np.testing.assert_allclose(logits[r, 0], full.logits[0, 6], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(aux[-1][r, 0], full.aux_hidden[-1][0, 6], rtol=RTOL, atol=ATOL)
+
+
+def test_tree_chunk_matches_paths(target):
+    # cached prefix x0..x4; chunk = a tree: node0 = x5 (root), node1 = x6 (child of 0), node2 = y
+    # (child of 0), node3 = z (child of 2); ancestor-or-self mask, positions by depth. Node i's
+    # logits and aux states equal the forward of its root-to-node path.
+    aux_ids = target.default_aux_layer_ids()
+    x = np.random.RandomState(2).randint(0, VOCAB, 7).astype(np.int32)
+    y, z = (int(x[6]) + 1) % VOCAB, 13
+    path_a = np.concatenate([x[:7], [0]])  # x0..x6 (+ a pad: one forward shape)
+    path_b = np.concatenate([x[:6], [y, z]])
+    full = target(jnp.asarray(np.stack([path_a, path_b])), aux_layer_ids=aux_ids)
+    decode = _decoder(target, aux_ids)
+    b = 2
+    prefix = jnp.asarray(np.broadcast_to(x[:5], (b, 5)))
+    cache = decode(target.init_cache(b, 16), prefix, jnp.broadcast_to(jnp.arange(5), (b, 5)),
+                   jnp.zeros((b,), jnp.int32))[3]
+    nodes = np.array([x[5], x[6], y, z], np.int32)
+    anc = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+    depth_pos = 5 + np.array([0, 1, 1, 2], np.int32)
+    logits, aux, _, _ = decode(cache, jnp.asarray(np.broadcast_to(nodes, (b, 4))),
+                               jnp.asarray(np.broadcast_to(depth_pos, (b, 4))), jnp.full((b,), 5, jnp.int32),
+                               jnp.asarray(np.broadcast_to(anc, (b, 4, 4))))
+    # node -> (row of `full`, position in that path)
+    for node, (row, t) in enumerate([(0, 5), (0, 6), (1, 6), (1, 7)]):
+        np.testing.assert_allclose(logits[0, node], full.logits[row, t], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(logits[1, node], full.logits[row, t], rtol=RTOL, atol=ATOL)
+        for k in range(len(aux_ids)):
+            np.testing.assert_allclose(aux[k][0, node], full.aux_hidden[k][row, t], rtol=RTOL, atol=ATOL)
+
+
+# =============================================================================================
+# (b) lossless speculative decoding and batched generation
+# =============================================================================================
+def naive_greedy(target, prompt, n):
+    """Greedy continuation by the uncached forward (one padded shape, causal, so the pad is unseen)."""
+    seq, total = list(prompt), len(prompt) + n
+    for _ in range(n):
+        ids = np.zeros((1, total), np.int32)
+        ids[0, : len(seq)] = seq
+        logits = target(jnp.asarray(ids)).logits
+        seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
+    return seq[len(prompt):]
+
+
+def random_draft(target, seed=0):
+    V = target.config.vocab_size
+    dcfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.default_aux_layer_ids())
+    return Draft(init_draft_params(dcfg, jax.random.key(seed)), dcfg, DraftVocab.from_ids(np.arange(0, V, 2), V))
+
+
+@pytest.fixture(scope="module")
+def spec_setup(target):
+    # the greedy reference, long enough that a near-oracle draft can always look K tokens ahead
+    ref = generate(target, [PROMPT], max_new_tokens=MAX_NEW + 4)[0]
+    return target, random_draft(target), ref
+
+
+def test_batched_generate_equals_uncached_greedy(spec_setup):
+    target, _, ref = spec_setup
+    prompts = [PROMPT, [3, 1, 4], list(range(20, 33))]
+    got = generate(target, prompts, max_new_tokens=MAX_NEW, batch_size=3)
+    want = [naive_greedy(target, p, MAX_NEW) for p in prompts]
+    assert got == want
+    assert ref[:MAX_NEW] == want[0]
+    assert len(set(want[0])) > 1  # not a degenerate constant continuation
+
+
+@pytest.mark.parametrize("mode,k", [("chain", 3), ("tree", 3)])
+def test_lossless_random_draft(spec_setup, mode, k):
+    target, draft, ref = spec_setup
+    dec = SpecDecoder(target, draft, num_spec_tokens=k, mode=mode, tree_top_k=2)
+    res = dec.generate(PROMPT, max_new_tokens=MAX_NEW)
+    assert res.tokens == ref[:MAX_NEW]
+    assert sum(res.accept_lengths) == MAX_NEW - 1 and res.num_steps == len(res.accept_lengths)
+    eos = ref[6]
+    assert dec.generate(PROMPT, max_new_tokens=MAX_NEW, eos_token_ids=[eos]).tokens == ref[: ref.index(eos)]
+    assert dec.greedy(PROMPT, max_new_tokens=MAX_NEW).tokens == ref[:MAX_NEW]
+
+
+class OneWrongChain(SpecDecoder):
+    """Proposes the target's greedy continuation with draft position `step % K` wrong: each step
+    accepts exactly that many drafts, so the rollback point visits every position."""
+
+    ref: list
+
+    def _override_chain(self, drafts, q, tokens, prompt):
+        n, w = len(tokens), self.calls % self.k
+        self.calls += 1
+        toks = list(self.ref[n: n + self.k])
+        toks[w] = (toks[w] + 1) % VOCAB
+        return jnp.asarray(toks, jnp.int32), q
+
+
+class OneWrongTree(SpecDecoder):
+    """Puts the greedy continuation on the LAST child of each level down to depth `step % (K+1)`
+    (so the accepted K/V must be moved), and keeps every child off the truth below it."""
+
+    ref: list
+
+    def _override_tree(self, nodes, parents, tokens, prompt):
+        nodes, parents = np.array(nodes), np.asarray(parents)
+        w = self.calls % (self.k + 1)
+        self.calls += 1
+        truth = self.ref[len(tokens): len(tokens) + self.k]
+        offs = np.cumsum((0,) + self.widths)
+        chosen = -1
+        for d, tok in enumerate(truth):
+            kids = np.arange(offs[d], offs[d + 1])
+            kids = kids[parents[kids] == chosen]
+            nodes[kids[nodes[kids] == tok]] = (tok + 1) % VOCAB  # no sibling matches
+            if d >= w or kids.size == 0:
+                break
+            chosen = int(kids[-1])
+            nodes[chosen] = tok
+        return jnp.asarray(nodes), jnp.asarray(parents)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_lossless_partial_acceptance_everywhere(spec_setup, mode):
+    target, draft, ref = spec_setup
+    k = 3
+    cls = OneWrongChain if mode == "chain" else OneWrongTree
+    dec = cls(target, draft, num_spec_tokens=k, mode=mode, tree_top_k=2, tree_max_width=8)  # widths 2, 4, 8
+    dec.ref, dec.calls = ref, 0
+    res = dec.generate(PROMPT, max_new_tokens=MAX_NEW)
+    assert res.tokens == ref[:MAX_NEW]
+    # 11 tokens after the prefill's one; step s accepts s % K (chain) or s % (K+1) (tree) drafts + the bonus
+    period = list(range(1, k + 1)) if mode == "chain" else list(range(1, k + 2))
+    want, left = [], MAX_NEW - 1
+    while left > 0:
+        for n in period:
+            if left <= 0:
+                break
+            want.append(min(n, left))
+            left -= n
+    assert res.accept_lengths == want
