@@ -36,12 +36,10 @@ import dataclasses
 import json
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
-
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
-from specjax_converters.eagle3_validate import _FLOAT_DTYPES, _check_vocab, _same_value
-from specjax_converters.head_files import ST_TO_NP, Finding, HeadTensors
+from specjax_converters.eagle3_validate import _check_vocab, _same_value, check_weight_dtypes
+from specjax_converters.head_files import Finding, HeadTensors
 from specjax_converters.target_facts import rope_dict, target_text_config, target_virtual_depth
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "DFlashShape", "check_dflash_head", "dflash_shape",
@@ -312,22 +310,7 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {e.file_shape}",
                 "export the config the weights were trained with (hidden_size, heads, head_dim, intermediate_size, "
                 "draft_vocab_size, num_hidden_layers, the number of target_layer_ids)")
-    weight_keys = [k for k in expected if k in tensors]
-    dtypes = sorted({tensors.dtype(k) for k in weight_keys})
-    non_float = [d for d in dtypes if d not in _FLOAT_DTYPES]
-    if non_float:
-        bad("dtype.weights", "model.safetensors", f"weights stored as {non_float}", "store weights as bf16 or fp32")
-    elif len(dtypes) > 1:
-        bad("dtype.weights", "model.safetensors", f"mixed weight dtypes {dtypes}", "store all weights in one dtype",
-            "warning")
-    declared = config.get("torch_dtype") or config.get("dtype")
-    if declared and len(dtypes) == 1 and ST_TO_NP.get(dtypes[0]) != declared:
-        bad("dtype.weights", "torch_dtype", f"config says {declared!r}, weights are {ST_TO_NP.get(dtypes[0])}",
-            "write torch_dtype equal to the stored dtype", "warning")
-    if check_finite and not non_float:
-        for k in weight_keys:
-            if not np.all(np.isfinite(tensors.array(k).astype(np.float32))):
-                bad("weights.finite", k, "contains NaN or Inf", "export a checkpoint from before the divergence")
+    check_weight_dtypes(config, tensors, [k for k in expected if k in tensors], bad, check_finite)
     # the vocab maps: vLLM has a draft_id_to_target_id parameter only when Vd differs from the vocab
     if Vd == V:
         if "d2t" in tensors:

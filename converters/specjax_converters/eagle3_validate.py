@@ -443,7 +443,13 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {tuple(shape)}",
                 "export the config the weights were trained with (hidden_size, heads, head_dim, "
                 "intermediate_size, draft_vocab_size, target_hidden_size, aux count)")
-    weight_keys = [k for k in shapes if k in tensors]
+    check_weight_dtypes(cfg, tensors, [k for k in shapes if k in tensors], bad, check_finite)
+    _check_vocab(cfg, tensors, bad)
+
+
+def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, check_finite: bool) -> None:
+    """The stored weights (`weight_keys`): one float dtype, the one config.json declares, and (with
+    `check_finite`) no NaN/Inf. Shared by the EAGLE-3 and DFlash rules."""
     dtypes = sorted({tensors.dtype(k) for k in weight_keys})
     non_float = [d for d in dtypes if d not in _FLOAT_DTYPES]
     if non_float:
@@ -457,10 +463,8 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
             "write torch_dtype equal to the stored dtype", "warning")
     if check_finite and not non_float:
         for k in weight_keys:
-            a = tensors.array(k)
-            if not np.all(np.isfinite(a.astype(np.float32))):
+            if not np.all(np.isfinite(tensors.array(k).astype(np.float32))):
                 bad("weights.finite", k, "contains NaN or Inf", "export a checkpoint from before the divergence")
-    _check_vocab(cfg, tensors, bad)
 
 
 def _check_vocab(cfg, tensors: HeadTensors, bad):

@@ -54,7 +54,7 @@ from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import check_sampling, prompt_bucket
 from specjax.targets.base import validate_aux_layer_ids
 from specjax.targets.layers.attention import dot_product_attention
-from specjax.targets.llama import cache_attention_mask, cache_size_for
+from specjax.targets.layers.attention import cache_attention_mask, cache_size_for
 from specjax_converters.dflash_import import is_dflash_folder, read_dflash_head
 from specjax_converters.eagle3_import import read_head
 

