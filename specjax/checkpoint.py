@@ -186,16 +186,23 @@ def remove_partial_saves(directory: str, step: int) -> list[str]:
     return removed
 
 
-def _remove_tree(path: str, timeout_s: float = 10.0) -> None:
+def _remove_tree(path: str, timeout_s: float = 10.0, quiet_s: float = 1.5) -> None:
     """rmtree that outlasts the failed save's own writer threads: tensorstore may still be writing
-    (or failing to write) chunks into the folder when the error reaches us, recreating entries
-    while it is removed, so retry until the folder stays gone or `timeout_s` passes."""
+    (or failing to write) chunks into the folder when the error reaches us, recreating it after it
+    is removed (seen in CI under load: gone at one check, back a moment later). So the folder must
+    stay gone for `quiet_s` in a row before this returns, or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
+    gone_since = None
     while True:
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path) or time.monotonic() > deadline:
+        now = time.monotonic()
+        if os.path.exists(path):
+            shutil.rmtree(path, ignore_errors=True)
+            gone_since = None
+        elif gone_since is None:
+            gone_since = now
+        if (gone_since is not None and now - gone_since >= quiet_s) or now > deadline:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     if os.path.exists(path):
         log.warning("could not remove the partial checkpoint %s; delete it by hand", path)
 
