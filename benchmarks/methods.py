@@ -125,6 +125,9 @@ def cmd_gpu(a) -> int:
         with open(os.path.join(a.out, "train.json"), "w") as f:
             json.dump(trained, f, indent=1)
         _log(f"train {name}: {trained[-1]['steps_done']} steps, median {trained[-1]['tokens_per_s_median']} tok/s")
+    if a.no_eval:  # evaluate elsewhere (e.g. on CPU with the same specjax.eval command), not on this machine
+        _log("training done; --no-eval: no specjax.eval here")
+        return 0
     # `--eval-parallel` (head, dataset) pairs at a time: batch-1 decoding of a 135M target is bound by
     # host latency, so a few processes share the GPU well (their tok/s are then not single-process
     # figures). Eight at once on 16 cores spent the whole 150 s budget compiling (2026-12-02).
@@ -305,6 +308,7 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--eval-budget-s", type=float, default=400.0,
                    help="specjax.eval's --budget-s per (head, dataset), compile included")
+    g.add_argument("--no-eval", action="store_true", help="train and export only (run specjax.eval elsewhere)")
     g.add_argument("--eval-parallel", type=int, default=2, help="specjax.eval processes at a time")
     v = sub.add_parser("vllm", help="serve the heads in vLLM on the prompt ids specjax.eval recorded")
     v.add_argument("--out", required=True)
