@@ -1,0 +1,211 @@
+"""Speculative decoding as one device program: a whole generation per row inside one jitted
+`lax.while_loop`, and a batch of prompts as `jax.vmap` of that row program.
+
+`SpecDecoder.generate` (spec_decode.py) drives each step from Python: one jitted draft call, one
+jitted verification, and one device -> host read of the accepted count per step. At batch 1 on a
+small target that host round trip costs more than the math (H200, SmolLM2-135M: 7.01 ms per
+speculative step against 2.95 ms per greedy token, benchmarks/results/smollm2_eagle3.md). Here the
+same step functions (`_draft_chain`, `_draft_parallel`, `_draft_block`, `_draft_tree`,
+`_verify_chain`, `_verify_tree`) run inside the loop body, so nothing returns to the host until the
+generation ends; the greedy side of a speedup is `generate._generate_batch`, the same kind of loop.
+
+One row's program, in order:
+  prefill -> the first token (its EOS or a length of 1 ends the row);
+  the first draft + verify step, whose pending rows are the prompt's (shape [1, prompt bucket]);
+  then `while not stopped and emitted < max_new_tokens`: draft + verify with K+1 pending rows.
+The first step is traced apart from the loop because its pending rows have the prompt's shape.
+Emission inside the loop follows SpecDecoder exactly: the accepted tokens and the bonus are emitted
+in order; an EOS ends the row (counted in the step's accept length, not kept), so does reaching
+max_new_tokens; accepted_per_position counts every accepted draft of a step, as vLLM does.
+PRNG keys are fold_in(root, 0) for the first token, 2*step for the draft and 2*step+1 for the
+verification, as in SpecDecoder, so a row draws the same samples as `SpecDecoder.generate` with
+the same seed.
+
+Batching: `jax.vmap` over rows (params shared). A while_loop under vmap runs until every row has
+stopped; a stopped row's state is held, so each row gets its own acceptance and its own stop. The
+prompts share one static prompt bucket and cache length (the longest row's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.eval.generate import _EOS_SLOTS, _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, prompt_bucket
+from specjax.eval.spec_decode import (SpecDecoder, SpecResult, _draft_block, _draft_chain, _draft_parallel, _draft_tree,
+                                      _prefill, _verify_chain, _verify_tree, init_draft_cache)
+from specjax.drafts import dflash
+from specjax.targets.layers.attention import cache_size_for
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What one compiled program is specialised on (hashable: a jit static argument)."""
+
+    target_cls: type
+    config: object
+    aux_ids: tuple
+    dcfg: object
+    k: int
+    mode: str
+    widths: tuple
+    top_k: int
+    block: bool
+    parallel: bool
+    sample: bool
+    cache_len: int
+    n_out: int
+
+
+def _emit(new_k1, a, count, max_new, eos_e):
+    """SpecDecoder's emission rule for one step, vectorised. new_k1 [K+1]: the accepted tokens then
+    the bonus at index a. Returns (kept tokens, tokens processed incl. a stopping EOS, stopped)."""
+    i = jnp.arange(new_k1.shape[0], dtype=jnp.int32)
+    big = jnp.int32(new_k1.shape[0] + 1)
+    is_eos = jnp.any(new_k1[:, None] == eos_e[None, :], axis=-1) & (i <= a)
+    i_eos = jnp.where(jnp.any(is_eos), jnp.argmax(is_eos).astype(jnp.int32), big)
+    i_len = max_new - count - 1  # the token that reaches max_new_tokens
+    s = jnp.minimum(jnp.minimum(i_eos, i_len), a)
+    stop = (i_eos <= a) | (i_len <= a)
+    kept = jnp.where(i_eos == s, s, s + 1)
+    return kept, s + 1, stop
+
+
+def _row(params, dp, embed, d2t, draft_ids, ids_p, length, root, temperature, eos_e, max_new, *, st: _Static):
+    """One prompt's whole speculative generation (the program vmapped over rows)."""
+    tkw = dict(target_cls=st.target_cls, config=st.config)
+    k = st.k
+    ids = ids_p[None]
+    tcache = st.target_cls.init_cache_fn(st.config, 1, st.cache_len, embed.dtype)
+    first, aux, tcache = _prefill(params, tcache, ids, length, jax.random.fold_in(root, 0), temperature,
+                                  aux_ids=st.aux_ids, sample=st.sample, **tkw)
+    p = ids.shape[1]
+    col = jnp.arange(p, dtype=jnp.int32)[None]
+    pend_tok = jnp.where(col < length - 1, jnp.roll(ids, -1, axis=1), 0)
+    pend_tok = jnp.where(col == length - 1, first, pend_tok)
+    dcache = (dflash.init_context_cache(st.dcfg, 1, cache_size_for(st.cache_len)) if st.block
+              else init_draft_cache(st.dcfg, st.cache_len))
+    first_eos = jnp.any(first == eos_e)
+    out = jnp.zeros((st.n_out + k + 1,), jnp.int32).at[0].set(jnp.where(first_eos, 0, first))
+    state = dict(tcache=tcache, dcache=dcache, last=first, n=length + 1, dstart=jnp.int32(0),
+                 pend_count=length.astype(jnp.int32), step=jnp.int32(0), count=jnp.where(first_eos, 0, 1).astype(jnp.int32),
+                 stop=first_eos, out=out, acc_len=jnp.zeros((st.n_out + 1,), jnp.int32),
+                 acc_pos=jnp.zeros((k,), jnp.int32))
+
+    def step(s, pend_tok, pend_aux):
+        stepno = s["step"] + 1
+        kd, kv = jax.random.fold_in(root, 2 * stepno), jax.random.fold_in(root, 2 * stepno + 1)
+        if st.block:
+            drafts, q, dcache = _draft_block(dp, embed, d2t, s["dcache"], pend_aux, s["pend_count"], s["dstart"],
+                                             s["last"], kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+        elif st.mode == "chain":
+            propose = _draft_parallel if st.parallel else _draft_chain
+            drafts, q, dcache = propose(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"], s["dstart"],
+                                        kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+        else:
+            nodes, parents, dcache = _draft_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
+                                                 s["dstart"], dcfg=st.dcfg, widths=st.widths, top_k=st.top_k)
+        if st.mode == "chain":
+            a, _, pend_dev, aux, tcache = _verify_chain(params, s["tcache"], s["last"], drafts, s["n"] - 1, q, draft_ids,
+                                                        kv, temperature, aux_ids=st.aux_ids, sample=st.sample, **tkw)
+        else:
+            a, _, pend_dev, aux, tcache = _verify_tree(params, s["tcache"], s["last"], nodes, parents, s["n"] - 1,
+                                                       aux_ids=st.aux_ids, depth=k, **tkw)
+        new = pend_dev[0]
+        kept, processed, stop = _emit(new, a, s["count"], max_new, eos_e)
+        i = jnp.arange(k + 1, dtype=jnp.int32)
+        out = s["out"].at[jnp.where(i < kept, s["count"] + i, st.n_out + k + 1)].set(new, mode="drop")
+        acc_len = s["acc_len"].at[s["step"]].set(processed, mode="drop")
+        acc_pos = s["acc_pos"] + (jnp.arange(k) < a).astype(jnp.int32)
+        nxt = dict(tcache=tcache, dcache=dcache, last=new[a], n=s["n"] + a + 1, dstart=s["n"] - 1,
+                   pend_count=(a + 1).astype(jnp.int32), step=stepno, count=s["count"] + kept, stop=stop, out=out,
+                   acc_len=acc_len, acc_pos=acc_pos)
+        return nxt, pend_dev, aux
+
+    def active(s):
+        return ~s["stop"] & (s["count"] < max_new)
+
+    # the first step reads the prompt-shaped pending rows; skipped (state kept) when the row ended
+    nxt, pend_tok, pend_aux = step(state, pend_tok, aux)
+    go = active(state)
+    state = jax.tree.map(lambda new, old: jnp.where(go, new, old), nxt, state)
+    carry = (state, pend_tok, pend_aux)
+
+    def body(c):
+        return step(*c)
+
+    state, _, _ = jax.lax.while_loop(lambda c: active(c[0]), body, carry)
+    return state["out"][: st.n_out], state["count"], state["acc_len"][: st.n_out], state["step"], state["acc_pos"]
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temperature, eos_e, max_new, *, st):
+    row = functools.partial(_row, st=st)
+    return jax.vmap(row, in_axes=(None, None, None, None, None, 0, 0, 0, None, None, None))(
+        params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temperature, eos_e, max_new)
+
+
+class SpecLoop:
+    """Batched speculative generation with a SpecDecoder's target, head and settings, each batch one
+    device program (see the module docstring). Results are SpecDecoder's: a row's tokens, accept
+    lengths and per-position counts equal `SpecDecoder.generate`'s for the same prompt and seed up to
+    floating-point reassociation in batched matmuls (exact in the tests: CPU, fp32)."""
+
+    def __init__(self, decoder: SpecDecoder):
+        self.dec = decoder
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, batch_size: int | None = None) -> list[SpecResult]:
+        """One SpecResult per prompt, in order. Row r of the whole call uses seed `seed + r`. Rows are
+        run `batch_size` at a time (default: all); every result's wall_s is its batch's wall time,
+        so a batch's tokens / wall_s is the batch throughput."""
+        dec = self.dec
+        check_sampling(max_new_tokens, temperature, 1.0)
+        sample = float(temperature) > 0.0
+        if sample and dec.mode == "tree":
+            raise ValueError("tree mode verifies greedily; use mode='chain' for temperature > 0")
+        prompts = _check_prompts(prompts, int(dec.target.config.vocab_size))
+        results: list[SpecResult] = []
+        if not prompts:
+            return results
+        max_new = int(max_new_tokens)
+        if max_new == 0:
+            return [SpecResult([], [], [0] * dec.k, 0, 0.0, 0.0, 0.0) for _ in prompts]
+        eos = [int(e) for e in eos_token_ids]
+        eos_arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
+        eos_arr[: len(eos)] = eos
+        n_out = _round_up(max_new, _OUT_MULTIPLE)
+        b = len(prompts) if batch_size is None else max(1, min(int(batch_size), len(prompts)))
+        for lo in range(0, len(prompts), b):
+            rows = prompts[lo: lo + b]
+            seeds = list(range(seed + lo, seed + lo + len(rows)))
+            pad = b - len(rows)  # one compiled shape per batch size: pad with the first row
+            rows_p, seeds_p = rows + [rows[0]] * pad, seeds + [seeds[0]] * pad
+            bucket = prompt_bucket(max(len(r) for r in rows_p))
+            ids = np.zeros((b, bucket), np.int32)
+            for r, pr in enumerate(rows_p):
+                ids[r, : len(pr)] = pr
+            # as SpecDecoder._setup: > bucket, and room for the last verification chunk
+            cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
+            st = _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
+                         dec.widths, dec.top_k, dec.block_drafter, bool(getattr(dec.draft.config, "parallel_drafting", False)),
+                         sample, cache_len, n_out)
+            roots = jnp.stack([jax.random.PRNGKey(s) for s in seeds_p])
+            t0 = time.perf_counter()
+            with dec._precision():
+                got = _spec_batch(dec.target.params, dec.draft_params, dec.embed, dec.d2t, dec.draft_ids,
+                                  jnp.asarray(ids), jnp.asarray([len(r) for r in rows_p], jnp.int32), roots,
+                                  jnp.float32(max(float(temperature), 1e-6)), jnp.asarray(eos_arr), jnp.int32(max_new),
+                                  st=st)
+                out, count, acc_len, steps, acc_pos = (np.asarray(x) for x in jax.device_get(got))
+            wall = time.perf_counter() - t0
+            for r in range(len(rows)):
+                n = int(steps[r])
+                results.append(SpecResult(out[r, : int(count[r])].tolist(), acc_len[r, :n].tolist(),
+                                          acc_pos[r].tolist(), n, 0.0, 0.0, wall))
+        return results

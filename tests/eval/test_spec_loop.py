@@ -1,0 +1,99 @@
+"""Speculative decoding as one device program (specjax.eval.spec_loop.SpecLoop).
+
+Bar: every row of a batched device-loop generation equals `SpecDecoder.generate` (the host-driven
+decoder, itself tested lossless in test_spec_decode*.py) on that prompt alone: the same tokens,
+accept lengths, per-position accepted counts and step count, exactly (CPU, fp32), for EAGLE-3
+chain and tree, P-EAGLE and DFlash heads, greedy and sampled (same seeds, so the same draws), with
+ragged prompts, an EOS, and max_new_tokens limits; and greedy rows equal the target's own greedy
+output. The target has a 6-token vocabulary so that random heads get drafts accepted at every
+position (the counts are checked to be non-zero: a comparison of all-rejected runs would not test
+the acceptance path)."""
+import jax
+import numpy as np
+import pytest
+
+from specjax.drafts import dflash
+from specjax.drafts.eagle3 import config_from_target, init_draft_params
+from specjax.drafts.vocab import DraftVocab
+from specjax.eval.generate import generate
+from specjax.eval.spec_decode import Draft, SpecDecoder
+from specjax.eval.spec_loop import SpecLoop
+from specjax.targets.loading import load_target
+
+from eval._models import build_target
+
+V = 6
+PROMPTS = [[1, 2, 3], [4, 0, 2, 5, 1, 3, 3, 0, 2], [5], [3] * 17]
+EOS = [4]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(build_target(tmp_path_factory.mktemp("loop"), "LlamaForCausalLM", False, seed=1,
+                                    vocab_size=V), dtype="float32")
+
+
+def _head(target, kind):
+    tc = target.config
+    if kind == "dflash":
+        cfg = dflash.config_from_target(tc, draft_vocab_size=V, mask_token_id=0, num_layers=1, block_size=4,
+                                        target_layer_ids=(0, 2))
+        return Draft(dflash.init_draft_params(cfg, jax.random.key(0), std=0.1), cfg, DraftVocab.identity(V))
+    extra = dict(parallel_drafting=True, mask_token_id=0) if kind == "p_eagle" else {}
+    cfg = config_from_target(tc, draft_vocab_size=4, aux_layer_ids=target.default_aux_layer_ids(), **extra)
+    # a reduced draft vocab (ids 0, 2, 3, 5): the d2t mapping is on the path
+    return Draft(init_draft_params(cfg, jax.random.key(0)), cfg, DraftVocab.from_ids(np.array([0, 2, 3, 5]), V))
+
+
+def _same(got, ref):
+    assert got.tokens == ref.tokens
+    assert got.accept_lengths == ref.accept_lengths
+    assert got.accepted_per_position == ref.accepted_per_position
+    assert got.num_steps == ref.num_steps
+
+
+@pytest.mark.parametrize("kind,mode,k", [("eagle3", "chain", 3), ("eagle3", "tree", 3), ("p_eagle", "chain", 3),
+                                         ("dflash", "chain", 3), ("eagle3", "chain", 1)])
+def test_loop_equals_host_decoder_greedy(target, kind, mode, k):
+    dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=k, mode=mode)
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    naive = generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    accepted = 0
+    for row, prompt, want in zip(got, PROMPTS, naive):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=EOS))
+        assert row.tokens == want  # lossless
+        accepted += sum(row.accepted_per_position)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "p_eagle", "dflash"])
+def test_loop_equals_host_decoder_sampled(target, kind):
+    dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3)
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, eos_token_ids=EOS, seed=5)
+    for r, (row, prompt) in enumerate(zip(got, PROMPTS)):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, temperature=1.0, eos_token_ids=EOS, seed=5 + r))
+    assert sum(sum(row.accepted_per_position) for row in got) > 0
+
+
+def test_loop_limits_eos_and_batching(target):
+    dec = SpecDecoder(target, _head(target, "eagle3"), num_spec_tokens=3)
+    loop = SpecLoop(dec)
+    first = generate(target, [PROMPTS[0]], max_new_tokens=1)[0][0]
+    for max_new, eos in ((1, []), (2, []), (5, EOS), (MAX_NEW, [first])):  # the last: the first token is an EOS
+        got = loop.generate(PROMPTS, max_new_tokens=max_new, eos_token_ids=eos)
+        for row, prompt in zip(got, PROMPTS):
+            _same(row, dec.generate(prompt, max_new_tokens=max_new, eos_token_ids=eos))
+            assert len(row.tokens) <= max_new
+    assert loop.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=[first])[0].tokens == []
+    # rows in batches of 3 (the last padded) equal the rows of one batch of 4
+    whole = loop.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    split = loop.generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS, batch_size=3)
+    for a, b in zip(whole, split):
+        _same(a, b)
+    assert [r.tokens for r in loop.generate(PROMPTS, max_new_tokens=0)] == [[]] * len(PROMPTS)
+    with pytest.raises(ValueError, match="tree mode verifies greedily"):
+        SpecLoop(SpecDecoder(target, _head(target, "eagle3"), mode="tree")).generate(PROMPTS, max_new_tokens=4,
+                                                                                    temperature=1.0)
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        loop.generate([[V]], max_new_tokens=4)
