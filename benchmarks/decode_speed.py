@@ -1,0 +1,128 @@
+"""Greedy vs speculative decoding speed, both as one device program per batch (issue 19's goal:
+speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same precision).
+
+    python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
+        [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
+        [--repeats 3] [--out results.json]
+
+Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
+batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of draft +
+verify steps per row, vmapped over the batch). The prompts are the first user turns of the set,
+chat-templated; every batch is timed `--repeats` times after one untimed call (the compile), and
+tok/s is new tokens / wall time of the whole batch (host included). Both arms share the prompts,
+the target, dtype and matmul precision. The speculative arm's tokens are compared with the greedy
+arm's per row: in fp32 under `highest` they must be equal; in bf16 near-ties may flip (counted).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], tuple[int, ...]]:
+    from transformers import AutoTokenizer
+
+    from specjax.data.chat import resolve_chat_template
+    from specjax.data.presets import load_eval_prompts
+    from specjax.eval.measure import eos_token_ids, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    template = resolve_chat_template(tok, None)
+    ids = [render_prompt(tok, template, [{"role": "user", "content": p.turns[0]}])
+           for p in load_eval_prompts(name, limit=limit)]
+    return ids, eos_token_ids(target_dir, tok)
+
+
+def _timed(fn, repeats: int):
+    fn()  # compile
+    walls, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        walls.append(time.perf_counter() - t0)
+    return out, walls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", default=None, help="exported head folder (default: a random EAGLE-3 head)")
+    ap.add_argument("--prompts", default="mtbench")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--matmul-precision", default="default", help="default | highest | ...")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from specjax.drafts.eagle3 import config_from_target, init_draft_params
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import Draft, SpecDecoder, load_draft
+    from specjax.eval.spec_loop import SpecLoop
+    from specjax.targets import load_target
+
+    target = load_target(a.target, dtype=a.dtype)
+    if a.draft:
+        draft = load_draft(a.draft)
+    else:
+        v = target.config.vocab_size
+        dcfg = config_from_target(target.config, draft_vocab_size=v, aux_layer_ids=target.default_aux_layer_ids())
+        draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.identity(v))
+    precision = None if a.matmul_precision == "default" else a.matmul_precision
+    dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision)
+    loop = SpecLoop(dec)
+    prompts, eos = _prompts(a.target, a.prompts, a.limit)
+    rows = []
+    for b in [int(x) for x in a.batch.split(",")]:
+        n = (len(prompts) // b) * b
+        if n == 0:
+            raise SystemExit(f"--batch {b} needs at least {b} prompts; raise --limit")
+        ps = prompts[:n]
+        with dec._precision():
+            greedy, g_walls = _timed(lambda: generate(target, ps, max_new_tokens=a.max_new_tokens,
+                                                      eos_token_ids=eos, batch_size=b), a.repeats)
+        spec, s_walls = _timed(lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos,
+                                                     batch_size=b), a.repeats)
+        g_tokens = sum(len(t) for t in greedy)
+        s_tokens = sum(len(r.tokens) for r in spec)
+        steps = sum(r.num_steps for r in spec)
+        accepted = np.sum([r.accepted_per_position for r in spec], axis=0)
+        g_rate = [g_tokens / w for w in g_walls]
+        s_rate = [s_tokens / w for w in s_walls]
+        row = {"batch": b, "prompts": n, "greedy_tokens": g_tokens, "spec_tokens": s_tokens,
+               "greedy_tok_s": statistics.median(g_rate), "spec_tok_s": statistics.median(s_rate),
+               "greedy_walls_s": g_walls, "spec_walls_s": s_walls,
+               "speedup": statistics.median(s_rate) / statistics.median(g_rate),
+               "tau": 1.0 + float(accepted.sum()) / max(steps, 1), "accepted_per_position": accepted.tolist(),
+               "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
+        rows.append(row)
+        print(f"batch {b}: greedy {row['greedy_tok_s']:.1f} tok/s, speculative {row['spec_tok_s']:.1f} tok/s "
+              f"({row['speedup']:.2f}x), tau {row['tau']:.3f}, rows equal to greedy {row['rows_equal_greedy']}/{n}",
+              flush=True)
+    result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
+                          "jax": jax.__version__},
+              "settings": {k: v for k, v in vars(a).items()}, "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
