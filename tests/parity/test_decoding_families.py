@@ -325,3 +325,21 @@ def test_lossless_partial_acceptance_everywhere(spec_setup, mode):
             want.append(min(n, left))
             left -= n
     assert res.accept_lengths == want
+
+
+def test_device_loop_equals_host_decoder(spec_setup):
+    # the whole generation as one device program (spec_loop), batched over ragged prompts: each row
+    # equals the host-driven decoder on that prompt (tokens, accept lengths, counts) and is lossless.
+    # Chain only here: the loop runs the same _verify_tree as the host decoder, whose tree mode is
+    # tested above for every family and with the loop on Llama (tests/eval/test_spec_loop.py)
+    from specjax.eval.spec_loop import SpecLoop
+
+    target, draft, ref = spec_setup
+    dec = SpecDecoder(target, draft, num_spec_tokens=3)
+    prompts = [PROMPT, [3, 1, 4], list(range(20, 33))]
+    got = SpecLoop(dec).generate(prompts, max_new_tokens=MAX_NEW)
+    for row, prompt in zip(got, prompts):
+        want = dec.generate(prompt, max_new_tokens=MAX_NEW)
+        assert (row.tokens, row.accept_lengths, row.accepted_per_position, row.num_steps) == \
+            (want.tokens, want.accept_lengths, want.accepted_per_position, want.num_steps)
+    assert got[0].tokens == ref[:MAX_NEW]
