@@ -86,7 +86,7 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 def eagle3_state_dict(draft_params: Mapping, cfg, vocab, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """File-named numpy tensors, one per weight of the EAGLE-3 table (specjax.drafts.weights) for
     `cfg`: kernels transposed to HF [out, in], norm scales as they are, cast to `dtype`; plus d2t
-    (int64) and t2d (bool) from `vocab`."""
+    (int64; only for a reduced draft vocab) and t2d (bool) from `vocab`."""
     np_dtype = _np_dtype(normalize_dtype(dtype))
     leaves = weights.entries(weights.EAGLE3_WEIGHTS, cfg)
     have, want = set(_flatten(draft_params)), {".".join(e.path) for e in leaves}
@@ -101,8 +101,13 @@ def eagle3_state_dict(draft_params: Mapping, cfg, vocab, dtype: str = "bfloat16"
         if e.row.transpose:
             arr = arr.T
         out[e.file_name] = np.ascontiguousarray(arr.astype(np_dtype))
+    full_vocab = int(cfg.draft_vocab_size) == int(cfg.vocab_size)  # a DraftVocab's ids are sorted: the identity
     for name in weights.EAGLE3_VOCAB_TENSORS:
-        out[name] = np.asarray(getattr(vocab, name))
+        # a full-vocab head ships no d2t: vLLM (0.32) creates draft_id_to_target_id only for a reduced
+        # vocab and refuses a head that carries one ("There is no module or parameter named
+        # 'draft_id_to_target_id'"); without it every engine maps draft id i to target id i
+        if not (full_vocab and name == "d2t"):
+            out[name] = np.asarray(getattr(vocab, name))
     return out
 
 

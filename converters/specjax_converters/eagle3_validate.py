@@ -470,11 +470,14 @@ def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, ch
 def _check_vocab(cfg, tensors: HeadTensors, bad):
     V = int(cfg["vocab_size"])
     Vd = int(cfg.get("draft_vocab_size") or V)
+    if Vd == V:
+        if "d2t" in tensors:
+            bad("vocab.d2t_unexpected", "d2t", "present in a full-vocab head: vLLM creates draft_id_to_target_id only "
+                "for draft_vocab_size < vocab_size and refuses to load this head", "drop d2t from a full-vocab head")
+        return
     if "d2t" not in tensors:
-        level = "error" if Vd < V else "warning"
         bad("vocab.d2t_missing", "d2t", "absent: vLLM then maps draft id i to target id i (silently wrong tokens "
-            "when draft_vocab_size < vocab_size); old SGLang crashes", "ship d2t (int64 offsets, [draft_vocab_size])",
-            level)
+            "when draft_vocab_size < vocab_size); old SGLang crashes", "ship d2t (int64 offsets, [draft_vocab_size])")
         return
     if tensors.dtype("d2t") != _VOCAB_DTYPES["d2t"] or tuple(tensors.shape("d2t")) != (Vd,):
         bad("vocab.d2t_dtype", "d2t", f"dtype {tensors.dtype('d2t')} shape {tensors.shape('d2t')}, expected "

@@ -310,3 +310,28 @@ def test_pickled_bin_head_is_refused_not_read(good, tmp_path):
     with pytest.raises(ValueError, match=r"holds only pickled PyTorch weights \(pytorch_model\.bin\), no "
                                          r"model\.safetensors: specjax never unpickles weights"):
         validate_folder(str(tmp_path), target=good["target_dir"])
+
+
+def test_full_vocab_head_ships_no_d2t(tmp_path):
+    # vLLM 0.32 creates draft_id_to_target_id only for a reduced draft vocab and refuses a full-vocab
+    # head that carries d2t ("There is no module or parameter named 'draft_id_to_target_id'")
+    import jax
+
+    from specjax.drafts import eagle3
+    from specjax.drafts.vocab import DraftVocab
+    from specjax_converters.eagle3_import import read_head
+
+    target_hf, cfg, _, _ = make_draft(seed=6)
+    cfg = eagle3.Eagle3Config(**{**eagle3.config_to_dict(cfg), "draft_vocab_size": V, "rope": cfg.rope})
+    params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(6), std=0.08))
+    out = export_eagle3(params, cfg, DraftVocab.identity(V), target_hf, tmp_path / "full", dtype="fp32")
+    config, tensors, manifest = read_folder(out)
+    assert "d2t" not in tensors and tensors["t2d"].all() and tensors["lm_head.weight"].shape == (V, H)
+    assert validate_folder(out)[0] == []
+    head = read_head(out)
+    assert head.vocab.draft_vocab_size == V and not np.asarray(head.vocab.d2t).any()
+    np.testing.assert_array_equal(head.params["lm_head"]["kernel"], params["lm_head"]["kernel"])
+    # a d2t in a full-vocab head is an error that names it
+    tensors = dict(tensors, d2t=np.zeros(V, np.int64))
+    findings, _ = validate_folder(write_folder(tmp_path / "with_d2t", config, tensors, manifest))
+    assert [f.rule for f in errors(findings)] == ["vocab.d2t_unexpected"]
