@@ -413,12 +413,9 @@ def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, tar
         path.append(jnp.where(found, nxt, 0))
     path = jnp.stack(path)  # [depth+1] chunk rows of the accepted path (0 past the end)
     bonus = tgt[cur]
-    # Move the accepted nodes' K/V to the slots of a linear sequence (start+i); other slots are stale.
-    num_slots = jax.tree.leaves(cache)[0].shape[2]
-    i = jnp.arange(1, depth + 1)
-    dst = jnp.where(i <= a, start + i, num_slots)  # past-the-end = dropped
-    src = start + path[1:]
-    cache = jax.tree.map(lambda c: c.at[:, 0, dst].set(c[:, 0, src], mode="drop"), cache)
+    # Move the accepted nodes' K/V to the slots of a linear sequence (start+i); other slots are stale
+    # (targets.base.commit_tree_path; a recurrent target also re-labels its per-node states).
+    cache = target_cls.commit_path_fn(cache, start, path, a)
     aux_path = tuple(jnp.take(x, path, axis=1) for x in aux)
     return a, bonus, _pending(toks[path[1:]], a, bonus), aux_path, cache
 

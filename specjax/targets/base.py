@@ -135,6 +135,19 @@ def _target_call(params, input_ids, positions, segment_ids, *, target_cls, confi
     return TargetOutput(logits, final, aux)
 
 
+def commit_tree_path(cache, start, path, accepted):
+    """Tree verification's KV move (batch row 0, the speculative decoder's only row): chunk row
+    ``path[i]`` (written at slot start+path[i]; ``path[0]`` = 0 is the root) goes to the linear slot
+    start+i for i = 1..accepted; other slots are stale. Every cache leaf has the slot on axis 2.
+    ``path`` [depth+1] int, ``accepted`` scalar int. Returns the new cache."""
+    num_slots = jax.tree.leaves(cache)[0].shape[2]
+    depth = path.shape[0] - 1
+    i = jnp.arange(1, depth + 1)
+    dst = jnp.where(i <= accepted, start + i, num_slots)  # past-the-end = dropped
+    src = start + path[1:]
+    return jax.tree.map(lambda c: c.at[:, 0, dst].set(c[:, 0, src], mode="drop"), cache)
+
+
 # Module-level so every Target with an equal (hashable) config shares one compilation per
 # static aux_layer_ids / input shapes, instead of re-tracing per instance.
 _jitted_target_call = jax.jit(_target_call, static_argnames=("target_cls", "config", "aux_layer_ids"))
@@ -158,6 +171,10 @@ class Target:
     # init_cache_fn(config, batch_size, max_len, dtype) -> cache pytree (layout: layers/attention.py "KV cache")
     decode_fn: Callable[..., Any] | None = None
     init_cache_fn: Callable[..., Any] | None = None
+    # commit_path_fn(cache, start, path, accepted) -> cache: after a tree chunk written at slots
+    # start.., make the accepted root-to-node path (chunk rows path[0..accepted]) the linear sequence
+    # at slots start..start+accepted (see commit_tree_path; a target with recurrent state overrides it)
+    commit_path_fn: Callable[..., Any] = staticmethod(commit_tree_path)
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
         self.config = config

@@ -1,7 +1,7 @@
 """Nemotron-H frozen target (``NemotronHForCausalLM``): hybrid Mamba-2 / attention / MoE / MLP stack.
 
-Read top to bottom: block types -> config -> HF weight map -> init -> blocks -> forward -> draft
-check -> Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
+Read top to bottom: block types -> config -> HF weight map -> init -> blocks -> forward -> cached
+decoding -> draft check -> Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
 
   block i (type from ``layers_block_type``):  x = x + mixer_i(RMSNorm_i(x))
     linear_attention  Mamba-2 mixer (layers/mamba2.py; SSD scan in specjax_kernels.ssd)
@@ -37,9 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_set, validate_aux_layer_ids
+from specjax.targets.base import (Target, WeightSpec, commit_tree_path, resolve_hf_config, tree_set,
+                                  validate_aux_layer_ids)
+from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import AttentionConfig, attention_block, segment_causal_mask
-from specjax.targets.layers.mamba2 import Mamba2Dims, mamba2_mixer
+from specjax.targets.layers.mamba2 import (EMPTY_LABEL, Mamba2Dims, decode_chunk_plan, mamba2_decode,
+                                           mamba2_mixer)
 from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
 from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
 from specjax.targets.registry import model_type_of, register
@@ -150,6 +153,9 @@ class NemotronHTargetConfig:
     ssd_implementation: str | None = None  # specjax_kernels.ssd: None/"auto" | "xla" | "reference"
     moe_implementation: str | None = None  # specjax_kernels.moe: None/"auto" | "xla" | "reference"
     weight_prefix: str = "backbone"  # on-disk name prefix (transformers writes "backbone.")
+    # cached decoding: SSM states kept per Mamba layer after a chunk (>= the longest verify chunk; a
+    # tree chunk needs one per node). See "Cached decoding" below and layers/mamba2.py.
+    decode_state_window: int = 24
 
     # ---- derived ----
     @property
@@ -270,6 +276,8 @@ class NemotronHTargetConfig:
             )
         if self.has_mamba:
             self.mamba_dims.validate()
+        if self.decode_state_window < 1:
+            raise ValueError(f"decode_state_window must be >= 1, got {self.decode_state_window}")
         if MOE in self.layer_types:
             e, g = self.n_routed_experts, self.n_group
             if e % g or not 1 <= self.topk_group <= g:
@@ -589,6 +597,96 @@ def lm_head_weight(params: dict, cfg: NemotronHTargetConfig | None = None) -> ja
 
 
 # =============================================================================================
+# Cached decoding (generation, regeneration, speculative decoding)
+# =============================================================================================
+# Same contract as llama.decode_chunk (slots, chunk mask, valid_from, logits_index; rollback = the
+# next chunk starts at a smaller slot). Attention blocks share a KV cache {"k", "v"} [La,B,S,Hkv,D]
+# (no RoPE); MoE / MLP blocks are per token; Mamba blocks keep "conv" [Lm,B,S,conv_dim] (every
+# slot's pre-conv input, so the conv window of any restart point is still there) and "ssm"
+# [Lm,B,W,H,P,N] fp32 with "ssm_slot" [B,W]: the SSM states after the last chunk's rows, labelled by
+# slot, W = config.decode_state_window (layers/mamba2.py "Cached decoding"). A state per slot for the
+# whole sequence would be H*P*N floats per slot per Mamba layer (2 MiB fp32 at the Nano shape).
+def init_cache(cfg: NemotronHTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+    """Zeroed cache for `max_len` slots per row (rounded up by ``layers.attention.cache_size_for``)."""
+    cache = decoding.init_kv_cache(len(cfg.layers_of(ATTENTION)), batch_size, max_len, cfg.num_key_value_heads,
+                                   cfg.head_dim, dtype)
+    m, lm, w = cfg.mamba_dims, len(cfg.layers_of(MAMBA)), cfg.decode_state_window
+    num_slots = cache["k"].shape[2]
+    cache["conv"] = jnp.zeros((lm, batch_size, num_slots, m.conv_dim), dtype)
+    cache["ssm"] = jnp.zeros((lm, batch_size, w, m.num_heads, m.head_dim, m.state_size), jnp.float32)
+    cache["ssm_slot"] = jnp.full((batch_size, w), EMPTY_LABEL, jnp.int32)
+    return cache
+
+
+def decode_chunk(
+    params: dict,
+    cfg: NemotronHTargetConfig,
+    cache: dict,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    start_b: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int] = (),
+    chunk_mask_btt: jax.Array | None = None,
+    valid_from_b: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+) -> tuple[jax.Array, tuple, jax.Array, dict]:
+    """PURE cached forward of a chunk (contract: llama.decode_chunk). Returns (fp32 logits, aux tuple
+    [B,T,D] at `aux_layer_ids`, final hidden [B,T,D] after norm_f, new cache). ``positions`` is
+    unused (no positional encoding). A chunk continues from the state after slot start-1; the SSM
+    states after its rows are kept for the next chunk (mamba2.decode_chunk_plan): a tree chunk
+    (``chunk_mask_btt``) needs ``decode_state_window`` >= T."""
+    del positions_bt
+    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
+    b, t = input_ids_bt.shape
+    user_mask = chunk_mask_btt
+    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    plan = None
+    if cfg.has_mamba:
+        plan = decode_chunk_plan(cfg.conv_kernel, cache["ssm_slot"], start_b, user_mask, valid_from_b, logits_index,
+                                 t=t)
+    x = jnp.take(params["embeddings"]["embedding"], input_ids_bt, axis=0)
+    kv = {"k": cache["k"], "v": cache["v"]}
+    conv, ssm = cache["conv"], cache["ssm"]
+    slots_of = cfg.layer_slots
+    aux = []
+    for layer, kind in enumerate(cfg.layer_types):
+        slot = slots_of[layer]
+        lp = index_layer(params[_PARAM_KEY[kind]], slot)
+        h = rms_norm_fp32_weight(x, lp["norm"]["scale"], cfg.layer_norm_epsilon)
+        mixer = lp["mixer"]
+        if kind == MAMBA:
+            out, c, s = mamba2_decode(mixer, cfg.mamba_dims, h, conv[slot], ssm[slot], plan)
+            conv, ssm = conv.at[slot].set(c), ssm.at[slot].set(s)
+        elif kind == ATTENTION:
+            out, kv = attention_block(mixer, cfg.attention, h, mask, None, cache=kv, layer=slot, slots_bt=slots)
+        elif kind == MOE:
+            out = _moe(mixer, cfg, h)
+        else:
+            out = _ffn(mixer, cfg.mlp_hidden_act, h)
+        x = x + out.astype(x.dtype)
+        if layer in aux_ids:
+            aux.append(x)
+    new = dict(kv, conv=conv, ssm=ssm, ssm_slot=plan.labels if plan is not None else cache["ssm_slot"])
+    final = rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
+    return decoding.picked_logits(final, lm_head_weight(params, cfg), logits_index), tuple(aux), final, new
+
+
+def commit_path(cache: dict, start, path, accepted) -> dict:
+    """Tree verification's commit (targets.base.commit_tree_path, batch row 0): the K/V and conv
+    inputs of the accepted nodes move to the linear slots start+1..start+accepted, and the window's
+    state after node path[i] is re-labelled slot start+i (other nodes' states are dropped), so the
+    next chunk resumes from the accepted path's state."""
+    moved = commit_tree_path({"k": cache["k"], "v": cache["v"], "conv": cache["conv"]}, start, path, accepted)
+    labels = cache["ssm_slot"][0]
+    i = jnp.arange(path.shape[0])
+    on_path = ((labels - start)[:, None] == path[None, :]) & (i[None, :] <= accepted)  # [W, depth+1]
+    keep = jnp.where(labels == start - 1, labels, EMPTY_LABEL)  # the state before the chunk stays valid
+    relabelled = jnp.where(jnp.any(on_path, axis=1), start + jnp.argmax(on_path, axis=1), keep).astype(jnp.int32)
+    return dict(moved, ssm=cache["ssm"], ssm_slot=cache["ssm_slot"].at[0].set(relabelled))
+
+
+# =============================================================================================
 # Draft compatibility
 # =============================================================================================
 def check_draft_compat(target_config: NemotronHTargetConfig | Mapping[str, Any], draft_num_kv_heads: int | None) -> None:
@@ -624,6 +722,8 @@ class NemotronHTarget(Target):
     forward_fn = staticmethod(forward)
     embed_fn = staticmethod(embed_table)
     lm_head_fn = staticmethod(lm_head_weight)
+    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_cache)  # cached decoding
+    commit_path_fn = staticmethod(commit_path)  # tree verification: re-label the accepted path's SSM states
 
     @classmethod
     def weight_specs(cls, config: NemotronHTargetConfig) -> list[WeightSpec]:

@@ -165,3 +165,164 @@ def _conv1d_context_parallel(x_btc, kernel_kc, bias_c, segment_ids_bt, mesh):
     args = (x_btc, kernel_kc, segment_ids_bt) + ((bias_c,) if bias_c is not None else ())
     specs = (P(bs, axis), P(), P(bs, axis)) + ((P(),) if bias_c is not None else ())
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(bs, axis), check_vma=False)(*args)
+
+
+# =============================================================================================
+# Cached decoding (generation / speculative decoding): conv inputs per slot, SSM states per window
+# =============================================================================================
+# A chunk of T tokens is written at slots start[b].. like a KV-cache chunk (layers/attention.py
+# "KV cache"), and rollback is again "the next chunk starts at a smaller slot":
+#   conv   [B, S, conv_dim]: the pre-conv inputs (xBC) of every written slot. A row's conv window is
+#          its own input and the inputs of its K-1 predecessors, read from the chunk (its ancestors
+#          under the chunk mask) and then from slots start-1, start-2, ... Rolling back needs nothing.
+#   states [B, W, H, P, N] fp32 and labels [B, W] int32 (shared by the layers): the SSM state after
+#          slot labels[b, w] (-2 = empty). A chunk stores the state after each of its rows (and the
+#          one it started from) in the window, so the next chunk starts from the state labelled
+#          start-1 whatever the accepted length was. A chunk longer than the window (a prefill) keeps
+#          the states after its ``logits_index`` rows (where a decoder continues) and its last rows.
+#          Starting where no state was kept gives NaN, never a silently wrong state.
+# In a chunk, row i continues from its parent (the nearest earlier row its chunk mask shows; none:
+# the state before the chunk), so a tree chunk gives each node the state of its own root-to-node path.
+# Slots before valid_from (left padding) count as zero inputs and a zero state.
+EMPTY_LABEL = -2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChunk:
+    """Per-chunk index arrays every Mamba layer of one ``decode_chunk`` call shares (see
+    :func:`decode_chunk_plan`)."""
+
+    tree: bool  # static: rows follow explicit parents (any chunk mask) instead of the previous row
+    slots: jax.Array  # [B, T] write slots
+    row_valid: jax.Array  # [B, T] slot >= valid_from
+    prev_slots: jax.Array  # [B, K-1] slots start-K+1 .. start-1 (the conv taps before the chunk)
+    prev_valid: jax.Array  # [B, K-1]
+    taps: jax.Array  # [B, T, K] index into [prev rows, chunk rows] of tap j of row i (-1: zero)
+    parent: jax.Array  # [B, T] chunk row of the parent, -1 = the state before the chunk
+    parent_entry: jax.Array  # [B, T] window entry holding the parent's state (tree only)
+    out_entry: jax.Array  # [B, T+1] window entry of the state after offset o (W = not kept)
+    entry_index: jax.Array  # [B] window entry of the state after slot start-1
+    entry_found: jax.Array  # [B]
+    entry_zero: jax.Array  # [B] the chunk starts a sequence: zero state
+    labels: jax.Array  # [B, W] the new window labels
+
+
+def decode_chunk_plan(conv_kernel: int, labels_bw, start_b, chunk_mask_btt=None, valid_from_b=None,
+                      logits_index=None, *, t: int) -> DecodeChunk:
+    """The shared index arrays of a chunk of ``t`` rows at slots start[b].. (see the section comment).
+    ``chunk_mask_btt`` None = causal (row i continues from row i-1)."""
+    b, w = labels_bw.shape
+    k = conv_kernel
+    rows = jnp.arange(b)[:, None]
+    i = jnp.arange(t, dtype=jnp.int32)
+    slots = start_b[:, None] + i[None, :]
+    vf = jnp.zeros((b,), jnp.int32) if valid_from_b is None else jnp.asarray(valid_from_b, jnp.int32).reshape(b)
+    row_valid = slots >= vf[:, None]
+    prev_slots = start_b[:, None] + jnp.arange(-(k - 1), 0, dtype=jnp.int32)[None, :]
+    prev_valid = prev_slots >= jnp.maximum(vf, 0)[:, None]
+    tree = chunk_mask_btt is not None
+    if tree:
+        if t > w:
+            raise ValueError(f"a tree chunk of {t} rows needs decode_state_window >= {t} (got {w}): every "
+                             "node's state must stay in the window for its children and the commit")
+        m = jnp.asarray(chunk_mask_btt, bool) & (i[None, None, :] < i[None, :, None])
+        parent = jnp.max(jnp.where(m, i[None, None, :], -1), axis=-1).astype(jnp.int32)
+    else:
+        parent = jnp.broadcast_to(i - 1, (b, t))
+    # conv taps: ext rows = [K-1 rows before the chunk, the T chunk rows]; a row's predecessor in ext
+    ext_parent = jnp.concatenate(
+        [jnp.broadcast_to(jnp.arange(-1, k - 2, dtype=jnp.int32), (b, k - 1)),
+         jnp.where(parent >= 0, parent + (k - 1), k - 2)], axis=1)  # [B, K-1+T]
+    cur = jnp.broadcast_to(i + (k - 1), (b, t))
+    taps = [cur]
+    for _ in range(1, k):
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(ext_parent, jnp.maximum(cur, 0), axis=1), -1)
+        taps.append(cur)
+    taps = jnp.stack(taps, axis=-1)
+    # which states the window keeps: offset o = the state after chunk row o-1 (o = 0: before the chunk)
+    offsets = jnp.arange(t + 1, dtype=jnp.int32)
+    if t + 1 <= w:
+        out_entry = jnp.broadcast_to(offsets, (b, t + 1))
+    else:
+        n = 0 if (tree or logits_index is None) else int(logits_index.shape[1])
+        if n > w:
+            raise ValueError(f"logits_index asks for {n} rows but decode_state_window is {w}")
+        tail = w - n  # the last `tail` offsets, after the logits rows' states
+        lo = t + 1 - tail
+        out_entry = jnp.broadcast_to(jnp.where(offsets >= lo, n + offsets - lo, w), (b, t + 1))
+        if n:
+            out_entry = out_entry.at[rows, jnp.asarray(logits_index, jnp.int32) + 1].set(
+                jnp.arange(n, dtype=jnp.int32)[None, :], mode="drop")
+    parent_entry = jnp.take_along_axis(out_entry, parent + 1, axis=1)
+    new_labels = jnp.full((b, w), EMPTY_LABEL, jnp.int32).at[rows, out_entry].set(
+        start_b[:, None] - 1 + offsets[None, :], mode="drop")
+    match = labels_bw == (start_b - 1)[:, None]
+    return DecodeChunk(
+        tree=tree, slots=slots, row_valid=row_valid, prev_slots=prev_slots, prev_valid=prev_valid, taps=taps,
+        parent=parent, parent_entry=parent_entry, out_entry=out_entry,
+        entry_index=jnp.argmax(match, axis=1).astype(jnp.int32), entry_found=jnp.any(match, axis=1),
+        entry_zero=(start_b <= 0) | (start_b <= vf), labels=new_labels)
+
+
+def mamba2_decode(p: dict, dims: Mamba2Dims, x_btd, conv_bsc, states_bwhpn, plan: DecodeChunk):
+    """One Mamba-2 mixer over a chunk with this layer's cache (conv inputs [B,S,C], state window
+    [B,W,H,P,N]). Same math as :func:`mamba2_mixer` (the SSD as its sequential definition, per row's
+    parent). Returns (out [B,T,D], new conv cache, new state window)."""
+    b, t, _ = x_btd.shape
+    i_size, h, n, g, k = dims.intermediate_size, dims.num_heads, dims.state_size, dims.n_groups, dims.conv_kernel
+    f32 = jnp.float32
+    rows = jnp.arange(b)
+    zxbcdt = x_btd @ p["in_proj"]["kernel"]
+    z = zxbcdt[..., :i_size]
+    xbc = zxbcdt[..., i_size : i_size + dims.conv_dim]
+    dt = zxbcdt[..., i_size + dims.conv_dim :]
+
+    # conv over each row's own window (ancestors in the chunk, then the cached slots before it)
+    xbc = jnp.where(plan.row_valid[..., None], xbc, jnp.zeros((), xbc.dtype))
+    num_slots = conv_bsc.shape[1]
+    prev = jnp.take_along_axis(conv_bsc, jnp.clip(plan.prev_slots, 0, num_slots - 1)[..., None], axis=1)
+    prev = jnp.where(plan.prev_valid[..., None], prev, jnp.zeros((), prev.dtype)).astype(xbc.dtype)
+    ext = jnp.concatenate([prev, xbc], axis=1).astype(f32)  # [B, K-1+T, C]
+    conv = p["conv1d"]
+    w = conv["kernel"].reshape(k, dims.conv_dim).astype(f32)
+    out = None
+    for j in range(k):
+        src = plan.taps[..., j]
+        v = jnp.where((src >= 0)[..., None], jnp.take_along_axis(ext, jnp.maximum(src, 0)[..., None], axis=1), 0.0)
+        out = v * w[k - 1 - j] if out is None else out + v * w[k - 1 - j]
+    if conv.get("bias") is not None:
+        out = out + conv["bias"].astype(f32)
+    new_conv = conv_bsc.at[rows[:, None], plan.slots].set(xbc.astype(conv_bsc.dtype), mode="drop")
+    xbc = jax.nn.silu(out.astype(x_btd.dtype))
+    xs = xbc[..., :i_size].reshape(b, t, h, dims.head_dim).astype(f32)
+    bm = jnp.repeat(xbc[..., i_size : i_size + g * n].reshape(b, t, g, n).astype(f32), h // g, axis=2)
+    cm = jnp.repeat(xbc[..., i_size + g * n :].reshape(b, t, g, n).astype(f32), h // g, axis=2)
+    dt = jnp.clip(jax.nn.softplus(dt.astype(f32) + p["dt_bias"].astype(f32)), *dims.dt_limit)
+    a = -jnp.exp(p["A_log"].astype(f32))
+
+    # the state before the chunk: zero at a sequence start, the window's state labelled start-1, else NaN
+    entry = states_bwhpn[rows, plan.entry_index].astype(f32)
+    entry = jnp.where(plan.entry_found[:, None, None, None], entry, jnp.nan)
+    entry = jnp.where(plan.entry_zero[:, None, None, None], 0.0, entry)
+    win = jnp.zeros(states_bwhpn.shape, f32).at[rows, plan.out_entry[:, 0]].set(entry, mode="drop")
+
+    def step(carry, inp):
+        cur, win = carry
+        x_t, dt_t, b_t, c_t, par_t, pent_t, valid_t, out_t = inp
+        if plan.tree:
+            prev_state = jnp.where((par_t >= 0)[:, None, None, None], win[rows, jnp.clip(pent_t, 0, win.shape[1] - 1)],
+                                   entry)
+        else:
+            prev_state = cur
+        decay = jnp.exp(dt_t * a)[:, :, None, None]
+        state = prev_state * decay + (dt_t[:, :, None] * x_t)[..., None] * b_t[:, :, None, :]
+        state = jnp.where(valid_t[:, None, None, None], state, 0.0)
+        y_t = jnp.einsum("bhpn,bhn->bhp", state, c_t, precision=jax.lax.Precision.HIGHEST)
+        win = win.at[rows, out_t].set(state, mode="drop")
+        return (state, win), y_t
+
+    seq = (xs, dt, bm, cm, plan.parent, plan.parent_entry, plan.row_valid, plan.out_entry[:, 1:])
+    (_, win), ys = jax.lax.scan(step, (entry, win), [jnp.moveaxis(v, 1, 0) for v in seq])
+    y = jnp.moveaxis(ys, 0, 1) + p["D"].astype(f32)[:, None] * xs
+    y = gated_group_rms_norm(y.reshape(b, t, i_size), z, p["norm"]["scale"], g, dims.eps, x_btd.dtype)
+    return y @ p["out_proj"]["kernel"], new_conv, win.astype(states_bwhpn.dtype)
