@@ -1,10 +1,17 @@
-"""Task accuracy of the arms (`python -m specjax.bench --accuracy humaneval`): HumanEval pass@1 of
-each server's replies, and an equivalence test (TOST) between the two arms.
+"""Task accuracy of the arms (`python -m specjax.bench --accuracy humaneval|arithmetic`): pass@1 of
+each server's replies on a task, and an equivalence test (TOST) between the two arms.
 
-Each HumanEval problem is sent as the humaneval preset's user turn (the whole function asked for in
-one ```python block) through `core.run_level` (no /metrics scrapes), and every reply is checked by
-running the problem's tests in a child process (`specjax.eval.task_accuracy`; never in this
-process). Per temperature:
+The tasks (`TASKS`), each giving its problems, the user turn of a problem and the check of a reply:
+
+* humaneval: each HumanEval problem is sent as the humaneval preset's user turn (the whole function
+  asked for in one ```python block), and every reply is checked by running the problem's tests in a
+  child process (`specjax.eval.task_accuracy`; never in this process).
+* arithmetic: seeded small-integer sums, differences and products ("What is 7 + 5? Reply with just
+  the number."), each reply checked by extracting its number and comparing it to the answer
+  (`specjax.eval.arithmetic_task`; nothing runs). A task a small target partly solves, for when
+  HumanEval's pass@1 is 0 on both arms and there is nothing to test.
+
+Every problem goes through `core.run_level` (no /metrics scrapes). Per temperature:
 
 * temperature 0: one run per arm; the problem is the unit. pass@1 of each arm is a proportion;
   the TOST compares the two proportions with the unpooled binomial standard error and the normal
@@ -22,44 +29,97 @@ get below (q se) are reported (`stats.equivalence_margins`)."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from specjax.bench import core
 from specjax.bench.client import Endpoint
 from specjax.bench.repeats import arm_order
+from specjax.eval import arithmetic_task as at
 from specjax.eval import stats
 from specjax.eval import task_accuracy as ta
 
-__all__ = ["TASKS", "problems_for", "run_accuracy", "score_run", "compare_arms"]
-
-TASKS = ("humaneval",)
+__all__ = ["TASKS", "problems_for", "default_max_tokens", "run_accuracy", "score_run", "compare_arms"]
 
 
-def problems_for(task: str, limit: Optional[int] = None) -> list[ta.Problem]:
-    if task not in TASKS:
+@dataclass(frozen=True)
+class _Task:
+    """What a task provides: its problems (the first `limit`), the user turn of a problem, the
+    verdict dicts of (problem, reply) pairs in order (a reply of None: the request failed), the
+    task's own per-run counts over the verdict rows, its default max_tokens, and what is recorded
+    about its scoring in the results (a dict merged into the accuracy section)."""
+    load: Callable[[Optional[int]], list]
+    user_turn: Callable[[Any], str]
+    check: Callable[[Sequence, Sequence[Optional[str]], float, int], list[dict]]
+    counts: tuple[tuple[str, Callable[[dict], bool]], ...]
+    max_tokens: int
+    scoring: Callable[[float, int], dict]
+
+
+def _humaneval_turn(p: ta.Problem) -> str:
+    from specjax.data.presets import humaneval_user_turn  # the data stack: only here
+
+    return humaneval_user_turn(p.prompt)
+
+
+_TASKS = {
+    "humaneval": _Task(
+        load=ta.load_humaneval, user_turn=_humaneval_turn,
+        check=lambda ps, rs, timeout_s, workers: [
+            v.to_dict() for v in ta.check_replies(ps, rs, timeout_s=timeout_s, workers=workers)],
+        counts=(("no_code_block", lambda r: r["code_found"] in ("whole reply", "none")),
+                ("timed_out", lambda r: r["result"].startswith("timed out"))),
+        max_tokens=512,
+        scoring=lambda timeout_s, workers: {"exec": dict(ta.isolation(), timeout_s=timeout_s, workers=workers)}),
+    "arithmetic": _Task(
+        load=at.generate_problems, user_turn=at.ArithmeticProblem.user_turn,
+        check=lambda ps, rs, timeout_s, workers: [v.to_dict() for v in at.check_replies(ps, rs)],
+        counts=(("no_number", lambda r: r["how"] == "none"),),
+        max_tokens=at.DEFAULT_MAX_TOKENS,
+        scoring=lambda timeout_s, workers: {"scoring": at.describe()}),
+}
+TASKS = tuple(_TASKS)
+
+
+def _task(task: str) -> _Task:
+    if task not in _TASKS:
         raise ValueError(f"unknown accuracy task {task!r}; tasks: {', '.join(TASKS)}")
-    return ta.load_humaneval(limit)
+    return _TASKS[task]
 
 
-def score_run(problems: Sequence[ta.Problem], level_result: dict, *, timeout_s: float, workers: int) -> dict:
+def problems_for(task: str, limit: Optional[int] = None) -> list:
+    """The first `limit` problems of a task (all when None)."""
+    return _task(task).load(limit)
+
+
+def default_max_tokens(task: str) -> int:
+    """max_tokens of a task's requests when --accuracy-max-tokens is not given (humaneval 512: a whole
+    function; arithmetic 32: one short line)."""
+    return _task(task).max_tokens
+
+
+def score_run(problems: Sequence, level_result: dict, *, timeout_s: float = ta.DEFAULT_TIMEOUT_S, workers: int = 2,
+              task: str = "humaneval") -> dict:
     """Check every reply of one run (a `run_level` result over the problems) and count."""
+    tdef = _task(task)
     by_id = {r["job_id"]: r for r in level_result["requests"]}
     replies = [by_id[p.task_id]["text"] if p.task_id in by_id and by_id[p.task_id]["ok"] else None
                for p in problems]
-    verdicts = ta.check_replies(problems, replies, timeout_s=timeout_s, workers=workers)
+    verdicts = tdef.check(problems, replies, timeout_s, workers)
     rows = []
     for p, v in zip(problems, verdicts):
         r = by_id.get(p.task_id) or {}
-        rows.append(dict(v.to_dict(), finish_reason=r.get("finish_reason"), output_tokens=r.get("output_tokens"),
+        rows.append(dict(v, finish_reason=r.get("finish_reason"), output_tokens=r.get("output_tokens"),
                          request_ok=bool(r.get("ok")), error=r.get("error"), text=r.get("text")))
     n = len(rows)
     passed = sum(r["passed"] for r in rows)
-    return {"n": n, "passed": passed, "pass_at_1": passed / n if n else math.nan,
-            "failed_requests": sum(not r["request_ok"] for r in rows),
-            "truncated": sum(r["finish_reason"] == "length" for r in rows),
-            "no_code_block": sum(r["code_found"] in ("whole reply", "none") for r in rows),
-            "timed_out": sum(r["result"].startswith("timed out") for r in rows),
-            "wall_s": level_result["wall_s"], "problems": rows}
+    out = {"n": n, "passed": passed, "pass_at_1": passed / n if n else math.nan,
+           "failed_requests": sum(not r["request_ok"] for r in rows),
+           "truncated": sum(r["finish_reason"] == "length" for r in rows)}
+    for name, pred in tdef.counts:
+        out[name] = sum(pred(r) for r in rows)
+    out.update(wall_s=level_result["wall_s"], problems=rows)
+    return out
 
 
 def compare_arms(runs: dict[str, list[dict]], temperature: float, margin: float, alpha: float,
@@ -110,7 +170,7 @@ def compare_arms(runs: dict[str, list[dict]], temperature: float, margin: float,
     return out
 
 
-def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Sequence[ta.Problem], *,
+def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Sequence, *,
                  temperatures: Sequence[float], runs: int, concurrency: int, max_tokens: int, margin: float,
                  alpha: float, timeout_s: float = ta.DEFAULT_TIMEOUT_S, workers: int = 2,
                  system: Optional[str] = None, extra_body: Optional[dict] = None, request_timeout: float = 600.0,
@@ -125,11 +185,10 @@ def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Seq
     if runs < 2 and any(t > 0 for t in temperatures) and len(eps) == 2:
         raise ValueError(f"--accuracy-runs {runs}: the TOST at temperature > 0 takes the run as the unit and needs "
                          "at least 2 runs per arm (the Nemotron card used about 20)")
-    from specjax.data.presets import humaneval_user_turn  # the data stack: only here
-
-    jobs = [core.BenchJob(p.task_id, task, (humaneval_user_turn(p.prompt),)) for p in problems]
+    tdef = _task(task)
+    jobs = [core.BenchJob(p.task_id, task, (tdef.user_turn(p),)) for p in problems]
     out: dict = {"task": task, "problems": len(problems), "margin": margin, "alpha": alpha,
-                 "exec": dict(ta.isolation(), timeout_s=timeout_s, workers=workers), "concurrency": concurrency,
+                 **tdef.scoring(timeout_s, workers), "concurrency": concurrency,
                  "max_tokens": max_tokens, "temperatures": []}
     for t in temperatures:
         n_runs = 1 if t == 0 else runs
@@ -139,7 +198,7 @@ def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Seq
                 res = core.run_level(eps[arm], models[arm], jobs, concurrency, max_tokens=max_tokens,
                                      temperature=t, system=system, extra_body=extra_body, scrape="none",
                                      request_timeout=request_timeout)
-                sc = score_run(problems, res, timeout_s=timeout_s, workers=workers)
+                sc = score_run(problems, res, timeout_s=timeout_s, workers=workers, task=task)
                 sc.update(run=r, arm=arm, temperature=t)
                 per_arm[arm].append(sc)
                 log(f"accuracy {task} T={t:g} run {r + 1}/{n_runs} {arm}: pass@1 {sc['passed']}/{sc['n']} = "

