@@ -306,6 +306,20 @@ class OneWrongTree(SpecDecoder):
         return jnp.asarray(nodes), jnp.asarray(parents)
 
 
+def one_wrong_accept_lengths(k, mode, max_new):
+    """The accept lengths OneWrongChain / OneWrongTree force: max_new - 1 tokens after the prefill's
+    one; step s accepts s % K (chain) or s % (K+1) (tree) drafts + the bonus."""
+    period = list(range(1, k + 1)) if mode == "chain" else list(range(1, k + 2))
+    want, left = [], max_new - 1
+    while left > 0:
+        for n in period:
+            if left <= 0:
+                break
+            want.append(min(n, left))
+            left -= n
+    return want
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_partial_acceptance_everywhere(spec_setup, mode):
     target, draft, ref = spec_setup
@@ -315,16 +329,7 @@ def test_lossless_partial_acceptance_everywhere(spec_setup, mode):
     dec.ref, dec.calls = ref, 0
     res = dec.generate(PROMPT, max_new_tokens=MAX_NEW)
     assert res.tokens == ref[:MAX_NEW]
-    # 11 tokens after the prefill's one; step s accepts s % K (chain) or s % (K+1) (tree) drafts + the bonus
-    period = list(range(1, k + 1)) if mode == "chain" else list(range(1, k + 2))
-    want, left = [], MAX_NEW - 1
-    while left > 0:
-        for n in period:
-            if left <= 0:
-                break
-            want.append(min(n, left))
-            left -= n
-    assert res.accept_lengths == want
+    assert res.accept_lengths == one_wrong_accept_lengths(k, mode, MAX_NEW)
 
 
 def test_device_loop_equals_host_decoder(spec_setup):
@@ -346,28 +351,6 @@ def test_device_loop_equals_host_decoder(spec_setup):
 
 
 def test_rejection_sampling_keeps_the_target_distribution(target):
-    # At temperature 2 the 2nd new token (the first one a verification step emits, after a rollback
-    # whenever the draft is rejected) must follow the target's marginal sum_t1 p(t1) p(t2 | t1).
-    # N = 2000 independent draws in one batched device-loop call (row r uses seed r). Tolerance: the
-    # 99th percentile of the TV between the exact marginal and N samples drawn from it (simulated),
-    # plus 0.005 (with the rejection residual replaced by p itself, 3 of the 4 families fail).
-    from specjax.eval.spec_loop import SpecLoop
+    from eval._sampling import assert_second_token_follows_target
 
-    dcfg = config_from_target(target.config, draft_vocab_size=VOCAB, aux_layer_ids=target.default_aux_layer_ids())
-    params = init_draft_params(dcfg, jax.random.key(1))
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 10.0  # a peaked draft that disagrees with p
-    dec = SpecDecoder(target, Draft(params, dcfg, DraftVocab.identity(VOCAB)), num_spec_tokens=2)
-    prompt, temp, n = [3, 1, 4], 2.0, 2000
-    p1 = np.asarray(jax.nn.softmax(target(jnp.asarray([prompt + [0]])).logits[0, 2] / temp))
-    ids = np.array([prompt + [t] for t in range(VOCAB)], np.int32)
-    p2 = np.asarray(jax.nn.softmax(target(jnp.asarray(ids)).logits[:, 3] / temp, axis=-1))
-    marginal = p1 @ p2
-    rows = SpecLoop(dec).generate([prompt] * n, max_new_tokens=2, temperature=temp, seed=0)
-    emp = np.bincount([r.tokens[1] for r in rows], minlength=VOCAB) / n
-    rng = np.random.RandomState(0)
-    null = [0.5 * np.abs(np.bincount(rng.choice(VOCAB, n, p=marginal / marginal.sum()), minlength=VOCAB) / n
-                         - marginal).sum() for _ in range(300)]
-    tv = 0.5 * np.abs(emp - marginal).sum()
-    assert tv < np.percentile(null, 99) + 0.005, (tv, np.percentile(null, 99))
-    accepted = sum(r.accepted_per_position[0] for r in rows)
-    assert 0 < accepted < n  # both paths: accepted drafts and rejections (a rollback) were exercised
+    assert_second_token_follows_target(target, lambda seqs: target(jnp.asarray(seqs)).logits)
