@@ -217,16 +217,26 @@ def cmd_report(a) -> int:
     vllm = None
     if os.path.isfile(os.path.join(a.out, "vllm_results.json")):
         vllm = {r["name"]: r for r in json.load(open(os.path.join(a.out, "vllm_results.json")))["results"]}
-    lines = ["| method | steps exported / asked | train tok/s, median of windows (n) | last train window: step, acc_0 | "
-             "held-out acc_0 at the exported step |", "|---|---|---|---|---|"]
+    from specjax.eval.stats import mean_estimate
+
+    lines = ["| method | steps exported / asked | train tok/s, median of windows (n) | mean of windows [95% CI] | "
+             "÷ first method's mean | last train window: step, acc_0 | held-out acc_0 at the exported step |",
+             "|---|---|---|---|---|---|---|"]
+    # windows after the first (its compile); a t interval over them (window-to-window variation only)
+    means = {h["name"]: mean_estimate(h["tokens_per_s_windows"]) if len(h["tokens_per_s_windows"]) > 1 else None
+             for h in heads}
+    first = means[heads[0]["name"]] if heads else None
     for h in heads:
         v = h.get("last_val") or {}
         t = h.get("last_train") or {}
         # a run cut by the timeout has no held-out row at its last step (validation runs at the end)
         held = f"{v['acc_0']:.3f}" if v and v.get("step") == h["steps_done"] else "not measured"
         rate = h["tokens_per_s_median"]
+        m = means[h["name"]]
         lines.append(f"| {h['name']} | {h['steps_done']} / {h['steps_asked']} | "
                      f"{'–' if rate is None else f'{rate:,.0f}'} ({len(h['tokens_per_s_windows'])}) | "
+                     f"{'–' if m is None else f'{m.value:,.0f} [{m.lo:,.0f}, {m.hi:,.0f}]'} | "
+                     f"{'–' if m is None or first is None else f'{m.value / first.value:.2f}'} | "
                      f"{t.get('step', '–')}, {t.get('acc_0', float('nan')):.3f} | {held} |")
     lines += ["", "| method | dataset | prompts / turns | steps | τ specjax.eval [95% CI] | accepted by position "
               "(unconditional) | spec == greedy |", "|---|---|---|---|---|---|---|"]
