@@ -234,7 +234,12 @@ def _stream(conn, prefix: str, path: str, body: dict, ep: Endpoint, rec: dict, c
         rec["ttft_s"] = times[0]
         if rec["output_tokens"] > 1:
             rec["itl_s"] = (times[-1] - times[0]) / (rec["output_tokens"] - 1)
-    rec["ok"] = rec["output_tokens"] > 0 and bool(times)
+    # A reply the server ended by a stop condition before any text (e.g. an EOS sampled first at
+    # temperature > 0) is an answer, an empty one: ok, with no TTFT; a task scores it as wrong.
+    empty_stop = not times and rec["finish_reason"] == "stop"
+    if empty_stop and rec["tokens_source"] == "chunks":
+        rec["output_tokens"] = 0
+    rec["ok"] = (rec["output_tokens"] > 0 and bool(times)) or empty_stop
     if not rec["ok"]:
         rec["error"] = "the stream carried no output token"
     return rec

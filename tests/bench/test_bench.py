@@ -52,6 +52,19 @@ def _check_all_intervals(summary):
             _contains(e)
 
 
+def test_empty_reply_ended_by_stop_is_an_answer():
+    # an EOS sampled first (temperature > 0) ends the stream with finish_reason "stop" and no text:
+    # a valid, empty answer (a task scores it wrong), not a failed request; without "stop" it fails
+    with FakeServer(reply=lambda text, body: "", chunk_tokens=(1,)) as srv:
+        rec = stream_request(Endpoint.parse(srv.url), "fake-model", messages=[{"role": "user", "content": "hi"}],
+                             max_tokens=4)
+        assert rec["ok"] and rec["text"] == "" and rec["finish_reason"] == "stop" and rec["ttft_s"] is None, rec
+    with FakeServer(reply=None, chunk_tokens=(0,)) as srv:  # finish_reason "length", no text
+        rec = stream_request(Endpoint.parse(srv.url), "fake-model", messages=[{"role": "user", "content": "hi"}],
+                             max_tokens=4)
+        assert not rec["ok"] and rec["error"] == "the stream carried no output token", rec
+
+
 def test_stream_request_timings_and_tokens():
     with FakeServer(ttft_s=TTFT, gap_s=GAP, chunk_tokens=CHUNKS) as srv:
         ep = Endpoint.parse(srv.url + "/v1/")  # a trailing /v1 is accepted
