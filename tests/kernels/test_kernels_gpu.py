@@ -121,6 +121,11 @@ def test_moe_mgpu_matches_reference(case):
     out = run("mgpu")
     assert out.dtype == jnp.bfloat16
     assert rel(out, run("reference").astype(jnp.float32)) < TOL[jnp.bfloat16]
+    # the fused [gate | up] weight: one grouped GEMM of width 2F, same experts
+    gate_up = jnp.concatenate([gate, up], axis=-1)
+    fused = jax.jit(lambda x, ids, w: moe_experts(x, ids, w, gate_up_edf=gate_up, down_efd=down,
+                                                  implementation="mgpu"))(x, ids, w)
+    assert rel(fused, run("reference").astype(jnp.float32)) < TOL[jnp.bfloat16]
 
 
 def test_moe_auto_takes_mgpu_on_one_hopper_gpu(monkeypatch):

@@ -110,6 +110,22 @@ def test_gradients_agree():
             assert rel(a, b) <= 1e-5, impl
 
 
+@pytest.mark.parametrize("impl", IMPLS + ("pallas_gpu",))
+def test_fused_gate_up_equals_separate(impl):
+    """gate_up [E, D, 2F] (gate columns first) is the same experts as separate gate / up [E, D, F]:
+    against the dense loop (1e-5, fp32) and its gradient w.r.t. the fused weight against the two
+    separate gradients side by side (1e-5)."""
+    x, ids, w, up, down, gate = make_case(6, T=40, k=2, E=8, D=16, F=12)
+    gate_up = np.concatenate([gate, up], axis=-1)
+    fused = lambda x, gu: moe_experts(x, ids, w, gate_up_edf=gu, down_efd=down, implementation=impl)  # noqa: E731
+    out = jax.jit(fused)(x, gate_up)
+    assert rel(out, dense_loop(x, ids, w, up, down, gate)) <= 1e-5
+    g_fused = jax.grad(lambda gu: jnp.sum(jnp.sin(fused(x, gu))))(gate_up)
+    g_gate, g_up = jax.grad(lambda g, u: jnp.sum(jnp.sin(moe_experts(
+        x, ids, w, up_edf=u, gate_edf=g, down_efd=down, implementation="reference"))), argnums=(0, 1))(gate, up)
+    assert rel(g_fused, np.concatenate([g_gate, g_up], axis=-1)) <= 1e-5
+
+
 def test_selection_and_errors(caplog):
     assert api.PREFERENCE["cpu"][0] == "xla" and api.PREFERENCE["tpu"][0] == "reference"
     x, ids, w, up, down, gate = make_case(4, T=8, k=2, E=4, D=8, F=8)
@@ -120,8 +136,12 @@ def test_selection_and_errors(caplog):
         moe_experts(x, ids, w, up_edf=up, down_efd=down, implementation="triton")
     with pytest.raises(ValueError, match=r"unknown activation 'swish'.*relu2.*silu"):
         moe_experts(x, ids, w, up_edf=up, down_efd=down, activation="swish", implementation="reference")
-    with pytest.raises(ValueError, match=r"want up/gate \[E, D, F\], down \[E, F, D\]"):
+    with pytest.raises(ValueError, match=r"want up/gate \[E, D, F\] or gate_up \[E, D, 2F\], down \[E, F, D\]"):
         moe_experts(x, ids, w, up_edf=up, down_efd=up[:, :, :4])
+    with pytest.raises(ValueError, match=r"gate_up \(4, 8, 8\).*want"):  # fused weight of width F, not 2F
+        moe_experts(x, ids, w, gate_up_edf=up, down_efd=down)
+    with pytest.raises(ValueError, match=r"pass up_edf .* or gate_up_edf, not both"):
+        moe_experts(x, ids, w, up_edf=up, gate_up_edf=np.concatenate([gate, up], -1), down_efd=down)
     with pytest.raises(ValueError, match=r"ids/weights \[T, k\]"):
         moe_experts(x, ids[:, :1], w, up_edf=up, down_efd=down)
     assert "relu2" in moe.ACTIVATIONS

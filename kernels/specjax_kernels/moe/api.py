@@ -2,6 +2,11 @@
 
     moe_experts(x_td, expert_ids_tk, weights_tk, up_edf=..., down_efd=..., gate_edf=None,
                 activation="silu", implementation=None) -> [T, D]
+    moe_experts(x_td, expert_ids_tk, weights_tk, gate_up_edf=..., down_efd=..., activation="silu")
+
+Gated experts take either separate gate/up [E, D, F] or one fused [E, D, 2F] (gate columns first, as
+vLLM's w13 and transformers' gate_up_proj): the fused form runs one grouped GEMM of width 2F instead
+of two of width F, reading the expert-sorted rows once.
 
 The router (softmax / sigmoid, top-k, renormalisation, scaling) belongs to the model; this op gets
 its result: for each token k expert ids and k weights. See reference.py for the math.
@@ -82,22 +87,31 @@ PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
               "tpu": ["reference", "pallas_tpu", "xla"]}
 
 
-def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf, down_efd, gate_edf=None, activation: str = "silu",
-                implementation: Optional[str] = None):
+def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_edf=None, gate_up_edf=None,
+                activation: str = "silu", implementation: Optional[str] = None):
     """Weighted sum over each token's k experts of FFN_e(x); shapes x [T, D], ids/weights [T, k],
-    up/gate [E, D, F], down [E, F, D]. Forward-only use in frozen targets; differentiable anyway."""
+    up/gate [E, D, F] or gate_up [E, D, 2F], down [E, F, D]. Forward-only use in frozen targets;
+    differentiable anyway."""
     if x_td.ndim != 2 or expert_ids_tk.ndim != 2 or expert_ids_tk.shape != weights_tk.shape:
         raise ValueError(
             f"moe_experts: expected x [T, D] and ids/weights [T, k], got {x_td.shape}, "
             f"{expert_ids_tk.shape}, {weights_tk.shape}"
         )
-    n_experts, d, f = up_edf.shape
-    if d != x_td.shape[1] or down_efd.shape != (n_experts, f, d) or (
+    if (up_edf is None) == (gate_up_edf is None) or (gate_up_edf is not None and gate_edf is not None):
+        raise ValueError("moe_experts: pass up_edf (with gate_edf for gated experts) or gate_up_edf, not both")
+    n_experts, d, f = down_efd.shape[0], x_td.shape[1], down_efd.shape[1]
+    want = (n_experts, d, 2 * f) if gate_up_edf is not None else (n_experts, d, f)
+    given = gate_up_edf if gate_up_edf is not None else up_edf
+    if given.shape != want or down_efd.shape != (n_experts, f, d) or (
             gate_edf is not None and gate_edf.shape != up_edf.shape):
         raise ValueError(
-            f"moe_experts: weight shapes do not fit x {x_td.shape}: up {up_edf.shape}, down {down_efd.shape}, "
-            f"gate {None if gate_edf is None else gate_edf.shape} (want up/gate [E, D, F], down [E, F, D])"
+            f"moe_experts: weight shapes do not fit x {x_td.shape}: "
+            f"{'gate_up' if gate_up_edf is not None else 'up'} {given.shape}, down {down_efd.shape}, "
+            f"gate {None if gate_edf is None else gate_edf.shape} (want up/gate [E, D, F] or gate_up "
+            f"[E, D, 2F], down [E, F, D])"
         )
+    if gate_up_edf is not None:  # backends read the fused form from its shape (common.is_fused_gate_up)
+        up_edf = gate_up_edf
     auto = implementation in (None, "auto")
     name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
     if name == "mgpu":

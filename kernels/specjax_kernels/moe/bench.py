@@ -1,7 +1,8 @@
 """Time the routed-experts implementations on the current backend (forward only, after compile).
 
     python -m specjax_kernels.moe.bench [--tokens 8192] [--k 8] [--experts 128] [--hidden 2048]
-        [--inter 768] [--dtype bfloat16] [--blocks 128,512] [--mgpu-sweep] [--pallas-gpu-sweep] [--grad]
+        [--inter 768] [--dtype bfloat16] [--blocks 128,512] [--mgpu-sweep] [--gmm-sweep] [--breakdown]
+        [--pallas-gpu-sweep] [--grad]
 
 Defaults are one Qwen3-30B-A3B MoE layer on 8192 tokens. Prints ms per call and the max relative
 difference of each implementation against the first one timed (`reference` unless --skip-reference).
@@ -32,6 +33,71 @@ def _time(fn, *args, iters=10, name=None):
     return ms, out
 
 
+def _sorted_rows(x, ids, n_experts):
+    from specjax_kernels.moe.common import sort_by_expert
+
+    order, sizes = sort_by_expert(ids, n_experts)
+    return jnp.take(x, order // ids.shape[1], axis=0), sizes, order
+
+
+# (block_m, block_n, block_k, steps, grid_block_n) tried per projection by --gmm-sweep: every one fits the
+# H200's 227 KiB of shared memory in bf16 (steps x (block_m + block_n) x 64 x 2 B + block_m x block_n x 2 B)
+SWEEP = ([(128, 128, 64, s, g) for s in (4, 5, 6) for g in (1, 2, 4, 8)]
+         + [(192, 128, 64, s, g) for s in (4, 5) for g in (2, 4)]
+         + [(128, 192, 64, 4, g) for g in (1, 2, 4)]
+         + [(64, 256, 64, 4, g) for g in (1, 2, 4)]
+         + [(128, 256, 64, 3, g) for g in (1, 2)])
+
+
+def _gmm_sweep(x, ids, gate_up, up, down, iters, budget_s):
+    """Each grouped GEMM of the layer alone over SWEEP; prints ms per config and the best per shape."""
+    from specjax_kernels.moe import mgpu
+
+    xs, sizes, _ = _sorted_rows(x, ids, up.shape[0])
+    h = jnp.ones((xs.shape[0], down.shape[1]), x.dtype)
+    t_end = time.perf_counter() + budget_s
+    for label, lhs, rhs in (("gate/up", xs, up), ("gate_up fused", xs, gate_up), ("down", h, down)):
+        k, n = rhs.shape[1], rhs.shape[2]
+        best = None
+        for cfg in SWEEP:
+            b = mgpu.Blocks(*cfg)
+            if not b.fits(n) or time.perf_counter() > t_end:
+                continue
+            try:
+                f = jax.jit(lambda lhs, rhs, sizes, b=b: mgpu.gmm(lhs, rhs, sizes, blocks=b))
+                ms, _ = _time(f, lhs, rhs, sizes, iters=iters)
+            except Exception as e:  # noqa: BLE001 - a config the kernel or the compiler refuses
+                print(f"gmm {label} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                continue
+            tf = 2 * xs.shape[0] * k * n / ms / 1e9
+            print(f"gmm {label:14s} K={k:5d} N={n:5d} {cfg}: {ms:7.3f} ms {tf:6.1f} TFLOP/s", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        if best:
+            print(f"BEST gmm {label} K={k} N={n}: {best[1]} {best[0]:.3f} ms", flush=True)
+
+
+def _breakdown(x, ids, w, gate_up, down, iters):
+    """The fused mgpu layer's parts, each jitted alone (their sum exceeds the whole: no fusion across)."""
+    from specjax_kernels.moe import mgpu
+    from specjax_kernels.moe.common import combine
+
+    n_experts, f = down.shape[0], down.shape[1]
+    sort = jax.jit(lambda x, ids: _sorted_rows(x, ids, n_experts))
+    _time(sort, x, ids, iters=iters, name="part: sort + gather")
+    xs, sizes, order = sort(x, ids)
+    g1 = jax.jit(mgpu.gmm)
+    _time(g1, xs, gate_up, sizes, iters=iters, name="part: gmm gate_up")
+    gu = g1(xs, gate_up, sizes)
+    act = jax.jit(lambda gu: (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype))
+    _time(act, gu, iters=iters, name="part: silu(gate) * up")
+    hh = act(gu)
+    _time(g1, hh, down, sizes, iters=iters, name="part: gmm down")
+    ys = g1(hh, down, sizes)
+    _time(jax.jit(lambda ys, order, w: combine(ys, order, w, x.dtype)), ys, order, w, iters=iters,
+          name="part: unsort + weighted sum")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -47,6 +113,12 @@ def main(argv=None):
                     help="also time mgpu at several (block_m, block_n, block_k, max_concurrent_steps)")
     ap.add_argument("--pallas-gpu-sweep", action="store_true",
                     help="also time pallas_gpu at several (block_m, block_n, block_k, num_warps, num_stages)")
+    ap.add_argument("--gmm-sweep", action="store_true",
+                    help="time each mgpu grouped GEMM of the layer alone (gate/up, fused gate_up, down) over "
+                         "block configurations and print the best per projection")
+    ap.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop --gmm-sweep after this long")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the mgpu layer's parts alone: sort + gather, each grouped GEMM, activation, combine")
     ap.add_argument("--grad", action="store_true", help="also time forward + backward of xla and pallas_gpu")
     ap.add_argument("--interpret", action="store_true", help="run pallas_gpu in interpret mode (a CPU smoke run)")
     a = ap.parse_args(argv)
@@ -75,17 +147,25 @@ def main(argv=None):
     if mgpu.available() is None and mgpu.supports(x, up, down) is None:
         f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, up, down, gate, "silu"))
         results["mgpu (ragged_dot_mgpu)"] = _time(f, x, ids, w, iters=a.iters, name="mgpu default")
-        default = (mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS)
+        # the same layer with [gate | up] fused into one [E, D, 2F] weight (one grouped GEMM of width 2F)
+        gate_up = jnp.concatenate([gate, up], axis=-1)
+        f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, gate_up, down, None, "silu"))
+        results["mgpu fused gate_up"] = _time(f, x, ids, w, iters=a.iters, name="mgpu fused gate_up")
+        if a.breakdown:
+            _breakdown(x, ids, w, gate_up, down, a.iters)
+        if a.gmm_sweep:
+            _gmm_sweep(x, ids, gate_up, up, down, a.iters, a.sweep_budget_s)
+        default = mgpu.DEFAULT
         # configurations that fit the H200's 227 KiB of shared memory in bf16 (stages x (lhs + rhs tile) + out tile)
         for cfg in ([(64, 128, 64, 6), (128, 128, 64, 2), (128, 128, 64, 6), (128, 256, 64, 3), (192, 128, 64, 4)]
                     if a.mgpu_sweep else []):
-            mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS = cfg
+            mgpu.DEFAULT = mgpu.Blocks(*cfg)
             try:
                 f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, up, down, gate, "silu"))
                 results[f"mgpu {cfg}"] = _time(f, x, ids, w, iters=a.iters, name=f"mgpu {cfg}")
             except Exception as e:  # noqa: BLE001 - a config that does not fit shared memory, or the widths
                 print(f"mgpu {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        mgpu.BLOCK_M, mgpu.BLOCK_N, mgpu.BLOCK_K, mgpu.STEPS = default
+        mgpu.DEFAULT = default
     else:
         print("mgpu skipped:", mgpu.available() or mgpu.supports(x, up, down))
     from specjax_kernels.moe import pallas_gpu

@@ -37,6 +37,24 @@ def combine(ys_sorted, order, weights_tk, dtype):
     return out.astype(dtype)
 
 
+def is_fused_gate_up(up_edf, down_efd, gate_edf) -> bool:
+    """True when ``up_edf`` is [E, D, 2F] holding the gate's columns then the up projection's (one
+    GEMM for both; F = down's input width) rather than [E, D, F]. The shapes decide: an ungated
+    expert's up width always equals down's input width."""
+    return gate_edf is None and up_edf.shape[2] == 2 * down_efd.shape[1]
+
+
+def expert_hidden(proj, up_edf, down_efd, gate_edf, act):
+    """The experts' hidden activations from ``proj(w) = rows @ w[e]``: act(gate) * up for gated
+    experts, separate or fused [gate | up], act(up) for ungated ones."""
+    if is_fused_gate_up(up_edf, down_efd, gate_edf):
+        f = down_efd.shape[1]
+        gu = proj(up_edf)
+        return act(gu[..., :f]) * gu[..., f:]
+    up = proj(up_edf)
+    return act(proj(gate_edf)) * up if gate_edf is not None else act(up)
+
+
 def grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, gmm):
     """The routed experts through a grouped GEMM ``gmm(lhs [M, K], rhs [E, K, N], group_sizes [E]) ->
     [M, N]`` over rows sorted by expert: the structure every grouped-GEMM backend shares (the
@@ -46,7 +64,6 @@ def grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf,
     order, group_sizes = sort_by_expert(expert_ids_tk, n_experts)
     k = expert_ids_tk.shape[1]
     xs = jnp.take(x_td, order // k, axis=0)  # row r = the token of the r-th assignment in expert order
-    up = gmm(xs, up_edf, group_sizes)
-    h = act(gmm(xs, gate_edf, group_sizes)) * up if gate_edf is not None else act(up)
+    h = expert_hidden(lambda w: gmm(xs, w, group_sizes), up_edf, down_efd, gate_edf, act)
     ys = gmm(h.astype(x_td.dtype), down_efd, group_sizes)
     return combine(ys, order, weights_tk, x_td.dtype)

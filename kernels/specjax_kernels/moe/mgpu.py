@@ -7,44 +7,64 @@ the input dtype. The kernel has no VJP: it serves frozen targets' forwards (trai
 the draft only); a differentiated call raises, and `xla` is the differentiable GPU path.
 
 Shape rules of the kernel: the contraction width must be a multiple of ``block_k`` and the output
-width of ``block_n * grid_block_n``; ``gmm`` picks the blocks per projection (block_n 128, or 64 for a
-width like Nemotron-H's 1856) and raises a clear error for a width that fits none (e.g. 96), which
-`api.moe_experts` reports before falling back.
+width of ``block_n * grid_block_n``; ``gmm`` picks the blocks per projection (``blocks_for``: a tuned
+entry, block_n 128, or 64 for a width like Nemotron-H's 1856) and raises a clear error for a width
+that fits none (e.g. 96), which `api.moe_experts` reports before falling back.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from specjax_kernels.moe.common import grouped_experts
 
-# block_m, block_n, block_k, max_concurrent_steps: the fastest of six configurations that fit the
-# H200's 227 KiB of shared memory in bf16, timed on the Qwen3-30B-A3B layer (8192 tokens, top-8 of 128,
-# D 2048, F 768): 2.20 ms against 2.27-8.70 ms for the others (benchmarks/results/kernels.md, "MoE")
-BLOCK_M, BLOCK_N, BLOCK_K, STEPS = 128, 128, 64, 6
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One ragged_dot_mgpu configuration: row / column / contraction tile, pipeline depth, and how many
+    column tiles the persistent loop walks before the next row tile (``grid_block_n``, L2 reuse)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    steps: int = 6
+    grid_block_n: int | None = None  # None: the largest of 4, 2, 1 dividing the column tiles
+
+    def fits(self, n: int) -> bool:
+        return n % (self.block_n * (self.grid_block_n or 1)) == 0
 
 
-# An output width that is not a multiple of BLOCK_N (Nemotron-H 30B-A3B's expert width 1856 = 29 x 64)
-# runs with block_n = NARROW_BLOCK_N instead of falling back to xla.
-NARROW_BLOCK_N = 64
+# The fastest of six configurations that fit the H200's 227 KiB of shared memory in bf16, timed on the
+# whole Qwen3-30B-A3B layer (8192 tokens, top-8 of 128, D 2048, F 768): 2.20 ms against 2.27-8.70 ms
+# for the others (benchmarks/results/kernels.md, "MoE").
+DEFAULT = Blocks()
+# An output width that is not a multiple of 128 (Nemotron-H 30B-A3B's expert width 1856 = 29 x 64)
+# runs with block_n 64 instead of falling back to xla.
+NARROW = dataclasses.replace(DEFAULT, block_n=64)
+# Per (contraction K, output N): the best of the per-projection sweep, where one was run
+# (`python -m specjax_kernels.moe.bench --gmm-sweep`, results in benchmarks/results/kernels.md).
+TUNED: dict[tuple[int, int], Blocks] = {}
 
 
-def _blocks_n(n: int) -> tuple[int, int]:
-    """(block_n, grid_block_n) for output width n."""
-    for block_n in (BLOCK_N, NARROW_BLOCK_N):
-        for g in (4, 2, 1):
-            if n % (g * block_n) == 0:
-                return block_n, g
-    raise ValueError(f"moe mgpu: output width {n} is not a multiple of {NARROW_BLOCK_N}; use implementation='xla'")
+def blocks_for(k: int, n: int) -> Blocks:
+    """The configuration for a [M, k] x [k, n] grouped GEMM: the tuned one, else DEFAULT, else NARROW."""
+    for b in (TUNED.get((k, n)), DEFAULT, NARROW):
+        if b is not None and b.fits(n) and k % b.block_k == 0:
+            return b
+    if k % DEFAULT.block_k:
+        raise ValueError(f"moe mgpu: contraction width {k} is not a multiple of {DEFAULT.block_k}; use implementation='xla'")
+    raise ValueError(f"moe mgpu: output width {n} is not a multiple of {NARROW.block_n}; use implementation='xla'")
 
 
-def gmm(lhs, rhs, group_sizes):
+def gmm(lhs, rhs, group_sizes, blocks: Blocks | None = None):
     """lhs [M, K] (rows grouped by expert) @ rhs[e] [K, N] per group -> [M, N] in lhs's dtype."""
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
 
     k, n = rhs.shape[1], rhs.shape[2]
-    if k % BLOCK_K:
-        raise ValueError(f"moe mgpu: contraction width {k} is not a multiple of {BLOCK_K}; use implementation='xla'")
+    b = blocks or blocks_for(k, n)
+    if k % b.block_k or not b.fits(n):
+        raise ValueError(f"moe mgpu: {b} does not tile a [{k}, {n}] weight")
     rhs = rhs.astype(lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     m = lhs.shape[0]
@@ -52,9 +72,10 @@ def gmm(lhs, rhs, group_sizes):
     if pad:  # zero rows appended to the last group (the rows are sorted by expert), cut off below
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
         group_sizes = group_sizes.at[-1].add(pad)
-    block_n, grid_block_n = _blocks_n(n)
-    out = ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=BLOCK_M, block_n=block_n, block_k=BLOCK_K,
-                     max_concurrent_steps=STEPS, grid_block_n=grid_block_n)
+    tiles_n = n // b.block_n
+    grid_block_n = b.grid_block_n or next(g for g in (4, 2, 1) if tiles_n % g == 0)
+    out = ragged_dot(lhs, rhs, group_sizes=group_sizes, block_m=b.block_m, block_n=b.block_n, block_k=b.block_k,
+                     max_concurrent_steps=b.steps, grid_block_n=grid_block_n)
     return out[:m]
 
 
@@ -62,10 +83,10 @@ def supports(x_td, up_edf, down_efd) -> str | None:
     """None when the kernel takes these shapes and dtypes, else why not."""
     if x_td.dtype not in (jnp.bfloat16, jnp.float16):
         return f"dtype {x_td.dtype} (the kernel multiplies bf16/fp16)"
-    d, f = up_edf.shape[1], up_edf.shape[2]
+    d, f = up_edf.shape[1], down_efd.shape[1]
     for width in (d, f):  # each is the contraction of one projection and the output of another
-        if width % BLOCK_K or width % NARROW_BLOCK_N:
-            return f"width {width} is not a multiple of {max(BLOCK_K, NARROW_BLOCK_N)}"
+        if width % DEFAULT.block_k or width % NARROW.block_n:
+            return f"width {width} is not a multiple of {max(DEFAULT.block_k, NARROW.block_n)}"
     return None
 
 

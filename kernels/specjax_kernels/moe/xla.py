@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels.moe.common import activation_fn, combine, sort_by_expert
+from specjax_kernels.moe.common import activation_fn, combine, expert_hidden, sort_by_expert
 
 
 def default_block(rows: int, n_experts: int, max_block: int = 128) -> int:
@@ -52,8 +52,7 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None
 
     def ffn(xb, e):
         pick = lambda w: jax.lax.dynamic_index_in_dim(w, e, axis=0, keepdims=False)  # noqa: E731
-        up = xb @ pick(up_edf)
-        h = act(xb @ pick(gate_edf)) * up if gate_edf is not None else act(up)
+        h = expert_hidden(lambda w: xb @ pick(w), up_edf, down_efd, gate_edf, act)
         return h.astype(x_td.dtype) @ pick(down_efd)
 
     def body(_, blk):
