@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", default=None, help="Jinja template (string or file) if the tokenizer has none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="prompts run once untimed first to compile (default 1)")
+    ap.add_argument("--device-loop", action="store_true",
+                    help="run each turn as one device program per side (spec_loop.SpecLoop for speculative, "
+                         "generate.generate for greedy) instead of one jitted call per step; same outputs, "
+                         "no host round trip per step")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy baseline (no speedup, no equality check)")
     ap.add_argument("--max-mismatches", type=int, default=0,
                     help="turns allowed to differ from greedy at temperature 0 before the exit code is 1 "
@@ -145,6 +149,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         decoder = SpecDecoder(target, draft, num_spec_tokens=args.num_spec_tokens, mode=args.mode,
                               tree_top_k=args.tree_top_k,
                               matmul_precision=None if args.matmul_precision == "default" else args.matmul_precision)
+        if args.device_loop:
+            from specjax.eval.spec_loop import DeviceLoopDecoder
+
+            decoder = DeviceLoopDecoder(decoder)
     except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -182,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "mode": args.mode,
                    "tree_top_k": args.tree_top_k, "dtype": args.dtype,
                    "matmul_precision": decoder.matmul_precision or "default", "seed": args.seed, "warmup": args.warmup,
-                   "eos_token_ids": list(eos), "greedy_baseline": with_greedy,
+                   "eos_token_ids": list(eos), "greedy_baseline": with_greedy, "device_loop": args.device_loop,
                    "record_tokens": args.record_tokens},
         "versions": versions(),
         "device": device_info(),

@@ -209,3 +209,36 @@ class SpecLoop:
                 results.append(SpecResult(out[r, : int(count[r])].tolist(), acc_len[r, :n].tolist(),
                                           acc_pos[r].tolist(), n, 0.0, 0.0, wall))
         return results
+
+
+class DeviceLoopDecoder:
+    """`SpecDecoder`'s per-prompt interface (`generate`, `greedy`) on the device loops, so the measuring
+    code (`measure.run_prompt`, `specjax.eval --device-loop`) runs every turn as one device program
+    per side: SpecLoop for the speculative side, `generate.generate` for greedy. Outputs equal
+    SpecDecoder's (same step functions and keys); only the timings change (no host round trip per
+    step). `draft_time_s` / `target_time_s` are 0: one program has no split between them."""
+
+    def __init__(self, decoder: SpecDecoder):
+        self.dec = decoder
+        self.loop = SpecLoop(decoder)
+
+    @property
+    def matmul_precision(self):
+        return self.dec.matmul_precision
+
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                 eos_token_ids=(), seed: int = 0) -> SpecResult:
+        return self.loop.generate([list(prompt_ids)], max_new_tokens=max_new_tokens, temperature=temperature,
+                                  eos_token_ids=eos_token_ids, seed=seed, batch_size=1)[0]
+
+    def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, eos_token_ids=()) -> SpecResult:
+        from specjax.eval.generate import generate
+
+        t0 = time.perf_counter()
+        with self.dec._precision():
+            toks = generate(self.dec.target, [list(prompt_ids)], max_new_tokens=max_new_tokens,
+                            eos_token_ids=eos_token_ids, batch_size=1)[0]
+        wall = time.perf_counter() - t0
+        # target calls after the prefill, as SpecDecoder.greedy counts them: none after a length stop
+        steps = len(toks) - 1 if len(toks) == int(max_new_tokens) else len(toks)
+        return SpecResult(toks, [1] * max(steps, 0), [0] * self.dec.k, max(steps, 0), 0.0, wall, wall)

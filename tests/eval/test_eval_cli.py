@@ -146,6 +146,30 @@ def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_fil
     assert all(d["verdict"] == "not shown equivalent" and d["p_low"] > 0.05 for d in tight.values())
 
 
+def test_eval_cli_device_loop_records_equal_the_host_decoder(tiny_target, draft_dir, prompt_file, tmp_path, capsys):
+    """--device-loop (every turn one device program per side) gives the host decoder's records: the
+    same prompt and output ids per turn, accept lengths, per-position counts and greedy outputs;
+    only the timings differ. Both at temperature 0 and at temperature 1 (same keys, same draws)."""
+    for extra in ((), ("--temperature", "1.0", "--no-greedy")):
+        recs = {}
+        for mode in ("host", "device"):
+            out = tmp_path / f"{mode}{len(extra)}.json"
+            args = _args(tiny_target, draft_dir, prompt_file, out, "--warmup", "0", "--record-tokens", *extra)
+            assert main(args + (["--device-loop"] if mode == "device" else [])) == 0
+            recs[mode] = json.loads(out.read_text())
+        assert recs["device"]["config"]["device_loop"] is True and recs["host"]["config"]["device_loop"] is False
+        turns = {m: [t for p in r["prompts"] for t in p["turns"]] for m, r in recs.items()}
+        assert len(turns["host"]) == len(turns["device"]) >= 4
+        for h, d in zip(turns["host"], turns["device"]):
+            assert (h["prompt_ids"], h["output_ids"]) == (d["prompt_ids"], d["output_ids"])
+            for key in ("new_tokens", "num_steps", "accept_lengths", "accepted_per_position"):
+                assert h["spec"][key] == d["spec"][key], key
+            if h["greedy"] is not None:
+                assert h["greedy"]["new_tokens"] == d["greedy"]["new_tokens"] and h["match"] is d["match"] is True
+        assert sum(t["spec"]["num_steps"] for t in turns["device"]) > 0
+    capsys.readouterr()
+
+
 def test_eval_cli_rejects_bad_arguments(tiny_target, tmp_path, capsys):
     assert main(["--target", tiny_target, "--draft", str(tmp_path), "--prompts", "mtbench"]) == 2
     assert "--draft" in capsys.readouterr().err
