@@ -4,6 +4,9 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
         [--repeats 3] [--out results.json]
+    python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
+        (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
+        head, random prompt ids and no EOS: speed and losslessness at a real shape)
 
 Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
 batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of draft +
@@ -53,7 +56,10 @@ def _timed(fn, repeats: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
+    ap.add_argument("--target", default=None, help="HF folder of the target")
+    ap.add_argument("--random-target", default=None,
+                    help="folder with a config.json: that shape with random weights (no tokenizer needed)")
+    ap.add_argument("--prompt-len", type=int, default=256, help="random prompt length (--random-target)")
     ap.add_argument("--draft", default=None, help="exported head folder (default: a random EAGLE-3 head)")
     ap.add_argument("--prompts", default="mtbench")
     ap.add_argument("--limit", type=int, default=16)
@@ -67,7 +73,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import jax
+    import jax.numpy as jnp
     import numpy as np
+
+    jnp_dtype = jnp.dtype
 
     from specjax.drafts.eagle3 import config_from_target, init_draft_params
     from specjax.drafts.vocab import DraftVocab
@@ -76,7 +85,17 @@ def main(argv=None) -> int:
     from specjax.eval.spec_loop import SpecLoop
     from specjax.targets import load_target
 
-    target = load_target(a.target, dtype=a.dtype)
+    if (a.target is None) == (a.random_target is None):
+        raise SystemExit("give --target DIR or --random-target DIR")
+    if a.random_target:
+        from specjax.targets.loading import read_hf_config
+        from specjax.targets.shapes import make_target, random_params_on_device
+
+        hf = read_hf_config(a.random_target)
+        target = make_target(hf)
+        target = make_target(hf, random_params_on_device(type(target), target.config, dtype=jnp_dtype(a.dtype)))
+    else:
+        target = load_target(a.target, dtype=a.dtype)
     if a.draft:
         draft = load_draft(a.draft)
     else:
@@ -86,7 +105,12 @@ def main(argv=None) -> int:
     precision = None if a.matmul_precision == "default" else a.matmul_precision
     dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision)
     loop = SpecLoop(dec)
-    prompts, eos = _prompts(a.target, a.prompts, a.limit)
+    if a.random_target:
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(0, target.config.vocab_size, size=(a.limit, a.prompt_len)).tolist()
+        eos = ()
+    else:
+        prompts, eos = _prompts(a.target, a.prompts, a.limit)
     rows = []
     for b in [int(x) for x in a.batch.split(",")]:
         n = (len(prompts) // b) * b

@@ -68,6 +68,20 @@ def random_params(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jn
     return tree
 
 
+def random_params_on_device(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jnp.bfloat16,
+                            std: float = 0.02) -> dict:
+    """`random_params`' law drawn on the default device in the leaf's dtype: for full-size targets
+    (tens of GB), which a host numpy draw in fp32 would take minutes and host memory for."""
+    key = jax.random.key(seed)
+    normal = jax.jit(lambda k, shape, dt: std * jax.random.normal(k, shape, dt), static_argnums=(1, 2))
+    tree: dict = {}
+    for i, spec in enumerate(cls.weight_specs(config)):
+        dt = jnp.dtype(spec.dtype or dtype)
+        value = jnp.ones(spec.shape, dt) if spec.path[-1] == "scale" else normal(jax.random.fold_in(key, i), spec.shape, dt)
+        tree_set(tree, spec.path, value)
+    return tree
+
+
 def make_target(hf_config: Mapping[str, Any], params: Any = None, **overrides) -> Target:
     """A Target for an HF config dict; ``params`` may be real arrays, ShapeDtypeStructs or None."""
     cls = get_target_class(hf_config)
