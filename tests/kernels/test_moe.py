@@ -126,6 +126,41 @@ def test_fused_gate_up_equals_separate(impl):
     assert rel(g_fused, np.concatenate([g_gate, g_up], axis=-1)) <= 1e-5
 
 
+@pytest.mark.parametrize("n_experts", [8, 2**20])
+def test_sort_by_expert_is_a_stable_argsort(n_experts):
+    """The packed-key sort (expert * rows + row, when it fits int32) and the argsort fallback (2**20
+    experts x 600 rows does not fit) both give the stable argsort's order and the bincount."""
+    from specjax_kernels.moe.common import sort_by_expert
+
+    ids = np.random.RandomState(0).randint(0, 8, size=(300, 2)).astype(np.int32)
+    order, sizes = jax.jit(sort_by_expert, static_argnums=1)(ids, n_experts)
+    np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(sizes, np.bincount(ids.reshape(-1), minlength=n_experts))
+
+
+def test_map_under_vmap_runs_each_member():
+    """The vmap rule mgpu's kernel gets (it has none of its own): each batch member is one call of the
+    unbatched function (counted at trace time), shared arguments stay unbatched; values equal the
+    members' own calls, also under a nested vmap and under jit."""
+    from specjax_kernels.moe.common import map_under_vmap
+
+    shapes = []
+
+    def gmm(lhs, rhs, sizes):
+        shapes.append((lhs.shape, rhs.shape, sizes.shape))
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+
+    f = map_under_vmap(gmm)
+    rng = np.random.RandomState(0)
+    lhs, rhs = rng.randn(3, 2, 10, 4).astype(np.float32), rng.randn(5, 4, 6).astype(np.float32)
+    sizes = np.array([[[2, 0, 3, 4, 1], [10, 0, 0, 0, 0]]] * 3, np.int32)
+    out = jax.jit(jax.vmap(jax.vmap(f, in_axes=(0, None, 0)), in_axes=(0, None, 0)))(lhs, rhs, sizes)
+    assert set(shapes) == {((10, 4), (5, 4, 6), (5,))}  # only unbatched calls were traced
+    for i in range(3):
+        for j in range(2):
+            np.testing.assert_allclose(out[i, j], jax.lax.ragged_dot(lhs[i, j], rhs, sizes[i, j]), rtol=1e-6)
+
+
 def test_selection_and_errors(caplog):
     assert api.PREFERENCE["cpu"][0] == "xla" and api.PREFERENCE["tpu"][0] == "reference"
     x, ids, w, up, down, gate = make_case(4, T=8, k=2, E=4, D=8, F=8)

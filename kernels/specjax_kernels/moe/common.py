@@ -12,6 +12,26 @@ ACTIVATIONS = {
 }
 
 
+def map_under_vmap(fn):
+    """``fn`` with a vmap rule that runs it once per batch member (lax.map over the batched
+    arguments; the others are shared): for kernels without a batching rule of their own."""
+    @jax.custom_batching.custom_vmap
+    def wrapped(*args):
+        return fn(*args)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        batched = [a for a, b in zip(args, in_batched) if b]
+
+        def one(xs):
+            it = iter(xs)
+            return wrapped(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+        return jax.lax.map(one, batched), True
+
+    return wrapped
+
+
 def activation_fn(name: str):
     try:
         return ACTIVATIONS[name]
@@ -21,11 +41,18 @@ def activation_fn(name: str):
 
 def sort_by_expert(expert_ids_tk, n_experts: int):
     """(order, group_sizes): ``order`` lists the T*k flattened assignments grouped by expert (stable,
-    so token order is kept inside a group); ``group_sizes[e]`` counts expert e's assignments."""
+    so token order is kept inside a group); ``group_sizes[e]`` counts expert e's assignments.
+
+    When expert * rows + row fits in int32 the sort is one sort of those packed keys: a one-operand
+    integer sort, which XLA:GPU runs as a radix sort, where ``argsort`` sorts (key, index) pairs with
+    its generic comparison sort. Same order either way (the row breaks ties, as a stable sort)."""
     flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)
+    rows = flat.shape[0]
     group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-    return order, group_sizes
+    if n_experts * rows < 2**31:
+        packed = jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32))
+        return packed % rows, group_sizes
+    return jnp.argsort(flat, stable=True), group_sizes
 
 
 def combine(ys_sorted, order, weights_tk, dtype):

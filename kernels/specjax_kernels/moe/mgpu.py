@@ -14,11 +14,12 @@ that fits none (e.g. 96), which `api.moe_experts` reports before falling back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels.moe.common import grouped_experts
+from specjax_kernels.moe.common import grouped_experts, map_under_vmap
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
@@ -42,9 +43,15 @@ DEFAULT = Blocks()
 # An output width that is not a multiple of 128 (Nemotron-H 30B-A3B's expert width 1856 = 29 x 64)
 # runs with block_n 64 instead of falling back to xla.
 NARROW = dataclasses.replace(DEFAULT, block_n=64)
-# Per (contraction K, output N): the best of the per-projection sweep, where one was run
-# (`python -m specjax_kernels.moe.bench --gmm-sweep`, results in benchmarks/results/kernels.md).
-TUNED: dict[tuple[int, int], Blocks] = {}
+# Per (contraction K, output N): the best of 25 configurations for each grouped GEMM of the Qwen3-30B-A3B
+# layer timed alone on an H200 (`python -m specjax_kernels.moe.bench --gmm-sweep`, 65,536 expert-sorted
+# rows; benchmarks/results/kernels.md, "MoE: per-projection blocks"): gate / up 0.452 ms (DEFAULT's
+# blocks: ~0.52), fused gate_up 0.864 ms (DEFAULT: 1.03), down 0.705 ms (DEFAULT: 0.74).
+TUNED: dict[tuple[int, int], Blocks] = {
+    (2048, 768): Blocks(128, 192, 64, 4, 4),
+    (2048, 1536): Blocks(128, 192, 64, 4, 4),
+    (768, 2048): Blocks(128, 128, 64, 5, 8),
+}
 
 
 def blocks_for(k: int, n: int) -> Blocks:
@@ -58,7 +65,13 @@ def blocks_for(k: int, n: int) -> Blocks:
 
 
 def gmm(lhs, rhs, group_sizes, blocks: Blocks | None = None):
-    """lhs [M, K] (rows grouped by expert) @ rhs[e] [K, N] per group -> [M, N] in lhs's dtype."""
+    """lhs [M, K] (rows grouped by expert) @ rhs[e] [K, N] per group -> [M, N] in lhs's dtype.
+    Under jax.vmap (the batched decoders vmap whole generations) each batch member is its own kernel
+    call, in a lax.map: the Mosaic kernel has no batching rule of its own."""
+    return map_under_vmap(functools.partial(_gmm, blocks=blocks))(lhs, rhs, group_sizes)
+
+
+def _gmm(lhs, rhs, group_sizes, blocks: Blocks | None = None):
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
 
     k, n = rhs.shape[1], rhs.shape[2]
