@@ -161,6 +161,27 @@ def test_map_under_vmap_runs_each_member():
             np.testing.assert_allclose(out[i, j], jax.lax.ragged_dot(lhs[i, j], rhs, sizes[i, j]), rtol=1e-6)
 
 
+def test_gpu_choice_rules():
+    """auto on a GPU: mgpu (Hopper) or pallas_gpu (other NVIDIA GPUs) for bf16/fp16 on one device; xla
+    for fp32 or several devices; mgpu's shape limits move auto to pallas_gpu and an explicit mgpu to
+    xla; an explicit pallas_gpu stays (it pads any width, takes fp32)."""
+    bf, f32 = jnp.bfloat16, jnp.float32
+    one = dict(n_devices=1, mgpu_shape_issue=None)
+    assert api.gpu_choice("mgpu", auto=True, dtype=bf, **one) == ("mgpu", None)
+    assert api.gpu_choice("pallas_gpu", auto=True, dtype=bf, **one) == ("pallas_gpu", None)
+    assert api.gpu_choice("mgpu", auto=True, dtype=f32, **one)[0] == "xla"
+    assert api.gpu_choice("pallas_gpu", auto=True, dtype=f32, **one)[0] == "xla"
+    name, why = api.gpu_choice("pallas_gpu", auto=True, dtype=bf, n_devices=2, mgpu_shape_issue=None)
+    assert name == "xla" and "2 devices" in why and "kernels.moe=pallas_gpu" in why
+    narrow = dict(n_devices=1, mgpu_shape_issue="width 96 is not a multiple of 64")
+    assert api.gpu_choice("mgpu", auto=True, dtype=bf, **narrow) == ("pallas_gpu", narrow["mgpu_shape_issue"])
+    assert api.gpu_choice("mgpu", auto=False, dtype=bf, **narrow) == ("xla", narrow["mgpu_shape_issue"])
+    assert api.gpu_choice("mgpu", auto=False, dtype=f32, **one)[0] == "xla"
+    assert api.gpu_choice("pallas_gpu", auto=False, dtype=f32, n_devices=2, mgpu_shape_issue=None) == ("pallas_gpu", None)
+    assert api.gpu_choice("xla", auto=True, dtype=bf, **one) == ("xla", None)
+    assert api.PREFERENCE["gpu"][:3] == ["mgpu", "pallas_gpu", "xla"]
+
+
 def test_selection_and_errors(caplog):
     assert api.PREFERENCE["cpu"][0] == "xla" and api.PREFERENCE["tpu"][0] == "reference"
     x, ids, w, up, down, gate = make_case(4, T=8, k=2, E=4, D=8, F=8)

@@ -114,9 +114,10 @@ def test_lowers_for_cuda_on_cpu():
 
 
 def test_selection():
-    # auto keeps its choices (pallas_gpu is not measured yet); the config accepts the name
+    # auto takes pallas_gpu on a GPU after mgpu (measured: 2.27 ms against mgpu's ~2.0 and xla's 11.6 on an
+    # H200), on no other platform; the config accepts the name
     assert "pallas_gpu" in api.IMPLEMENTATIONS
-    assert all("pallas_gpu" not in order for order in api.PREFERENCE.values())
+    assert [p for p, order in api.PREFERENCE.items() if "pallas_gpu" in order] == ["gpu"]
     from specjax.config import KernelsConfig
 
     assert KernelsConfig(moe="pallas_gpu").moe == "pallas_gpu"

@@ -16,7 +16,7 @@ its result: for each token k expert ids and k weights. See reference.py for the 
              on one Hopper GPU
   pallas_tpu JAX's TPU grouped GEMM, megablox gmm (interpret mode off TPU; see pallas_tpu.py)
   pallas_gpu a Pallas grouped GEMM through the Triton lowering, for any NVIDIA GPU (forward + VJP;
-             interpret mode on CPU; see pallas_gpu.py); not picked by auto (not measured yet)
+             interpret mode on CPU; see pallas_gpu.py); auto on one non-Hopper GPU (bf16/fp16)
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import logging
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from specjax_kernels._select import log_once_fallback, select
 from specjax_kernels.moe.common import ACTIVATIONS  # noqa: F401  (re-exported)
@@ -74,17 +75,39 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
 # 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
-# mgpu (JAX's ragged_dot_mgpu) runs one Qwen3-30B-A3B layer in 2.20 ms against 12.8 ms for xla and
-# 118 ms for ragged_dot on an H200 (benchmarks/results/kernels.md, "MoE"), and the whole train step on
-# that target shape 2.23x faster than xla (0.61 s against 1.36 s per 4 x 4096 tokens, one H200;
-# benchmarks/results/train_throughput.md, "MoE expert kernel in the train step"), so auto takes it on a
-# Hopper GPU for bf16/fp16 -- on ONE device: the Mosaic custom call is not partitioned by XLA and has
-# not been measured in a sharded step, so with several devices auto keeps xla (kernels.moe=mgpu forces
-# it). TPU: pallas_tpu (megablox) lowers for a TPU (tests/kernels/test_moe_tpu_lowering.py) but is not
-# measured on one, so ragged_dot stays first. pallas_gpu (any NVIDIA GPU, Triton lowering) is in no
-# list: it has not been timed on a GPU yet (kernels.moe=pallas_gpu selects it).
-PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "xla", "reference"],
+# mgpu (JAX's ragged_dot_mgpu) runs one Qwen3-30B-A3B layer (bf16, 8192 tokens) in 1.99-2.01 ms with its
+# blocks tuned per projection, against 2.27 ms for pallas_gpu and 11.6 ms for xla on an H200
+# (2026-12-02, one process; benchmarks/results/kernels.md, "MoE: per-projection blocks"), and the whole
+# train step on that target shape 2.23x faster than xla (0.61 s against 1.36 s per 4 x 4096 tokens;
+# benchmarks/results/train_throughput.md, "MoE expert kernel in the train step"). So on a GPU auto
+# takes mgpu on a Hopper GPU, else pallas_gpu (the Triton kernel runs on any NVIDIA GPU; 5.1x xla on the
+# H200), for bf16/fp16 on ONE device: neither custom call is partitioned by XLA nor measured in a
+# sharded step, so with several devices auto keeps xla (kernels.moe=mgpu / pallas_gpu forces them),
+# and fp32 keeps xla (mgpu multiplies bf16/fp16 only; pallas_gpu's IEEE fp32 path is not timed).
+# See `gpu_choice`. TPU: pallas_tpu (megablox) lowers for a TPU (tests/kernels/test_moe_tpu_lowering.py)
+# but is not measured on one, so ragged_dot stays first.
+PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["mgpu", "pallas_gpu", "xla", "reference"],
               "tpu": ["reference", "pallas_tpu", "xla"]}
+
+
+def gpu_choice(name: str, *, auto: bool, dtype, n_devices: int, mgpu_shape_issue: str | None) -> tuple[str, str | None]:
+    """(implementation, why it replaced `name`) for a GPU grouped-GEMM pick: auto keeps mgpu /
+    pallas_gpu only for bf16/fp16 on one device (see the note above PREFERENCE); mgpu's shape limits
+    send auto to pallas_gpu (which pads any width) and an explicit mgpu to xla."""
+    if name not in ("mgpu", "pallas_gpu"):
+        return name, None
+    if auto and n_devices > 1:
+        return "xla", (f"{n_devices} devices: the kernel is not partitioned across devices (set "
+                       f"kernels.moe={name} to use it anyway)")
+    if auto and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla", f"dtype {jnp.dtype(dtype)} (auto takes the grouped-GEMM kernels for bf16/fp16)"
+    if name == "mgpu":
+        why = mgpu_shape_issue
+        if why is None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            why = f"dtype {jnp.dtype(dtype)} (the kernel multiplies bf16/fp16)"
+        if why:
+            return ("pallas_gpu" if auto else "xla"), why
+    return name, None
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_edf=None, gate_up_edf=None,
@@ -114,14 +137,12 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_
         up_edf = gate_up_edf
     auto = implementation in (None, "auto")
     name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
-    if name == "mgpu":
+    if name in ("mgpu", "pallas_gpu"):
         from specjax_kernels.moe import mgpu
 
-        why = mgpu.supports(x_td, up_edf, down_efd)
-        if why is None and auto and jax.device_count() > 1:
-            why = (f"{jax.device_count()} devices: the kernel is not partitioned across devices (set "
-                   "kernels.moe=mgpu to use it anyway)")
-        if why:  # shapes, dtype or devices the kernel does not take: the exact blocked path instead
-            log_once_fallback("moe", "mgpu", why, "xla", level=logging.INFO if auto else logging.WARNING)
-            name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, "xla")
+        new, why = gpu_choice(name, auto=auto, dtype=x_td.dtype, n_devices=jax.device_count(),
+                              mgpu_shape_issue=mgpu.supports(x_td, up_edf, down_efd) if name == "mgpu" else None)
+        if why:  # shapes, dtype or devices the kernel does not take
+            log_once_fallback("moe", name, why, new, level=logging.INFO if auto else logging.WARNING)
+            name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, new)
     return fn(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation)
