@@ -155,6 +155,9 @@ class OptimConfig(_Checked):
 class TrainConfig(_Checked):
     SECTION: ClassVar[str] = "train"
     steps: int = _ranged(1000, ge=1)
+    # when set, replaces `steps`: that many passes over the training examples, counted as packed batches
+    # of one pass (pipeline.batches_per_epoch) once the data is read; 2.5 = two and a half passes
+    epochs: Optional[float] = _ranged(None, gt=0.0)
     log_every: int = _ranged(10, ge=1)
     eval_every: int = _ranged(0, ge=0)  # 0 = only at the end
     eval_batches: int = _ranged(4, ge=0)  # 0 = no validation

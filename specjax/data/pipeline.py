@@ -32,7 +32,7 @@ from specjax.data.chat import Example, SkipRow, resolve_chat_template, tokenize_
 from specjax.data.sources import format_skip, read_conversations
 
 __all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "SKIP_REPORT_FILE", "make_train_iterator",
-           "make_eval_batches", "split_is_val"]
+           "make_eval_batches", "split_is_val", "batches_per_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,14 @@ def make_train_iterator(
     bins = batch_size if num_packing_bins is None else int(num_packing_bins)
     ds = _packed_rows(examples, seq_length, seed, shard_index, shard_count, None, bins)
     return iter(ds.batch(batch_size, drop_remainder=True))
+
+
+def batches_per_epoch(examples: Sequence[Example], seq_length: int, batch_size: int) -> int:
+    """Packed batches in one pass over `examples`, first-fit packed in order as `make_eval_batches`
+    packs them. The training stream packs a shuffled order with `batch_size` open bins, so its rows
+    can be a little less full: `train.epochs` therefore means at least that many passes' worth of
+    batches as counted here, about that many passes in practice."""
+    return len(make_eval_batches(examples, seq_length, batch_size))
 
 
 def _empty_batch(batch_size: int, seq_length: int) -> dict[str, np.ndarray]:

@@ -17,6 +17,8 @@ import os
 import signal
 import threading
 import time
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,6 +31,7 @@ from tqdm import tqdm
 from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
+from specjax.data.pipeline import batches_per_epoch
 from specjax.data.chat import check_chat_template
 from specjax.drafts import draft_types
 from specjax.export import export_from_state
@@ -288,6 +291,12 @@ class _Trainer:
         if not prepared.train:
             raise ValueError(f"no usable training rows in {files} (skipped: {dict(prepared.skipped)}).")
         self.prepared = prepared
+        if cfg.train.epochs is not None:  # steps from the data: whole batches of `epochs` passes
+            per_epoch = batches_per_epoch(prepared.train, cfg.data.seq_length, cfg.data.batch_size)
+            steps = max(1, math.ceil(cfg.train.epochs * per_epoch))
+            log.info("train.epochs=%g: %d packed batches of %d x %d per pass -> train.steps=%d (was %d)",
+                     cfg.train.epochs, per_epoch, cfg.data.batch_size, cfg.data.seq_length, steps, cfg.train.steps)
+            cfg = self.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
 
         self.vocab = vocab = build_vocab(cfg, prepared.train, target.config.vocab_size, out_dir)
         check_batch_fits(cfg, mesh)

@@ -65,6 +65,51 @@ def test_resume_matches_uninterrupted_run(tiny_target, tmp_path):
                                        err_msg=f"{key} at step {step}")
 
 
+def test_epochs_set_the_step_count_from_the_data(tiny_target, tmp_path):
+    """train.epochs replaces train.steps once the data is read: ceil(epochs x packed batches of one
+    pass), and the loop, the LR schedule and run_meta.json all use it."""
+    import math
+
+    from specjax.data.pipeline import batches_per_epoch
+    from specjax.train.loop import train
+
+    out = tmp_path / "run"
+    res = train(_cfg(tiny_target, out, "data.max_rows=20", "train.steps=1000", "train.epochs=1.5",
+                     "export.at_end=false", "optim.min_lr_ratio=0.1"))
+    meta = json.loads((out / "run_meta.json").read_text())
+    steps = meta["config"]["train"]["steps"]
+    rows = read_metrics(str(out), "train")
+    assert res.final_step == steps == len(rows) and steps < 1000
+    # the same data read again (val split included) gives the count the run used
+    from specjax.data import prepare_examples
+    from transformers import AutoTokenizer
+
+    from specjax.train.setup import resolve_path
+
+    prep = prepare_examples((resolve_path("pkg://specjax/assets/demo_chat.jsonl"),), AutoTokenizer.from_pretrained(tiny_target), 128,
+                            0.05, 0, max_rows=20)
+    per_epoch = batches_per_epoch(prep.train, 128, 8)
+    assert steps == math.ceil(1.5 * per_epoch)
+    # the LR schedule spans these steps (a 1000-step one would still be warming up)
+    from specjax.train.optim import lr_schedule
+
+    cfg = _cfg(tiny_target, out, "optim.min_lr_ratio=0.1")
+    lrs = [r["lr"] for r in rows]
+    assert lrs == pytest.approx([float(lr_schedule(cfg.optim, steps)(i)) for i in range(steps)], rel=1e-5)
+    assert lrs != pytest.approx([float(lr_schedule(cfg.optim, 1000)(i)) for i in range(steps)], rel=1e-2)
+
+
+def test_batches_per_epoch_counts_first_fit_packed_batches():
+    from specjax.data.chat import Example
+    from specjax.data.pipeline import batches_per_epoch
+
+    ex = lambda n: Example(input_ids=np.arange(n, dtype=np.int32), loss_mask=np.ones(n, np.int32))  # noqa: E731
+    # rows of 10: [6, 4], [6, 3], [9], [2] -> 4 rows -> 2 batches of 2, or 1 batch of 4
+    examples = [ex(6), ex(6), ex(4), ex(9), ex(3), ex(2)]
+    assert batches_per_epoch(examples, 10, 2) == 2 and batches_per_epoch(examples, 10, 4) == 1
+    assert batches_per_epoch(examples, 10, 3) == 2  # 4 rows: a padded second batch counts
+
+
 def test_launch_cli_help_and_config_errors(capsys, tmp_path):
     from specjax.launch import main
 
