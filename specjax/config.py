@@ -258,6 +258,9 @@ class RegenerateConfig(_Checked):
     shard_size: int = _ranged(1000, ge=1)
     keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
     seed: int = 0
+    # last: answer each conversation's final turn (its earlier assistant turns stay the source's);
+    # all: answer every turn in order, each after the target's own earlier answers (regen.common.answer_every_turn)
+    turns: Literal["last", "all"] = "last"
 
 
 @dataclass(frozen=True)

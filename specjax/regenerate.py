@@ -2,7 +2,9 @@
 
 EAGLE drafts learn best on text the target itself generates. For every conversation the trailing
 assistant turn(s) are dropped (the system/user/... context and earlier assistant turns stay), the
-target answers, and its answer becomes the new last turn. Output: parquet shards
+target answers, and its answer becomes the new last turn. With `--turns all` (config
+`regenerate.turns: all`) every turn is answered in order instead, each after the target's own earlier
+answers, and none of the source's answers stays (`regen.common.answer_every_turn`). Output: parquet shards
 `shard-NNNNNN.parquet` (columns `messages`, `source_index`) plus `manifest.json`, a directory that
 `data.train_files` can point at.
 
@@ -27,7 +29,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 
-from specjax.regen.common import LOGGER_NAME, Item, RegenerateError, Redactor, prompt_messages
+from specjax.regen.common import LOGGER_NAME, Item, RegenerateError, Redactor, answer_every_turn, prompt_messages
 from specjax.regen.inputs import canonical_input, iter_rows
 from specjax.regen.output import finished_shards, prepare_output_dir, read_shard_stats, shard_name, write_shard
 
@@ -56,6 +58,8 @@ class Summary:
     tokens_generated: int = 0  # this run
     truncated: int = 0  # answers cut by max_new_tokens (kept)
     shortened: int = 0  # prompts whose oldest turns were dropped to fit (long_prompts=drop_oldest_turns)
+    turns_answered: int = 0  # assistant turns written, all shards (turns="all": several per conversation)
+    cut: dict = dataclasses.field(default_factory=dict)  # turns="all": reason -> conversations ended early
     shards_written: int = 0
     shards_resumed: int = 0
     wall_s: float = 0.0
@@ -128,12 +132,16 @@ def regenerate(
     keep_reasoning: bool = True,
     resume: bool = False,
     generate_fn: Callable | None = None,
+    turns: str = "last",
 ) -> Summary:
     """Run the stage; see the module docstring. Unset sampling values come from the target's
     generation_config.json (jax back end), else greedy with 512 new tokens."""
     t0 = time.time()
     if backend not in ("jax", "openai"):
         raise RegenerateError(f"unknown back end {backend!r}: use jax or openai")
+    if turns not in ("last", "all"):
+        raise RegenerateError(f"turns must be 'last' (answer the final turn, keep the source's earlier answers) "
+                              f"or 'all' (answer every turn in order), got {turns!r}")
     if shard_size <= 0:
         raise RegenerateError(f"shard_size must be positive, got {shard_size}")
     if limit is not None and limit <= 0:
@@ -202,6 +210,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         "chat_template": "data.chat_template" if a["chat_template"] else "the tokenizer's own",
         "specjax_version": _version(),
         "columns": ["messages", "source_index"],
+        "turns": a["turns"],
     }
     manifest = json.loads(redactor.redact(json.dumps(manifest)))
     resumed = prepare_output_dir(out_dir, manifest, a["resume"])
@@ -217,32 +226,53 @@ def _run(*, t0, redactor, key, **a) -> Summary:
             st = read_shard_stats(path)
             summary.shards_resumed += 1
             summary.written += int(st.get("written", 0))
+            summary.turns_answered += int(st.get("turns_answered", st.get("written", 0)))
             for r, n in (st.get("skipped") or {}).items():
                 _count(summary.skipped, r, int(n))
+            for r, n in (st.get("cut") or {}).items():
+                _count(summary.cut, r, int(n))
             continue
         if engine is None:  # load the model / open the client only when there is work
             engine = _make_backend(a, temperature=temperature, top_p=top_p, max_new=max_new, redactor=redactor)
-        answers = engine.answer(chunk)
-        rows, skipped, tokens, truncated, shortened = [], {}, 0, 0, 0
-        for it, ans in zip(chunk, answers):
-            tokens += ans.new_tokens
-            if ans.content is None:
-                _count(skipped, ans.skip_reason or "no answer")
-                continue
-            truncated += int(ans.truncated)
-            shortened += int(ans.prompt is not None)
-            prompt = ans.prompt if ans.prompt is not None else it.prompt  # the turns the answer was given to
-            rows.append((list(prompt) + [{"role": "assistant", "content": ans.content}], it.source_index))
+        rows, skipped, cut = [], {}, {}
+        tokens = truncated = shortened = turns = 0
+        if a["turns"] == "all":
+            for it, conv in zip(chunk, answer_every_turn(engine.answer, chunk)):
+                tokens += conv.new_tokens
+                if conv.messages is None:
+                    _count(skipped, conv.skip_reason or "no answer")
+                    continue
+                truncated += conv.truncated
+                shortened += int(conv.shortened)
+                turns += conv.turns
+                if conv.cut_reason:
+                    _count(cut, f"turn {conv.turns + 1} of {conv.rounds}: {conv.cut_reason}")
+                rows.append((conv.messages, it.source_index))
+        else:
+            for it, ans in zip(chunk, engine.answer(chunk)):
+                tokens += ans.new_tokens
+                if ans.content is None:
+                    _count(skipped, ans.skip_reason or "no answer")
+                    continue
+                truncated += int(ans.truncated)
+                shortened += int(ans.prompt is not None)
+                prompt = ans.prompt if ans.prompt is not None else it.prompt  # the turns the answer was given to
+                rows.append((list(prompt) + [{"role": "assistant", "content": ans.content}], it.source_index))
+                turns += 1
         write_shard(out_dir, k, rows, {"written": len(rows), "skipped": skipped, "tokens_generated": tokens,
-                                       "truncated": truncated, "shortened": shortened})
+                                       "truncated": truncated, "shortened": shortened, "turns_answered": turns,
+                                       "cut": cut})
         summary.shards_written += 1
         summary.written += len(rows)
         summary.written_this_run += len(rows)
         summary.tokens_generated += tokens
         summary.truncated += truncated
         summary.shortened += shortened
+        summary.turns_answered += turns
         for r, n in skipped.items():
             _count(summary.skipped, r, n)
+        for r, n in cut.items():
+            _count(summary.cut, r, n)
         log.info("shard %d: %d rows written, %d skipped, %d tokens (%.1f s so far)", k, len(rows),
                  sum(skipped.values()), tokens, time.time() - t0)
     if summary.conversations == 0:
@@ -307,7 +337,7 @@ def run_from_config(cfg) -> str:
         api_key_env=r.api_key_env, limit=r.limit, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
         top_p=r.top_p, seed=r.seed, batch_size=r.batch_size, max_prompt_tokens=r.max_prompt_tokens,
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
-        keep_reasoning=r.keep_reasoning, resume=True,
+        keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns,
     )
     return summary.out_dir
 
@@ -324,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="first N conversations with a turn to answer")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run into the same --out")
     p.add_argument("--shard-size", type=int, default=1000)
+    p.add_argument("--turns", choices=("last", "all"), default="last",
+                   help="last: answer each conversation's final turn (earlier answers are the source's); "
+                        "all: answer every turn in order, each after the target's own earlier answers")
     g = p.add_argument_group("sampling (unset: the target's generation_config.json, else greedy)")
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float)
@@ -403,6 +436,7 @@ def main(argv=None) -> int:
             long_prompts=args.long_prompts,
             concurrency=args.concurrency, timeout_s=args.timeout, max_retries=args.max_retries,
             shard_size=args.shard_size, keep_reasoning=args.keep_reasoning, resume=args.resume,
+            turns=args.turns,
         )
     except RegenerateError as e:
         print(f"error: {e}", file=sys.stderr)

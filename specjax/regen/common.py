@@ -9,7 +9,7 @@ from specjax.data.chat import REASONING_CLOSE, REASONING_OPEN
 
 __all__ = [
     "RegenerateError", "ManifestMismatch", "Item", "Answer", "prompt_messages", "split_reasoning",
-    "compose_answer", "Redactor", "LOGGER_NAME",
+    "compose_answer", "Redactor", "LOGGER_NAME", "answer_rounds", "Conversation", "answer_every_turn",
 ]
 
 # Every regeneration module logs through this one logger, so one filter redacts all of them.
@@ -55,6 +55,78 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
     if prompt[-1]["role"] == "user" and not prompt[-1]["content"].strip():
         return None
     return prompt
+
+
+def answer_rounds(prompt) -> list[list[dict]]:
+    """The prompt (``prompt_messages``' output) as rounds for answering every turn: each round is the
+    new non-assistant messages up to a turn the target answers, i.e. a user or tool message that
+    an assistant message followed in the source, or the last one. Every assistant message of the
+    source is dropped: the target's own answers take their places."""
+    rounds: list[list[dict]] = []
+    cur: list[dict] = []
+    for j, m in enumerate(prompt):
+        if m["role"] == "assistant":
+            continue
+        cur.append(m)
+        nxt = prompt[j + 1]["role"] if j + 1 < len(prompt) else None
+        if m["role"] in ("user", "tool") and nxt in (None, "assistant"):
+            rounds.append(cur)
+            cur = []
+    return rounds
+
+
+@dataclasses.dataclass
+class Conversation:
+    """Every turn of one conversation answered in order (`answer_every_turn`)."""
+    messages: list | None  # the conversation with the target's answers; None when its first turn failed
+    skip_reason: str | None = None  # why the first turn failed
+    turns: int = 0  # assistant turns answered
+    rounds: int = 0  # turns the source asks for
+    cut_reason: str | None = None  # why a later turn was not answered (the conversation ends before it)
+    new_tokens: int = 0
+    truncated: int = 0  # answers stopped by max_new_tokens (kept)
+    shortened: bool = False  # older turns were dropped to fit a prompt
+
+
+def answer_every_turn(answer, items) -> list[Conversation]:
+    """Answer every turn of each item's conversation, in order: round r sends, for every conversation
+    that has an r-th turn, its conversation so far (the target's own earlier answers, then the
+    source's next messages) in one `answer(items)` call, so a batched back end batches across
+    conversations. A turn that cannot be answered ends its conversation there (`cut_reason`; the first
+    turn: `skip_reason`). When a back end drops older turns to fit (`Answer.prompt`), the
+    conversation continues from what the target saw."""
+    rounds = [answer_rounds(it.prompt) for it in items]
+    convs = [Conversation(messages=None, rounds=len(r)) for r in rounds]
+    state: list[list[dict]] = [[] for _ in items]
+    live = [i for i, r in enumerate(rounds) if r]
+    for i, r in enumerate(rounds):
+        if not r:
+            convs[i].skip_reason = "no user turn to answer"
+    r = 0
+    while live:
+        asked = [Item(items[i].source_index, tuple(state[i] + rounds[i][r])) for i in live]
+        answers = answer(asked)
+        if len(answers) != len(asked):
+            raise RuntimeError(f"the back end returned {len(answers)} answers for {len(asked)} prompts")
+        nxt = []
+        for i, it, ans in zip(live, asked, answers):
+            c = convs[i]
+            c.new_tokens += ans.new_tokens
+            if ans.content is None:
+                if r == 0:
+                    c.skip_reason = ans.skip_reason or "no answer"
+                else:
+                    c.cut_reason = ans.skip_reason or "no answer"
+                continue
+            c.truncated += int(ans.truncated)
+            c.shortened |= ans.prompt is not None
+            state[i] = list(ans.prompt if ans.prompt is not None else it.prompt) + [
+                {"role": "assistant", "content": ans.content}]
+            c.messages, c.turns = state[i], c.turns + 1
+            if r + 1 < len(rounds[i]):
+                nxt.append(i)
+        live, r = nxt, r + 1
+    return convs
 
 
 _THINK_BLOCK = re.compile(re.escape(REASONING_OPEN) + r"(.*?)" + re.escape(REASONING_CLOSE), re.S)

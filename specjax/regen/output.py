@@ -25,17 +25,18 @@ _SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 # URL, the specjax version) are recorded for information only.
 COMPARED_KEYS = (
     "input", "limit", "backend", "model", "temperature", "top_p", "seed", "max_new_tokens",
-    "max_prompt_tokens", "long_prompts", "shard_size", "keep_reasoning", "extra_body",
+    "max_prompt_tokens", "long_prompts", "shard_size", "keep_reasoning", "extra_body", "turns",
 )
-# Compared keys added after the first manifests were written: (value those runs behaved as, back end).
-_LATER_KEYS = {"long_prompts": ("skip", "jax")}
+# Compared keys added after the first manifests were written: (value those runs behaved as, the back end
+# it applies to, None = any).
+_LATER_KEYS = {"long_prompts": ("skip", "jax"), "turns": ("last", None)}
 
 
 def _old_value(old: dict, k: str):
     if k in old or k not in _LATER_KEYS:
         return old.get(k)
     value, backend = _LATER_KEYS[k]
-    return value if old.get("backend") == backend else None
+    return value if backend is None or old.get("backend") == backend else None
 _STATS_KEY = b"specjax.regen"
 
 

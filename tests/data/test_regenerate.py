@@ -275,3 +275,83 @@ def test_long_prompts_drop_oldest_turns(tiny_target, tmp_path):
     with pytest.raises(ManifestMismatch, match="long_prompts"):
         regenerate(input=str(src), out_dir=old, target=tiny_target, resume=True,
                    **{**SETTINGS, "max_prompt_tokens": n_kept, "long_prompts": "drop_oldest_turns"})
+
+
+def test_answer_every_turn_rounds_and_cuts():
+    """turns="all": each round sends the conversation so far with the target's OWN earlier answers
+    (never the source's), batched across conversations; a failed first turn skips the conversation,
+    a failed later turn ends it there (cut), and a shortened prompt is what the conversation
+    continues from."""
+    from specjax.regen.common import Answer, Item, answer_every_turn, answer_rounds
+
+    src = conv(("system", "S"), ("assistant", "stray"), ("user", "u1"), ("assistant", "a1"), ("user", "u2a"),
+               ("user", "u2b"), ("assistant", "a2"), ("user", "u3"))["messages"]
+    rounds = answer_rounds(prompt_messages(src))
+    assert [[m["content"] for m in r] for r in rounds] == [["S", "u1"], ["u2a", "u2b"], ["u3"]]
+
+    calls = []
+
+    def answer(items):
+        calls.append([it.prompt for it in items])
+        out = []
+        for it in items:
+            last = it.prompt[-1]["content"]
+            if last == "fail-first" or last == "fail-later":
+                out.append(Answer(None, "prompt longer than max_prompt_tokens", 0))
+            elif last == "shorten":
+                out.append(Answer("ok", None, 2, prompt=(it.prompt[-1],)))  # older turns dropped
+            else:
+                out.append(Answer(f"T({last})", None, 3, truncated=last == "u2b"))
+        return out
+
+    items = [Item(0, tuple(prompt_messages(src))),
+             Item(1, tuple(conv(("user", "fail-first"), ("assistant", "x"), ("user", "q"))["messages"])),
+             Item(2, tuple(conv(("user", "p1"), ("assistant", "x"), ("user", "fail-later"), ("assistant", "y"),
+                                ("user", "never"))["messages"])),
+             Item(3, tuple(conv(("user", "p0"), ("assistant", "x"), ("user", "shorten"), ("assistant", "y"),
+                                ("user", "after"))["messages"]))]
+    convs = answer_every_turn(answer, items)
+    assert [len(c) for c in calls] == [4, 3, 2]  # round 0: all four; round 1: 0, 2, 3; round 2: 0, 3
+    assert [m["content"] for m in convs[0].messages] == ["S", "u1", "T(u1)", "u2a", "u2b", "T(u2b)", "u3", "T(u3)"]
+    assert all(m["content"] not in ("a1", "a2", "stray") for p in calls[1] + calls[2] for m in p)
+    assert (convs[0].turns, convs[0].rounds, convs[0].truncated, convs[0].new_tokens) == (3, 3, 1, 9)
+    assert convs[1].messages is None and convs[1].skip_reason == "prompt longer than max_prompt_tokens"
+    assert [m["content"] for m in convs[2].messages] == ["p1", "T(p1)"]
+    assert (convs[2].turns, convs[2].cut_reason) == (1, "prompt longer than max_prompt_tokens")
+    assert [m["content"] for m in convs[3].messages] == ["shorten", "ok", "after", "T(after)"]
+    assert convs[3].shortened and convs[3].turns == 3 and convs[3].cut_reason is None
+
+
+def test_regenerate_every_turn_through_the_stage(tiny_target, source, tmp_path):
+    """The stage with turns="all": the two-turn conversation gets two new answers and none of the
+    source's; turns and rows are counted; the manifest records the mode, so resuming with "last"
+    is refused; a resume with the same mode reads everything back without generating."""
+    count = Counting()
+    out = str(tmp_path / "all")
+    s = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, turns="all", **SETTINGS)
+    rows = [r for rs in shard_rows(out).values() for r in rs]
+    two = next(r for r in rows if r["source_index"] == 1)["messages"]
+    assert [m["role"] for m in two] == ["system", "user", "assistant", "user", "assistant"]
+    assert [two[1]["content"], two[3]["content"]] == ["When was Oldmere founded?", "And Korvath?"]
+    assert not {"Oldmere was founded in 1102.", "old", "older"} & {m["content"] for m in two}
+    assert s.turns_answered == sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows) == s.written + 1
+    assert count.calls == 3  # shard 0: round 0 (4 prompts) + round 1 (the two-turn conversation); shard 1
+    assert json.load(open(os.path.join(out, "manifest.json")))["turns"] == "all"
+    with pytest.raises(ManifestMismatch, match="turns"):
+        regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
+    again = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, turns="all",
+                       **SETTINGS)
+    assert (again.written, again.turns_answered, again.tokens_generated, count.calls) == (s.written, s.turns_answered, 0, 3)
+    with pytest.raises(RegenerateError, match="turns must be"):
+        regenerate(input=source, out_dir=str(tmp_path / "x"), target=tiny_target, turns="every", **SETTINGS)
+    # a directory written before the option existed (no "turns" in its manifest) resumes as "last"
+    old = str(tmp_path / "old")
+    regenerate(input=source, out_dir=old, target=tiny_target, generate_fn=count, **SETTINGS)
+    path = os.path.join(old, "manifest.json")
+    m = json.load(open(path))
+    del m["turns"]
+    json.dump(m, open(path, "w"))
+    assert regenerate(input=source, out_dir=old, target=tiny_target, generate_fn=count, resume=True,
+                      **SETTINGS).tokens_generated == 0
+    with pytest.raises(ManifestMismatch, match="turns"):
+        regenerate(input=source, out_dir=old, target=tiny_target, resume=True, turns="all", **SETTINGS)
