@@ -35,9 +35,9 @@ REF_SHAPE = (8, 32)  # every reference forward runs at one padded shape (causal:
 # signatures (B=2; T=9 with a chunk mask, T=1, T=3, T=20 with logits_index) and one reference shape.
 
 
-def _config():
+def _config(vocab=VOCAB):
     hf = dict(
-        architectures=[nh.ARCHITECTURE], vocab_size=VOCAB, hidden_size=32,
+        architectures=[nh.ARCHITECTURE], vocab_size=vocab, hidden_size=32,
         layers_block_type=[nh.MAMBA, nh.MOE, nh.ATTENTION, nh.MAMBA], num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
         ssm_state_size=8, conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -45,10 +45,10 @@ def _config():
     return nh.NemotronHTargetConfig.from_hf(hf, decode_state_window=WINDOW)
 
 
-def build(seed=0):
+def build(seed=0, vocab=VOCAB):
     """HF-style init (A_log, dt_bias, D) with noise on the SSM parameters and matrices N(0, 0.15^2)
     (embeddings and lm_head 0.5), so logits are O(1) and the SSM decays differ per head."""
-    cfg = _config()
+    cfg = _config(vocab)
     params = nh.init_params(cfg, jax.random.key(seed), std=0.15)
     key = jax.random.key(seed + 1)
     m = params["mamba"]["mixer"]
