@@ -228,6 +228,9 @@ class KernelsConfig(_Checked):
     # implementation by name; q_block > 0 runs the plain path's queries in blocks of that many tokens
     target_attention: Literal["auto", "plain", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
     target_attention_q_block: int = _ranged(0, ge=0)
+    # the attention of cached decoding (generation, regeneration, speculative decoding, decode_eval):
+    # auto = the pallas_gpu kernel on a GPU for short chunks (a prefill takes the xla path), xla elsewhere
+    decode_attention: Literal["auto", "reference", "xla", "pallas_gpu"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,8 @@ class RegenerateConfig(_Checked):
     keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
     seed: int = 0
     # last: answer each conversation's final turn (its earlier assistant turns stay the source's);
-    # all: answer every turn in order, each after the target's own earlier answers (regen.common.answer_every_turn)
+    # all: answer every turn in order, each after the target's own earlier answers (regen.common.answer_every_turn);
+    # a conversation that outgrows max_prompt_tokens is written as several rows (its finished windows)
     turns: Literal["last", "all"] = "last"
 
 

@@ -63,6 +63,7 @@ class HrmTextTargetConfig:
     rope: RopeSpec = RopeSpec()
     attention_q_block: int = 0  # runtime option, see LlamaTargetConfig
     attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
+    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
 
     @property
     def num_key_value_heads(self) -> int:

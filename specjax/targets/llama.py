@@ -63,6 +63,8 @@ class LlamaTargetConfig:
     # Runtime option (kernels.target_attention): the training forward's self-attention path, "auto",
     # "plain" or a specjax_kernels.ttt_attention implementation (see layers/attention.py)
     attention_implementation: str = "auto"
+    # Runtime option (kernels.decode_attention): cached decoding's attention (layers/attention.py)
+    decode_attention_implementation: str = "auto"
 
     @property
     def qk_norm(self) -> bool:

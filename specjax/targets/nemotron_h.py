@@ -150,6 +150,7 @@ class NemotronHTargetConfig:
     # ---- runtime options, not part of the HF config ----
     attention_q_block: int = 0  # >0: queries in blocks of this size (bounds the score buffer)
     attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
+    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
     ssd_implementation: str | None = None  # specjax_kernels.ssd: None/"auto" | "xla" | "reference"
     moe_implementation: str | None = None  # specjax_kernels.moe: None/"auto" | "xla" | "reference"
     weight_prefix: str = "backbone"  # on-disk name prefix (transformers writes "backbone.")

@@ -71,6 +71,7 @@ class Qwen3MoeTargetConfig:
     # Runtime options, not part of the HF config.
     attention_q_block: int = 0  # see LlamaTargetConfig
     attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
+    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
     moe_implementation: str = "auto"  # specjax_kernels.moe implementation (reference | xla | auto)
 
     qk_norm = True

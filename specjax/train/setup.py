@@ -100,7 +100,7 @@ def preflight(cfg: Config):
 # the target
 # ---------------------------------------------------------------------------------------------
 def kernel_overrides(cfg: Config, cls) -> dict:
-    """`kernels.moe` / `kernels.ssd` / `kernels.target_attention*` as the target config's runtime
+    """`kernels.moe` / `kernels.ssd` / `kernels.target_attention*` / `kernels.decode_attention` as the target config's runtime
     fields (for the architectures that have MoE experts / an SSD scan / attention; others ignore them)."""
     fields = {f.name for f in dataclasses.fields(cls.config_class)}
     out = {}
@@ -110,6 +110,8 @@ def kernel_overrides(cfg: Config, cls) -> dict:
         out["ssd_implementation"] = cfg.kernels.ssd
     if "attention_implementation" in fields:
         out["attention_implementation"] = cfg.kernels.target_attention
+    if "decode_attention_implementation" in fields:
+        out["decode_attention_implementation"] = cfg.kernels.decode_attention
     if "attention_q_block" in fields and cfg.kernels.target_attention_q_block:
         out["attention_q_block"] = cfg.kernels.target_attention_q_block
     return out

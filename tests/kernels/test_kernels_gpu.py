@@ -148,3 +148,27 @@ def test_moe_auto_takes_mgpu_on_one_hopper_gpu(monkeypatch):
     api.moe_experts(jnp.zeros((T, D), jnp.bfloat16), ids, w, up_edf=ws[0], down_efd=ws[1])
     api.moe_experts(jnp.zeros((T, D), jnp.bfloat16), ids, w, up_edf=ws[0], down_efd=ws[1], implementation="mgpu")
     assert used == ["mgpu", "xla", "xla", "mgpu"]
+
+
+# ---- cached decoding's attention over the stacked KV cache (specjax_kernels.decode_attention) ----------
+@pytest.mark.parametrize("dtype,T", [(jnp.bfloat16, 1), (jnp.bfloat16, 6), (jnp.float32, 6)])
+def test_decode_attention_pallas_gpu(dtype, T):
+    from specjax_kernels.decode_attention import pallas_gpu, reference
+
+    rng = np.random.default_rng(T)
+    L, B, S, K, H, G = 4, 5, 1536, 3, 64, 3
+    k = jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype)
+    v = jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, H)), dtype)
+    start = np.array([0, 63, 64, 700, S - T])
+    mask = np.zeros((B, T, S), bool)
+    for b in range(B):
+        mask[b, :, : start[b]] = True
+        mask[b, :, start[b]: start[b] + T] = np.tril(np.ones((T, T), bool))
+    mask, limit = jnp.asarray(mask), jnp.asarray(start + T, jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        want = reference.decode_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 2,
+                                          mask, limit, 0.125)
+        got = jax.jit(lambda *a: pallas_gpu.decode_attention(*a, 0.125))(q, k, v, jnp.int32(2), mask, limit)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < tol

@@ -72,13 +72,14 @@ def _hrm():
 FAMILIES = {"qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
 
 
-def build(name, seed=0, vocab=None):
+def build(name, seed=0, vocab=None, **overrides):
     """Random params from the weight table: matrices N(0, 0.15^2) (embeddings, z_L_init and the
     lm_head 0.5), norm scales 1 + 0.1 N(0, 1); large enough that logits and routing are peaked.
-    `vocab`: another vocab size (a real tokenizer's)."""
+    `vocab`: another vocab size (a real tokenizer's); `overrides`: other config fields."""
     cls, cfg = FAMILIES[name]()
     if vocab is not None:
-        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+        overrides["vocab_size"] = vocab
+    cfg = dataclasses.replace(cfg, **overrides)
     params: dict = {}
     key = jax.random.key(seed)
     for i, spec in enumerate(cls.weight_specs(cfg)):

@@ -161,10 +161,12 @@ def test_kernel_names_are_the_ops_implementations():
     from specjax_kernels.moe import api as moe
     from specjax_kernels.soft_ce import api as soft_ce
     from specjax_kernels.ssd import api as ssd
+    from specjax_kernels.decode_attention import api as decode
     from specjax_kernels.ttt_attention import api as ttt
 
     hints = typing.get_type_hints(KernelsConfig)
-    for key, mod in (("ttt_attention", ttt), ("soft_ce", soft_ce), ("moe", moe), ("ssd", ssd)):
+    for key, mod in (("ttt_attention", ttt), ("soft_ce", soft_ce), ("moe", moe), ("ssd", ssd),
+                     ("decode_attention", decode)):
         assert set(typing.get_args(hints[key])) == {"auto"} | set(mod.IMPLEMENTATIONS), key
     with pytest.raises(ConfigError, match="`kernels.ttt_attention` = 'trition' is not one of 'auto'"):
         load_config(DEMO, ["kernels.ttt_attention=trition"])

@@ -49,6 +49,7 @@ class AttentionConfig:
     output_gate: bool = False  # HRM-Text: sigmoid(h @ gate_proj) per head dim times the attention output
     q_block: int = 0  # queries in blocks of this many tokens (0 = one block); bounds the score buffer
     implementation: str | None = None  # training self-attention path (see dot_product_attention)
+    decode_implementation: str | None = None  # cached decoding's attention (specjax_kernels.decode_attention)
 
     @classmethod
     def of(cls, cfg: Any, *, qk_norm: bool = False, output_gate: bool = False) -> "AttentionConfig":
@@ -58,6 +59,7 @@ class AttentionConfig:
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             qk_norm_eps=cfg.rms_norm_eps if qk_norm else None, output_gate=output_gate,
             q_block=cfg.attention_q_block, implementation=cfg.attention_implementation,
+            decode_implementation=getattr(cfg, "decode_attention_implementation", None),
         )
 
 
@@ -84,10 +86,12 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
     if cache is not None:
-        k, v, cache = _write_kv_cache(cache, layer, slots_bt, k, v)
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-    o = dot_product_attention(q, k, v, mask, scale=spec.head_dim**-0.5, q_block=spec.q_block,
-                              implementation=spec.implementation)
+        cache = _write_kv_cache(cache, layer, slots_bt, k, v)
+        # the chunk's slots are contiguous, so nothing at or past its last slot + 1 is visible
+        o = cached_attention(q, cache, layer, mask, slots_bt[:, -1] + 1, spec)
+    else:
+        o = dot_product_attention(q, k, v, mask, scale=spec.head_dim**-0.5, q_block=spec.q_block,
+                                  implementation=spec.implementation)
     if spec.output_gate:
         o = jax.nn.sigmoid((h_btd @ p["gate_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)) * o
     return o.reshape(b, t, -1) @ p["o_proj"]["kernel"], cache
@@ -138,15 +142,30 @@ def cache_attention_mask(start_b: jax.Array, num_slots: int, chunk_mask_btt: jax
     return prefix[:, None, :] | (in_chunk[:, None, :] & chunk)
 
 
-def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh):
+def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh) -> dict:
     """Scatter the chunk's K/V into the carried full cache at (layer, row, slot) (in place inside the
-    layer loop; out-of-range slots drop); returns (the layer's K row, V row, new cache)."""
+    layer loop; out-of-range slots drop); returns the new cache."""
     rows = jnp.arange(k_btkh.shape[0])[:, None]
     kc = cache["k"].at[layer, rows, slots_bt].set(k_btkh.astype(cache["k"].dtype), mode="drop")
     vc = cache["v"].at[layer, rows, slots_bt].set(v_btkh.astype(cache["v"].dtype), mode="drop")
-    k_all = jax.lax.dynamic_index_in_dim(kc, layer, axis=0, keepdims=False)
-    v_all = jax.lax.dynamic_index_in_dim(vc, layer, axis=0, keepdims=False)
-    return k_all, v_all, {"k": kc, "v": vc}
+    return {"k": kc, "v": vc}
+
+
+def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: AttentionConfig):
+    """Attention of a chunk's queries over `layer` of the cache (its own K/V already written).
+    Short chunks (decode steps, draft verification) take `specjax_kernels.decode_attention` when it
+    is chosen (a GPU kernel reading the live prefix of the stacked cache in place); the rest, and a
+    prefill, slice the layer out and run the plain / blocked path."""
+    from specjax_kernels.decode_attention import api as decode
+
+    scale = spec.head_dim**-0.5
+    if decode.takes(q_btnh.shape, cache["k"].shape, spec.decode_implementation):
+        return decode.decode_attention(q_btnh, cache["k"], cache["v"], layer, mask_bts, limit_b, scale=scale,
+                                       implementation=spec.decode_implementation)
+    k = jax.lax.dynamic_index_in_dim(cache["k"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
+    v = jax.lax.dynamic_index_in_dim(cache["v"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
+    return dot_product_attention(q_btnh, k, v, mask_bts, scale=scale, q_block=spec.q_block,
+                                 implementation=spec.implementation)
 
 
 # =============================================================================================

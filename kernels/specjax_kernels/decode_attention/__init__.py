@@ -1,0 +1,1 @@
+"""Attention of a few new tokens over a layer of a stacked KV cache (cached decoding)."""

@@ -1,0 +1,133 @@
+"""`pallas_gpu` decode attention: one program per (row, kv head) reads the layer's K/V straight from
+the stacked cache, block by block up to the row's `limit`, with an online softmax.
+
+Why a kernel: in XLA the layer's K/V row of the [L,B,S,K,H] cache is first sliced out of the loop-
+carried cache (a copy), then transposed so (row, kv head) lead for the batched GEMM (another copy),
+and every slot of the static cache is read whether it is live or not. Here each K/V element of the
+live prefix is read once. The G query heads x T chunk tokens of a kv head are the rows of one tile
+(padded to 16, the smallest Triton dot); that is what makes it a decode kernel: `supports` limits
+it to G*T <= MAX_ROWS, and longer chunks (a prefill) take the XLA path.
+
+The cache may carry one leading batch axis of its own ([V,L,B,S,K,H]): that is how a vmapped
+decoder (SpecLoop vmaps rows) calls it without copying the cache apart per member.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from specjax_kernels._pallas_gpu import compiler_params, dot_nt, mm
+
+f32 = jnp.float32
+MASK = -1.0e30
+MAX_ROWS = 128  # G * T of one kv head; more (a prefill chunk) goes to the XLA path
+BLOCK_S = 64
+
+
+def _rows_padded(r: int) -> int:
+    return max(16, 1 << (r - 1).bit_length())
+
+
+def supports(q_shape, cache_shape) -> str | None:
+    """None when the kernel takes this call, else why not."""
+    _, t, n, h = q_shape
+    s, kv = cache_shape[-3], cache_shape[-2]
+    if t * (n // kv) > MAX_ROWS:
+        return f"{t * (n // kv)} query rows per kv head > {MAX_ROWS} (a prefill chunk)"
+    if h < 16 or h & (h - 1):
+        return f"head_dim {h} is not a power of two >= 16"
+    if s % BLOCK_S:
+        return f"cache length {s} is not a multiple of {BLOCK_S}"
+    return None
+
+
+def _kernel(layer_ref, limit_ref, q_ref, mask_ref, k_ref, v_ref, o_ref, *, nb, scale, bs):
+    vb, kh = pl.program_id(0), pl.program_id(1)
+    v_i, b = vb // nb, vb % nb
+    layer = layer_ref[0]
+    q = q_ref[...]  # [R, H]
+    n_blocks = (limit_ref[vb] + bs - 1) // bs
+
+    def body(j, carry):
+        acc, m, l = carry
+        k = k_ref[v_i, layer, b, pl.ds(j * bs, bs), kh, :]
+        v = v_ref[v_i, layer, b, pl.ds(j * bs, bs), kh, :]
+        s = dot_nt(q, k.astype(q.dtype)) * scale
+        s = jnp.where(mask_ref[:, pl.ds(j * bs, bs)] != 0, s, MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[:, None] + mm(p.astype(q.dtype), v.astype(q.dtype))
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    r = q.shape[0]
+    acc, _, l = lax.fori_loop(0, n_blocks, body, (jnp.zeros(q.shape, f32), jnp.full((r,), MASK, f32),
+                                                  jnp.zeros((r,), f32)))
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False):
+    """q [V,B,T,N,H], caches [V,L,B,S,K,H], layer [], mask [V,B,T,S], limit [V,B] -> [V,B,T,N,H]."""
+    V, B, T, N, H = q.shape
+    S, K = k_cache.shape[3], k_cache.shape[4]
+    G = N // K
+    R = T * G
+    Rp = _rows_padded(R)
+    # rows of kv head k: (t, g) -> t * G + g; padded rows see nothing useful and are cut below
+    qr = q.reshape(V * B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(V * B, K, R, H)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+    mr = jnp.repeat(mask.reshape(V * B, T, S).astype(jnp.int8), G, axis=1)  # row t*G+g <- mask row t
+    mr = jnp.pad(mr, ((0, 0), (0, Rp - R), (0, 0)))
+    lim = jnp.clip(limit.reshape(V * B).astype(jnp.int32), 1, S)
+    kern = functools.partial(_kernel, nb=B, scale=float(scale), bs=BLOCK_S)
+    whole = pl.BlockSpec()  # the whole stacked cache: the kernel indexes (member, layer, row, slots, kv head) itself
+    kw = {} if interpret else {"compiler_params": compiler_params(4, 2)}
+    out = pl.pallas_call(
+        kern, grid=(V * B, K),
+        in_specs=[pl.BlockSpec((1,), lambda i, k: (0,)),
+                  pl.BlockSpec((V * B,), lambda i, k: (0,)),
+                  pl.BlockSpec((None, None, Rp, H), lambda i, k: (i, k, 0, 0)),
+                  pl.BlockSpec((None, Rp, S), lambda i, k: (i, 0, 0)),
+                  whole, whole],
+        out_specs=pl.BlockSpec((None, None, Rp, H), lambda i, k: (i, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((V * B, K, Rp, H), q.dtype),
+        interpret=interpret, name="decode_attention", **kw,
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lim, qr, mr, k_cache, v_cache)
+    out = out[:, :, :R].reshape(V * B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    return out.reshape(V, B, T, N, H)
+
+
+@functools.lru_cache(maxsize=None)
+def _batched(scale: float, interpret: bool):
+    """The [L,B,S,K,H] call with a vmap rule that folds the vmapped axis into the kernel's leading V."""
+    @jax.custom_batching.custom_vmap
+    def call(q, k_cache, v_cache, layer, mask, limit):
+        return decode_attention_stacked(q[None], k_cache[None], v_cache[None], layer, mask[None], limit[None],
+                                        scale, interpret=interpret)[0]
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, q, k_cache, v_cache, layer, mask, limit):
+        if in_batched[3]:  # one layer per member: no shared cache walk; run them one by one
+            out = jax.lax.map(lambda a: call(*a), (
+                *(x if bt else jnp.broadcast_to(x, (axis_size, *x.shape))
+                  for x, bt in zip((q, k_cache, v_cache, layer, mask, limit), in_batched)),))
+            return out, True
+
+        def lead(x, bt):
+            return x if bt else jnp.broadcast_to(x, (axis_size, *x.shape))
+        if not (in_batched[1] and in_batched[2]):  # a shared cache: broadcasting it would copy it per member
+            k_cache, v_cache = lead(k_cache, in_batched[1]), lead(v_cache, in_batched[2])
+        out = decode_attention_stacked(lead(q, in_batched[0]), k_cache, v_cache, layer, lead(mask, in_batched[4]),
+                                       lead(limit, in_batched[5]), scale, interpret=interpret)
+        return out, True
+
+    return call
+
+
+def decode_attention(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False):
+    return _batched(float(scale), bool(interpret))(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), mask,
+                                                   jnp.asarray(limit, jnp.int32))

@@ -1,0 +1,129 @@
+"""specjax_kernels.decode_attention: the pallas_gpu kernel (interpret mode on the CPU) against the
+reference (the plain masked attention over the sliced cache layer), and cached decoding through it.
+
+Bars (fp32 under `highest`): kernel == reference to 2e-5 abs for GQA groups 1 and 3, one-token and
+tree-masked chunks, rows with different live lengths (its `limit` cut at and inside a key block),
+bf16 to 2e-2; under vmap with the cache batched, shared, and with a batched layer index; `takes`
+sends a prefill chunk and the xla choice to the slice-the-layer path. Then a target's cached decode
+with `decode_attention_implementation="pallas_gpu"` equals its xla decode (logits 1e-5), and a
+batched SpecLoop (vmapped rows) produces the same tokens and accept counts."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax_kernels.decode_attention import api, pallas_gpu, reference
+
+
+def _case(seed, L=3, B=3, S=128, K=2, H=16, G=3, T=1, dtype=jnp.float32, tree=False):
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype)
+    v = jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, H)), dtype)
+    start = rng.integers(0, S - T, size=B)
+    start[0] = 63 - T + 1  # the chunk ends exactly at a key-block edge (block 64)
+    mask = np.zeros((B, T, S), bool)
+    for b in range(B):
+        mask[b, :, : start[b]] = True
+        chunk = np.tril(np.ones((T, T), bool))
+        if tree:  # a random tree: each node sees itself and some earlier nodes
+            chunk = chunk & (rng.random((T, T)) < 0.6) | np.eye(T, dtype=bool)
+        mask[b, :, start[b]: start[b] + T] = chunk
+    return q, k, v, jnp.asarray(mask), jnp.asarray(start + T, jnp.int32)
+
+
+def _diff(a, b):
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
+
+
+@pytest.mark.parametrize("G,T,tree", [(1, 1, False), (3, 1, False), (3, 4, True), (2, 6, False)])
+def test_kernel_equals_reference(G, T, tree):
+    q, k, v, mask, limit = _case(G * 10 + T, G=G, T=T, tree=tree)
+    with jax.default_matmul_precision("highest"):
+        for layer in (0, 2):
+            want = reference.decode_attention(q, k, v, layer, mask, limit, 0.25)
+            got = pallas_gpu.decode_attention(q, k, v, layer, mask, limit, 0.25, interpret=True)
+            assert _diff(got, want) < 2e-5
+    # the live limit is honoured: garbage past it changes nothing
+    k2 = k.at[:, :, 127].set(1e4)
+    got2 = pallas_gpu.decode_attention(q, k2, v, 1, mask, jnp.minimum(limit, 127), 0.25, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        assert _diff(got2, reference.decode_attention(q, k, v, 1, mask, limit, 0.25)) < 2e-5
+
+
+def test_kernel_bf16():
+    q, k, v, mask, limit = _case(7, G=3, T=2, dtype=jnp.bfloat16)
+    want = reference.decode_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1,
+                                      mask, limit, 0.25)
+    got = pallas_gpu.decode_attention(q, k, v, 1, mask, limit, 0.25, interpret=True)
+    assert got.dtype == jnp.bfloat16 and _diff(got, want) < 2e-2
+
+
+def test_kernel_under_vmap():
+    q, k, v, mask, limit = _case(3, G=3, T=2)
+    qs, ks, vs = jnp.stack([q, -q]), jnp.stack([k, k * 0.5]), jnp.stack([v, v + 1])
+
+    def run(fn, **kw):
+        return lambda q_, k_, v_, layer: fn(q_, k_, v_, layer, mask, limit, 0.25, **kw)
+    kern, ref = run(pallas_gpu.decode_attention, interpret=True), run(reference.decode_attention)
+    with jax.default_matmul_precision("highest"):
+        for axes, args in (((0, 0, 0, None), (qs, ks, vs, 1)),  # cache batched (SpecLoop's rows)
+                           ((0, None, None, None), (qs, k, v, 1)),  # one shared cache
+                           ((0, 0, 0, 0), (qs, ks, vs, jnp.array([0, 2])))):  # a layer per member
+            assert _diff(jax.vmap(kern, axes)(*args), jax.vmap(ref, axes)(*args)) < 2e-5, axes
+
+
+def test_takes_routes_prefill_and_xla():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "target_platform", lambda: "gpu")
+        mp.setattr(api, "_select", lambda op, impls, pref, impl: (impl if impl not in (None, "auto") else "pallas_gpu",
+                                                                  None))
+        assert api.takes((8, 1, 9, 64), (30, 8, 1536, 3, 64))  # a decode step: the kernel
+        assert api.takes((8, 6, 9, 64), (30, 8, 1536, 3, 64))  # a K = 5 verification chunk
+        assert not api.takes((8, 1024, 9, 64), (30, 8, 1536, 3, 64))  # a prefill: xla
+        assert not api.takes((8, 1, 9, 48), (30, 8, 1536, 3, 48))  # head_dim not a power of two
+        assert not api.takes((8, 1, 9, 64), (30, 8, 1536, 3, 64), "xla")
+        assert api.takes((8, 1024, 9, 64), (30, 8, 1536, 3, 64), "reference")
+    # on the CPU auto keeps the xla path
+    assert not api.takes((8, 1, 9, 64), (30, 8, 1536, 3, 64))
+
+
+# ---- cached decoding through the kernel ----------------------------------------------------------
+def _with(target, impl):
+    cfg = dataclasses.replace(target.config, decode_attention_implementation=impl)
+    return type(target)(cfg, target.hf_config, target.params)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "looped_llama"])
+def test_decoding_through_the_kernel(family, monkeypatch):
+    from parity.test_decoding_families import build, random_draft
+
+    from specjax_kernels._select import recording_choices
+
+    from specjax.eval.spec_decode import SpecDecoder
+    from specjax.eval.spec_loop import SpecLoop
+
+    monkeypatch.setattr(api, "PREFERENCE", {**api.PREFERENCE, "cpu": ["pallas_gpu", "xla"]})  # auto = kernel
+    base = build(family, head_dim=16)  # the kernel's smallest head_dim
+    xla, kern = _with(base, "xla"), _with(base, "auto")
+    prompt = jnp.asarray([[5, 17, 3, 9, 11, 2, 40, 8]], jnp.int32)
+    with jax.default_matmul_precision("highest"), recording_choices() as chosen:
+        outs = []
+        for t in (xla, kern):
+            cache = t.init_cache(1, 64)
+            pos = jnp.arange(8, dtype=jnp.int32)[None]
+            _, _, _, cache = t.decode(t.params, cache, prompt[:, :6], pos[:, :6], jnp.array([0]))  # prefill
+            tree = jnp.asarray(np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)[None])
+            logits, aux, final, _ = t.decode(t.params, cache, prompt[:, 5:8], jnp.asarray([[6, 7, 7]]), jnp.array([6]),
+                                             aux_layer_ids=t.default_aux_layer_ids(), chunk_mask=tree)
+            outs.append((logits, final))
+        assert _diff(outs[0][0], outs[1][0]) < 1e-5 and _diff(outs[0][1], outs[1][1]) < 1e-5
+        prompts = [[5, 17, 3, 9, 11, 2, 40], [3, 1, 4], list(range(20, 33))]
+        rows = [SpecLoop(SpecDecoder(t, random_draft(t), num_spec_tokens=3)).generate(prompts, max_new_tokens=10)
+                for t in (xla, kern)]
+    assert chosen["decode_attention"] == {"xla", "pallas_gpu"}  # the kernel ran (and the prefills took xla)
+    for a, b in zip(*rows):
+        assert (a.tokens, a.accept_lengths, a.accepted_per_position) == (b.tokens, b.accept_lengths,
+                                                                         b.accepted_per_position)
