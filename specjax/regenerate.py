@@ -4,7 +4,9 @@ EAGLE drafts learn best on text the target itself generates. For every conversat
 assistant turn(s) are dropped (the system/user/... context and earlier assistant turns stay), the
 target answers, and its answer becomes the new last turn. With `--turns all` (config
 `regenerate.turns: all`) every turn is answered in order instead, each after the target's own earlier
-answers, and none of the source's answers stays (`regen.common.answer_every_turn`). Output: parquet shards
+answers, and none of the source's answers stays (`regen.common.answer_every_turn`); when a later
+prompt must drop older exchanges to fit `max_prompt_tokens`, the conversation as it stood is written
+as a row of its own first (a "window"), so every answer the target gave is trained on. Output: parquet shards
 `shard-NNNNNN.parquet` (columns `messages`, `source_index`) plus `manifest.json`, a directory that
 `data.train_files` can point at.
 
@@ -58,7 +60,10 @@ class Summary:
     tokens_generated: int = 0  # this run
     truncated: int = 0  # answers cut by max_new_tokens (kept)
     shortened: int = 0  # prompts whose oldest turns were dropped to fit (long_prompts=drop_oldest_turns)
-    turns_answered: int = 0  # assistant turns written, all shards (turns="all": several per conversation)
+    turns_answered: int = 0  # assistant turns answered, all shards (turns="all": several per conversation)
+    # turns="all": rows that are a finished window of a conversation whose later prompt dropped older
+    # turns (regen.common.Conversation.windows); its answers kept in that prompt are in both rows
+    windows: int = 0
     cut: dict = dataclasses.field(default_factory=dict)  # turns="all": reason -> conversations ended early
     shards_written: int = 0
     shards_resumed: int = 0
@@ -133,6 +138,7 @@ def regenerate(
     resume: bool = False,
     generate_fn: Callable | None = None,
     turns: str = "last",
+    decode_attention: str = "auto",
 ) -> Summary:
     """Run the stage; see the module docstring. Unset sampling values come from the target's
     generation_config.json (jax back end), else greedy with 512 new tokens."""
@@ -227,6 +233,9 @@ def _run(*, t0, redactor, key, **a) -> Summary:
             summary.shards_resumed += 1
             summary.written += int(st.get("written", 0))
             summary.turns_answered += int(st.get("turns_answered", st.get("written", 0)))
+            summary.windows += int(st.get("windows", 0))
+            summary.truncated += int(st.get("truncated", 0))
+            summary.shortened += int(st.get("shortened", 0))
             for r, n in (st.get("skipped") or {}).items():
                 _count(summary.skipped, r, int(n))
             for r, n in (st.get("cut") or {}).items():
@@ -235,7 +244,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         if engine is None:  # load the model / open the client only when there is work
             engine = _make_backend(a, temperature=temperature, top_p=top_p, max_new=max_new, redactor=redactor)
         rows, skipped, cut = [], {}, {}
-        tokens = truncated = shortened = turns = 0
+        tokens = truncated = shortened = turns = windows = 0
         if a["turns"] == "all":
             for it, conv in zip(chunk, answer_every_turn(engine.answer, chunk)):
                 tokens += conv.new_tokens
@@ -247,7 +256,8 @@ def _run(*, t0, redactor, key, **a) -> Summary:
                 turns += conv.turns
                 if conv.cut_reason:
                     _count(cut, f"turn {conv.turns + 1} of {conv.rounds}: {conv.cut_reason}")
-                rows.append((conv.messages, it.source_index))
+                windows += len(conv.windows)
+                rows.extend((m, it.source_index) for m in conv.rows())
         else:
             for it, ans in zip(chunk, engine.answer(chunk)):
                 tokens += ans.new_tokens
@@ -261,7 +271,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
                 turns += 1
         write_shard(out_dir, k, rows, {"written": len(rows), "skipped": skipped, "tokens_generated": tokens,
                                        "truncated": truncated, "shortened": shortened, "turns_answered": turns,
-                                       "cut": cut})
+                                       "cut": cut, "windows": windows})
         summary.shards_written += 1
         summary.written += len(rows)
         summary.written_this_run += len(rows)
@@ -269,6 +279,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         summary.truncated += truncated
         summary.shortened += shortened
         summary.turns_answered += turns
+        summary.windows += windows
         for r, n in skipped.items():
             _count(summary.skipped, r, n)
         for r, n in cut.items():
@@ -309,7 +320,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         check_chat_template(tok, a["chat_template"])
     except ChatTemplateUnusable as e:
         raise RegenerateError(str(e)) from e
-    target = load_target(a["target"], dtype=a["dtype"])
+    target = load_target(a["target"], dtype=a["dtype"], decode_attention_implementation=a["decode_attention"])
     if len(tok) > target.config.vocab_size:
         raise RegenerateError(f"the tokenizer has {len(tok)} tokens but the target's vocab_size is "
                               f"{target.config.vocab_size}; use the target's own tokenizer")
@@ -337,7 +348,7 @@ def run_from_config(cfg) -> str:
         api_key_env=r.api_key_env, limit=r.limit, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
         top_p=r.top_p, seed=r.seed, batch_size=r.batch_size, max_prompt_tokens=r.max_prompt_tokens,
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
-        keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns,
+        keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns, decode_attention=cfg.kernels.decode_attention,
     )
     return summary.out_dir
 
@@ -390,7 +401,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: importing orbax (through specjax.config) lets absl call basicConfig() at WARNING first,
+    # which would make this call a no-op and hide every shard's progress line and the summary
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     for noisy in ("absl", "jax._src", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -152,7 +152,9 @@ def generate(
     eos_arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
     eos_arr[: len(eos)] = eos
     sample = float(temperature) > 0.0
-    b = min(int(batch_size), len(prompts))
+    # the batch is padded to a power of two (>= 8, <= batch_size): regeneration with turns="all" calls
+    # this once per round with ever fewer prompts, and each distinct batch would compile anew
+    b = min(int(batch_size), max(8, 1 << (len(prompts) - 1).bit_length()))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch together
     root = jax.random.PRNGKey(int(seed))
     for batch_no, lo in enumerate(range(0, len(order), b)):

@@ -86,6 +86,14 @@ class Conversation:
     new_tokens: int = 0
     truncated: int = 0  # answers stopped by max_new_tokens (kept)
     shortened: bool = False  # older turns were dropped to fit a prompt
+    # finished windows: the conversation as it stood (ending with the target's answer) each time a
+    # later prompt had to drop older turns to fit; each is a training row of its own, so no answer
+    # the target gave is lost (the turns kept in the shortened prompt appear in both rows)
+    windows: list = dataclasses.field(default_factory=list)
+
+    def rows(self) -> list:
+        """The training rows of this conversation: its finished windows, then the last one."""
+        return [*self.windows, self.messages] if self.messages is not None else []
 
 
 def answer_every_turn(answer, items) -> list[Conversation]:
@@ -94,7 +102,8 @@ def answer_every_turn(answer, items) -> list[Conversation]:
     source's next messages) in one `answer(items)` call, so a batched back end batches across
     conversations. A turn that cannot be answered ends its conversation there (`cut_reason`; the first
     turn: `skip_reason`). When a back end drops older turns to fit (`Answer.prompt`), the
-    conversation continues from what the target saw."""
+    conversation continues from what the target saw, and what it held before is kept as a finished
+    window (`Conversation.windows`)."""
     rounds = [answer_rounds(it.prompt) for it in items]
     convs = [Conversation(messages=None, rounds=len(r)) for r in rounds]
     state: list[list[dict]] = [[] for _ in items]
@@ -120,6 +129,8 @@ def answer_every_turn(answer, items) -> list[Conversation]:
                 continue
             c.truncated += int(ans.truncated)
             c.shortened |= ans.prompt is not None
+            if ans.prompt is not None and state[i]:
+                c.windows.append(state[i])
             state[i] = list(ans.prompt if ans.prompt is not None else it.prompt) + [
                 {"role": "assistant", "content": ans.content}]
             c.messages, c.turns = state[i], c.turns + 1

@@ -320,6 +320,10 @@ def test_answer_every_turn_rounds_and_cuts():
     assert (convs[2].turns, convs[2].cut_reason) == (1, "prompt longer than max_prompt_tokens")
     assert [m["content"] for m in convs[3].messages] == ["shorten", "ok", "after", "T(after)"]
     assert convs[3].shortened and convs[3].turns == 3 and convs[3].cut_reason is None
+    # what the conversation held before the prompt was shortened is a finished window: no answer is lost
+    assert [[m["content"] for m in w] for w in convs[3].windows] == [["p0", "T(p0)"]]
+    assert convs[3].rows() == [convs[3].windows[0], convs[3].messages]
+    assert convs[0].windows == [] and convs[1].rows() == []
 
 
 def test_regenerate_every_turn_through_the_stage(tiny_target, source, tmp_path):
