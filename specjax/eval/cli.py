@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="run each turn as one device program per side (spec_loop.SpecLoop for speculative, "
                          "generate.generate for greedy) instead of one jitted call per step; same outputs, "
                          "no host round trip per step")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="with --device-loop and temperature 0: decode this many prompts at once (each turn one "
+                         "batched program); tau and counts are unchanged, tok/s become batch throughputs")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy baseline (no speedup, no equality check)")
     ap.add_argument("--max-mismatches", type=int, default=0,
                     help="turns allowed to differ from greedy at temperature 0 before the exit code is 1 "
@@ -98,6 +101,10 @@ def _check_args(a) -> Optional[str]:
         return "--limit must be >= 1"
     if a.max_new_tokens < 1:
         return "--max-new-tokens must be >= 1"
+    if a.batch_size < 1:
+        return "--batch-size must be >= 1"
+    if a.batch_size > 1 and not (a.device_loop and a.temperature == 0.0):
+        return "--batch-size > 1 needs --device-loop and --temperature 0 (batched greedy decoding)"
     if not a.temperature >= 0:
         return "--temperature must be >= 0"
     if a.mode == "tree" and a.temperature > 0:
@@ -170,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, eos_ids=eos,
                       seed=args.seed, with_greedy=with_greedy, warmup=args.warmup, progress=progress,
                       deadline=None if args.budget_s is None else started + args.budget_s,
-                      record_tokens=args.record_tokens)
+                      record_tokens=args.record_tokens, batch_size=args.batch_size)
     cut = len(records) < len(prompts)
     if cut:
         print(f"--budget-s {args.budget_s:g}: stopped after {len(records)} of {len(prompts)} prompts; the results "
@@ -191,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "tree_top_k": args.tree_top_k, "dtype": args.dtype,
                    "matmul_precision": decoder.matmul_precision or "default", "seed": args.seed, "warmup": args.warmup,
                    "eos_token_ids": list(eos), "greedy_baseline": with_greedy, "device_loop": args.device_loop,
-                   "record_tokens": args.record_tokens},
+                   "record_tokens": args.record_tokens, "batch_size": args.batch_size},
         "versions": versions(),
         "device": device_info(),
         "statistics": {"unit": "prompt (all turns of a conversation)", "level": 0.95,

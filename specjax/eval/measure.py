@@ -145,6 +145,58 @@ def run_prompt(decoder, tokenizer, template: str, prompt, *, num_spec_tokens: in
                          "turns": turns}, num_spec_tokens)
 
 
+def run_prompts_batched(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_tokens: int,
+                        max_new_tokens: int, eos_ids: Sequence[int], with_greedy: bool, retime: bool = False,
+                        record_tokens: bool = False) -> list[dict]:
+    """`run_prompt` for several prompts at once, greedy only: turn t of every prompt that has one runs
+    as one batched device program per side (a `DeviceLoopDecoder`'s `generate_many` / `greedy_many`),
+    each conversation continuing from its own earlier answers. Rows are independent, so the records'
+    tokens and counts equal `run_prompt`'s for each prompt alone; a turn's wall_s is its equal share of
+    the batch's wall (speeds are batch throughputs, not batch-1 latencies)."""
+    spec_msgs: list[list[dict]] = [[] for _ in prompts]
+    greedy_msgs: list[list[dict]] = [[] for _ in prompts]
+    turns: list[list[dict]] = [[] for _ in prompts]
+    eos = tuple(eos_ids)
+    for t in range(max(len(p.turns) for p in prompts)):
+        live = [i for i, p in enumerate(prompts) if t < len(p.turns)]
+        ids = []
+        for i in live:
+            spec_msgs[i].append({"role": "user", "content": prompts[i].turns[t]})
+            ids.append(render_prompt(tokenizer, template, spec_msgs[i]))
+        res, rerun = _steady(lambda: decoder.generate_many(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos),
+                             retime)
+        greedy = [None] * len(live)
+        if with_greedy:
+            g_ids = []
+            for i in live:
+                greedy_msgs[i].append({"role": "user", "content": prompts[i].turns[t]})
+                g_ids.append(render_prompt(tokenizer, template, greedy_msgs[i]))
+            greedy, g_rerun = _steady(lambda: decoder.greedy_many(g_ids, max_new_tokens=max_new_tokens,
+                                                                  eos_token_ids=eos), retime)
+            rerun += g_rerun
+        for j, i in enumerate(live):
+            r = res[j]
+            turn = {"prompt_tokens": len(ids[j]), "spec": _spec_numbers(r, num_spec_tokens), "greedy": None,
+                    "match": None, "reruns": rerun, "batch": len(live)}
+            if record_tokens:
+                turn["prompt_ids"] = [int(x) for x in ids[j]]
+                turn["output_ids"] = [int(x) for x in r.tokens]
+            spec_msgs[i].append({"role": "assistant", "content": tokenizer.decode(r.tokens, skip_special_tokens=True)})
+            g = greedy[j]
+            if g is not None:
+                turn["greedy"] = {"prompt_tokens": len(g_ids[j]), "new_tokens": len(g.tokens), "wall_s": float(g.wall_s)}
+                greedy_msgs[i].append({"role": "assistant", "content": tokenizer.decode(g.tokens, skip_special_tokens=True)})
+                turn["match"] = list(r.tokens) == list(g.tokens) and g_ids[j] == ids[j]
+                if not turn["match"]:
+                    k = _first_divergence(r.tokens, g.tokens)
+                    turn["first_divergence"] = k
+                    turn["spec_tail"] = [int(x) for x in r.tokens[k:k + 8]]
+                    turn["greedy_tail"] = [int(x) for x in g.tokens[k:k + 8]]
+            turns[i].append(turn)
+    return [_with_totals({"id": p.id, "dataset": p.dataset, "category": p.category, "turns": turns[i]},
+                         num_spec_tokens) for i, p in enumerate(prompts)]
+
+
 def _with_totals(rec: dict, num_spec_tokens: int) -> dict:
     turns = rec["turns"]
     tot = {
@@ -169,18 +221,37 @@ def measure(decoder, tokenizer, template: str, prompts: Sequence, *, num_spec_to
             max_new_tokens: int, temperature: float = 0.0, eos_ids: Sequence[int] = (), seed: int = 0,
             with_greedy: bool = True, warmup: int = 1, retime: bool = True,
             progress: Optional[Callable[[int, int, dict], None]] = None,
-            deadline: Optional[float] = None, record_tokens: bool = False) -> list[dict]:
+            deadline: Optional[float] = None, record_tokens: bool = False, batch_size: int = 1) -> list[dict]:
     """Run every prompt and return the per-prompt records. Compilation is kept out of the timings:
     `warmup` prompts are run once untimed first, and with `retime` any call that still compiles
     (a new shape bucket: prompt length, cache size) is run again and the second run is timed.
     With `deadline` (a time.time() value) no prompt is started after it; the records measured so far
-    are returned, so a time-limited run keeps whole prompts in order (the first n)."""
+    are returned, so a time-limited run keeps whole prompts in order (the first n).
+    `batch_size` > 1 (greedy, a `DeviceLoopDecoder`): prompts run `batch_size` at a time
+    (`run_prompts_batched`); the deadline is checked between batches."""
     kw = dict(num_spec_tokens=num_spec_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
               eos_ids=eos_ids, seed=seed, with_greedy=with_greedy, retime=retime)
+    records = []
+    if batch_size > 1:  # no batch-1 warmup (it would compile other shapes): `retime` re-runs a batch that compiled
+        kw["record_tokens"] = record_tokens
+        if temperature != 0.0:
+            raise ValueError("batch_size > 1 measures greedy decoding only (batched rows would draw from other "
+                             "seeds than one prompt at a time); use temperature 0 or batch_size 1")
+        if not hasattr(decoder, "generate_many"):
+            raise ValueError("batch_size > 1 needs the device-loop decoder (specjax.eval --device-loop)")
+        prompts = list(prompts)
+        kw.pop("temperature"), kw.pop("seed")
+        for lo in range(0, len(prompts), batch_size):
+            if deadline is not None and time.time() >= deadline:
+                break
+            records += run_prompts_batched(decoder, tokenizer, template, prompts[lo: lo + batch_size], **kw)
+            if progress is not None:
+                for j in range(lo, len(records)):
+                    progress(j + 1, len(prompts), records[j])
+        return records
     for p in list(prompts)[:max(0, warmup)]:
         run_prompt(decoder, tokenizer, template, p, **dict(kw, retime=False))
     kw["record_tokens"] = record_tokens
-    records = []
     for i, p in enumerate(prompts):
         if deadline is not None and time.time() >= deadline:
             break

@@ -232,13 +232,30 @@ class DeviceLoopDecoder:
                                   eos_token_ids=eos_token_ids, seed=seed, batch_size=1)[0]
 
     def greedy(self, prompt_ids: Sequence[int], *, max_new_tokens: int, eos_token_ids=()) -> SpecResult:
+        return self.greedy_many([prompt_ids], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)[0]
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids=()
+                      ) -> list[SpecResult]:
+        """Greedy speculative decoding of several prompts as one batched device program (rows are
+        independent: each equals `generate` of that prompt alone). Every result's wall_s is the batch's
+        wall time divided by the number of rows (an equal share, so per-prompt sums add up to the wall)."""
+        res = self.loop.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                                 eos_token_ids=eos_token_ids, batch_size=len(prompts))
+        return [dataclasses.replace(r, wall_s=r.wall_s / len(prompts)) for r in res]
+
+    def greedy_many(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids=()
+                    ) -> list[SpecResult]:
+        """Plain greedy decoding of several prompts as one batched program (wall_s shared as above)."""
         from specjax.eval.generate import generate
 
         t0 = time.perf_counter()
         with self.dec._precision():
-            toks = generate(self.dec.target, [list(prompt_ids)], max_new_tokens=max_new_tokens,
-                            eos_token_ids=eos_token_ids, batch_size=1)[0]
-        wall = time.perf_counter() - t0
-        # target calls after the prefill, as SpecDecoder.greedy counts them: none after a length stop
-        steps = len(toks) - 1 if len(toks) == int(max_new_tokens) else len(toks)
-        return SpecResult(toks, [1] * max(steps, 0), [0] * self.dec.k, max(steps, 0), 0.0, wall, wall)
+            outs = generate(self.dec.target, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
+                            eos_token_ids=eos_token_ids, batch_size=len(prompts))
+        wall = (time.perf_counter() - t0) / len(prompts)
+        results = []
+        for toks in outs:
+            # target calls after the prefill, as SpecDecoder.greedy counts them: none after a length stop
+            steps = len(toks) - 1 if len(toks) == int(max_new_tokens) else len(toks)
+            results.append(SpecResult(toks, [1] * max(steps, 0), [0] * self.dec.k, max(steps, 0), 0.0, wall, wall))
+        return results

@@ -149,18 +149,25 @@ def test_eval_cli_writes_results_and_compares(tiny_target, draft_dir, prompt_fil
 def test_eval_cli_device_loop_records_equal_the_host_decoder(tiny_target, draft_dir, prompt_file, tmp_path, capsys):
     """--device-loop (every turn one device program per side) gives the host decoder's records: the
     same prompt and output ids per turn, accept lengths, per-position counts and greedy outputs;
-    only the timings differ. Both at temperature 0 and at temperature 1 (same keys, same draws)."""
+    only the timings differ. Both at temperature 0 and at temperature 1 (same keys, same draws). At
+    temperature 0 also --batch-size 3 (each turn of three prompts one batched program, prompts with
+    one and with two turns mixed): the same records again."""
+    modes = {"host": [], "device": ["--device-loop"], "batched": ["--device-loop", "--batch-size", "3"]}
     for extra in ((), ("--temperature", "1.0", "--no-greedy")):
         recs = {}
-        for mode in ("host", "device"):
+        for mode in (("host", "device", "batched") if not extra else ("host", "device")):
             out = tmp_path / f"{mode}{len(extra)}.json"
             args = _args(tiny_target, draft_dir, prompt_file, out, "--warmup", "0", "--record-tokens", *extra)
-            assert main(args + (["--device-loop"] if mode == "device" else [])) == 0
+            assert main(args + modes[mode]) == 0
             recs[mode] = json.loads(out.read_text())
         assert recs["device"]["config"]["device_loop"] is True and recs["host"]["config"]["device_loop"] is False
         turns = {m: [t for p in r["prompts"] for t in p["turns"]] for m, r in recs.items()}
         assert len(turns["host"]) == len(turns["device"]) >= 4
-        for h, d in zip(turns["host"], turns["device"]):
+        if "batched" in recs:
+            assert recs["batched"]["config"]["batch_size"] == 3
+            assert len(turns["batched"]) == len(turns["host"]) and max(t["batch"] for t in turns["batched"]) == 3
+        pairs = [(h, d) for m in turns if m != "host" for h, d in zip(turns["host"], turns[m])]
+        for h, d in pairs:
             assert (h["prompt_ids"], h["output_ids"]) == (d["prompt_ids"], d["output_ids"])
             for key in ("new_tokens", "num_steps", "accept_lengths", "accepted_per_position"):
                 assert h["spec"][key] == d["spec"][key], key
@@ -181,6 +188,8 @@ def test_eval_cli_rejects_bad_arguments(tiny_target, tmp_path, capsys):
     bad.write_text("{}")
     assert main(["--target", tiny_target, "--draft", tiny_target, "--compare", str(bad), "--margin", "1"]) == 2
     assert "not a specjax.eval results file" in capsys.readouterr().err
+    assert main(["--target", tiny_target, "--draft", tiny_target, "--batch-size", "4"]) == 2
+    assert "--batch-size > 1 needs --device-loop" in capsys.readouterr().err
 
 
 def test_eval_cli_mismatch_is_an_error(tiny_target, draft_dir, prompt_file, monkeypatch, tmp_path, capsys):
