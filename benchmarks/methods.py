@@ -161,6 +161,7 @@ def cmd_gpu(a) -> int:
                    "--prompts", ds, "--limit", str(a.limit), "--num-spec-tokens", str(NUM_SPEC_TOKENS),
                    "--max-new-tokens", str(a.max_new_tokens), "--dtype", "float32", "--record-tokens",
                    "--budget-s", str(a.eval_budget_s), "--out", res] + (["--device-loop"] if a.device_loop else [])
+            cmd += shlex.split(a.eval_args)  # later flags win (argparse): e.g. --dtype bfloat16 --no-greedy
             jobs.append((cmd, os.path.join(a.out, f"eval_{t['name']}_{ds}.log")))
     bad = 0
     while jobs:
@@ -348,6 +349,8 @@ def main(argv=None) -> int:
                    help="train named variants of --config instead of the methods (repeatable); e.g. "
                         "k1=data.max_rows=1000")
     g.add_argument("--device-loop", action="store_true", help="specjax.eval --device-loop (one device program a turn)")
+    g.add_argument("--eval-args", default="", help="more specjax.eval flags, e.g. '--dtype bfloat16 --no-greedy' "
+                   "(tau of a bf16 target without the greedy baseline: half the decoding)")
     v = sub.add_parser("vllm", help="serve the heads in vLLM on the prompt ids specjax.eval recorded")
     v.add_argument("--out", required=True)
     v.add_argument("--heads", default=None, help="folder holding heads/<method> (default: --out)")
