@@ -29,6 +29,7 @@ from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
 from specjax_kernels._select import record_choice, target_platform
 from specjax_kernels.ttt_attention import ttt_attention
+from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
 
 # query block used under context parallelism when the target config sets none (same result)
 CP_Q_BLOCK = 512
@@ -310,9 +311,10 @@ def _grouped(q_btnh, k_bskh, v_bskh, mask, scale, q_block):
 
 def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh):
     """Context parallelism (forward only): each `context` shard keeps its query rows, all-gathers
-    K/V (tiled, so shard c sees keys 0..T-1 in order) and computes exactly its rows. With a
-    SegmentCausalMask only the segment ids cross devices; an array mask is split by rows
-    ([B, T/C, T] per shard). See docs/architecture.md."""
+    K/V (tiled, so shard c sees keys 0..T-1 in order) and computes exactly its rows. A
+    SegmentCausalMask (the training forward) runs the blockwise online softmax of
+    `ttt_attention_context_parallel`; only the segment ids cross devices. An array mask is split by
+    rows ([B, T/C, T] per shard) and takes the plain blocked path. See docs/architecture.md."""
     t = q_btnh.shape[1]
     meshlib.check_context_divides(t, mesh, "target attention")
     q_spec = meshlib.spec_for(q_btnh.shape, ("batch", "seq", "heads", None), mesh)
@@ -328,6 +330,14 @@ def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh):
     # a single device's [B, N, q_block, T].
     block = max((q_block or CP_Q_BLOCK) // mesh.shape[axis], 1)
     lazy = isinstance(mask_bts, SegmentCausalMask)
+    if lazy:
+        # the training forward's segment-causal self-attention: step 0 of the TTT attention, whose
+        # context-parallel form walks the gathered keys block by block with an online softmax from
+        # each shard's global offset (O(T/C x block) scores per device, never [B, N, block, T])
+        record_choice("target_attention", "ttt_attention context parallel")
+        return ttt_attention_context_parallel(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, mesh=mesh,
+                                              axis=axis, q_spec=q_spec, kv_spec=kv_spec, scale=scale,
+                                              block_size=block)
     m_in, m_spec = (mask_bts.segment_ids, P(batch, axis)) if lazy else (mask_bts, P(batch, axis, None))
 
     def body(q, k, v, m):
