@@ -201,6 +201,9 @@ def cmd_vllm(a) -> int:
         head_dir = os.path.abspath(os.path.join(a.heads or a.out, "heads", h["name"].replace(".", "_")))
         spec = vllm_speculative_config(head_dir, NUM_SPEC_TOKENS)
         for ds in DATASETS:
+            if not os.path.isfile(os.path.join(a.out, f"eval_{h['name']}_{ds}.json")):
+                _log(f"{h['name']}/{ds}: no specjax.eval result in {a.out}; not run in vLLM")
+                continue
             res, recs = _records(a.out, h["name"], ds, a.prompts_per_set)
             prompts = [t["prompt_ids"] for r in recs for t in r["turns"]]
             runs.append({"name": f"{h['name']}/{ds}", "speculative_config": spec, "prompts": prompts,
