@@ -172,3 +172,26 @@ def test_decode_attention_pallas_gpu(dtype, T):
         got = jax.jit(lambda *a: pallas_gpu.decode_attention(*a, 0.125))(q, k, v, jnp.int32(2), mask, limit)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < tol
+
+
+# ---- the context-parallel block-0 forward with a global query offset (issue 23) --------------------------
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_ttt_fwd0_offset_pallas_gpu(dtype):
+    """pallas_gpu.fwd0_offset (a shard's queries against all-gathered keys) equals xla.fwd0_offset at
+    query offsets 0, a middle shard and the last shard; packed segments."""
+    from specjax_kernels.ttt_attention import pallas_gpu, xla
+
+    rng = np.random.default_rng(0)
+    B, Tk, Hq, Hkv, D, bs = 2, 1024, 8, 2, 64, 64
+    k = jnp.asarray(rng.normal(size=(B, Tk, Hkv, D)), dtype)
+    v = jnp.asarray(rng.normal(size=(B, Tk, Hkv, D)), dtype)
+    seg = jnp.asarray(np.sort(rng.integers(1, 5, size=(B, Tk)), axis=1), jnp.int32)
+    for shard in (0, 1, 3):  # 4 shards of 256 query rows
+        q = jnp.asarray(rng.normal(size=(B, 256, Hq, D)), dtype)
+        sq = seg[:, shard * 256:(shard + 1) * 256]
+        with jax.default_matmul_precision("highest"):
+            o_x, l_x = xla.fwd0_offset(q, k, v, sq, seg, shard * 256 // bs, 0.125, block=bs)
+            o_p, l_p = jax.jit(lambda *a: pallas_gpu.fwd0_offset(*a, 0.125, block=bs))(q, k, v, sq, seg,
+                                                                                       jnp.int32(shard * 256 // bs))
+        tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+        assert float(jnp.abs(o_p - o_x).max()) < tol and float(jnp.abs(l_p - l_x).max()) < tol, shard

@@ -34,8 +34,10 @@ T = 32
 # ------------------------------------------------------------------------------------------
 # the kernel alone
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("C,extra,k", [(4, {}, 3), (8, {}, 0), (2, {"fsdp": 2, "tensor": 2}, 2)])
-def test_ttt_attention_cp_matches_reference(C, extra, k):
+@pytest.mark.parametrize("C,extra,k,forward", [(4, {}, 3, "xla"), (8, {}, 0, "xla"), (2, {"fsdp": 2, "tensor": 2}, 2, "xla"),
+                                               (4, {}, 3, "pallas_gpu"), (8, {}, 0, "pallas_gpu")])
+def test_ttt_attention_cp_matches_reference(C, extra, k, forward):
+    # forward="pallas_gpu": the Triton forward with a global query offset, in interpret mode here
     B, Hq, Hkv, D = 2, 4, 2, 8
     n = C * int(np.prod(list(extra.values()) or [1]))
     mesh = meshlib.make_mesh({"context": C, **extra}, jax.devices()[:n])
@@ -55,7 +57,7 @@ def test_ttt_attention_cp_matches_reference(C, extra, k):
 
     g_ref, o_ref = run(lambda q, k0, v0, kd, vd: ttt_reference(q, k0, v0, kd, vd, seg))
     g_cp, o_cp = run(lambda q, k0, v0, kd, vd: ttt_attention_context_parallel(
-        q, k0, v0, kd, vd, seg, mesh=mesh, q_spec=qs, kv_spec=ks, block_size=4))
+        q, k0, v0, kd, vd, seg, mesh=mesh, q_spec=qs, kv_spec=ks, block_size=4, forward=forward))
     np.testing.assert_allclose(o_cp, o_ref, atol=TOL, rtol=TOL)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL), g_cp, g_ref)
 
@@ -112,6 +114,13 @@ def test_target_attention_cp_lazy_and_array_masks():
                     got = jax.jit(lambda q, k, v, m, qb=qb: dot_product_attention(q, k, v, m, scale=D**-0.5,
                                                                                    q_block=qb))(q, k, v, mask)
                 np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    # kernels.target_attention=pallas_gpu under context parallelism: the offset Triton forward (interpreted)
+    from specjax_kernels._select import recording_choices
+    with meshlib.use_mesh(mesh), recording_choices() as chosen:
+        got = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m, scale=D**-0.5, q_block=16,
+                                                               implementation="pallas_gpu"))(q, k, v, lazy)
+    assert chosen["target_attention"] == {"ttt_attention context parallel (pallas_gpu)"}
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
 
 
 # ------------------------------------------------------------------------------------------

@@ -36,20 +36,31 @@ def _block_for(t_local: int, block: int) -> int:
     return 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _local(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs):
-    out, _ = _local_fwd(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _local(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs, fwd_impl):
+    out, _ = _local_fwd(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs, fwd_impl)
     return out
 
 
-def _local_fwd(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs):
-    o0, lse0 = fwd0_offset(q, kf, vf, seg_q, seg_k, qb0, scale, block=bs)
+def _forward_block0(fwd_impl: str):
+    """The block-0 forward with a global query offset: xla's lax loops, or the pallas_gpu kernel
+    (Triton on a GPU, interpret mode on the CPU). Both return the same (o, lse), so the backward
+    (xla's `bwd0_offset`) is shared."""
+    if fwd_impl == "xla":
+        return fwd0_offset
+    from specjax_kernels._select import target_platform
+    from specjax_kernels.ttt_attention import pallas_gpu
+    return functools.partial(pallas_gpu.fwd0_offset, interpret=target_platform() != "gpu")
+
+
+def _local_fwd(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs, fwd_impl):
+    o0, lse0 = _forward_block0(fwd_impl)(q, kf, vf, seg_q, seg_k, qb0, scale, block=bs)
     out, lse = _merge(q, kd, vd, o0, lse0, scale)
     out = out.astype(q.dtype)
     return out, (q, kf, vf, kd, vd, seg_q, seg_k, qb0, out, lse)
 
 
-def _local_bwd(scale, bs, res, do):
+def _local_bwd(scale, bs, fwd_impl, res, do):
     q, kf, vf, kd, vd, seg_q, seg_k, qb0, out, lse = res
     delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)
     dq, dk, dv = bwd0_offset(q, kf, vf, seg_q, seg_k, qb0, do, lse, delta, scale, block=bs)
@@ -67,13 +78,18 @@ _local.defvjp(_local_fwd, _local_bwd)
 
 def ttt_attention_context_parallel(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, *,
                                    mesh: Mesh, axis: str = "context", q_spec: P | None = None,
-                                   kv_spec: P | None = None, scale=None, block_size=None):
+                                   kv_spec: P | None = None, scale=None, block_size=None,
+                                   forward: str = "xla"):
     """Same contract as `ttt_attention(...)` (q [B,T,Hq,D], k0/v0 [B,T,Hkv,D], k_diag/v_diag
     [k,B,T,Hkv,D], segment_ids [B,T]), computed with T split over mesh axis `axis`.
 
     q_spec / kv_spec: how q and k0/v0 are laid out on the mesh (their dim 1 must be `axis`); the
     batch and head dims may be sharded too (heads: whole GQA groups per shard). Default: only the
-    sequence is sharded."""
+    sequence is sharded. `forward`: "xla" (lax loops) or "pallas_gpu" (the Triton kernel with a global
+    query offset, `pallas_gpu.fwd0_offset`: interpret-tested on the CPU, not yet run on a GPU, so it
+    is opt-in); the backward is xla's either way."""
+    if forward not in ("xla", "pallas_gpu"):
+        raise ValueError(f"context-parallel ttt_attention: forward must be 'xla' or 'pallas_gpu', got {forward!r}")
     check_inputs(q, k0, v0, k_diag, v_diag, segment_ids)
     B, T, _, D = q.shape
     C = mesh.shape[axis]
@@ -91,6 +107,12 @@ def ttt_attention_context_parallel(q, k0, v0, k_diag=None, v_diag=None, segment_
     scale = float(D**-0.5 if scale is None else scale)
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     bs = _block_for(T // C, block_size or DEFAULT_BLOCK)
+    from specjax_kernels._select import target_platform
+
+    if forward == "pallas_gpu" and target_platform() == "gpu" and (bs < 16 or bs & (bs - 1) or D < 16 or D & (D - 1)):
+        raise ValueError(f"context-parallel ttt_attention forward='pallas_gpu' needs a block (here {bs}, the largest "
+                         f"divisor of the shard length {T // C} <= {block_size or DEFAULT_BLOCK}) and head_dim ({D}) "
+                         f"that are powers of two >= 16; use forward='xla'")
     has_diag = k_diag is not None and k_diag.shape[0] > 0
 
     def body(q, k0, v0, seg, *diag):
@@ -100,7 +122,7 @@ def ttt_attention_context_parallel(q, k0, v0, k_diag=None, v_diag=None, segment_
         vf = lax.all_gather(v0, axis, axis=1, tiled=True)
         segf = lax.all_gather(seg, axis, axis=1, tiled=True)
         kd, vd = diag if diag else (None, None)
-        return _local(q, kf, vf, kd, vd, seg, segf, c * (t_local // bs), scale, bs)
+        return _local(q, kf, vf, kd, vd, seg, segf, c * (t_local // bs), scale, bs, forward)
 
     args = (q, k0, v0, seg) + ((k_diag, v_diag) if has_diag else ())
     specs = (q_spec, kv_spec, kv_spec, seg_spec) + ((d_spec, d_spec) if has_diag else ())

@@ -57,6 +57,64 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, bm, bn, scale, 
     lse_ref[...] = m + jnp.log(l)
 
 
+def _fwd_offset_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, bm, bn, scale):
+    """`_fwd_kernel` for query rows that start at global row `off` of a key sequence that starts at 0
+    (a context-parallel shard's queries against the all-gathered keys): the causal bound and the
+    unmasked / diagonal split are global, the query segment ids local."""
+    i = pl.program_id(0)
+    off = off_ref[0]
+    q = q_ref[...]
+    q0 = off + i * bm
+    qpos = q0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    qseg = segq_ref[pl.ds(i * bm, bm)]
+
+    def body(j, carry, causal):
+        acc, m, l = carry
+        k = k_ref[pl.ds(j * bn, bn), :]
+        v = v_ref[pl.ds(j * bn, bn), :]
+        s = _dot(q, k) * scale
+        if causal:
+            kpos = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+            s = jnp.where(qpos >= kpos, s, MASK)
+        s = jnp.where(qseg[:, None] == segk_ref[pl.ds(j * bn, bn)][None, :], s, MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[:, None] + _mm(p.astype(v.dtype), v)
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    carry = (jnp.zeros(q.shape, f32), jnp.full((bm,), MASK, f32), jnp.zeros((bm,), f32))
+    below = q0 // bn
+    carry = lax.fori_loop(0, below, functools.partial(body, causal=False), carry)
+    acc, m, l = lax.fori_loop(below, (q0 + bm + bn - 1) // bn, functools.partial(body, causal=True), carry)
+    o_ref[...] = acc / l[:, None]
+    lse_ref[...] = m + jnp.log(l)
+
+
+def fwd0_offset(q, k, v, seg_q, seg_k, q_block0, scale, *, block, interpret=False):
+    """Same contract as `xla.fwd0_offset` (o f32 [B,Tq,Hq,D], lse [B,Tq,Hq]): queries starting at global
+    block `q_block0` (traced) of keys [B,Tk,Hkv,D] that start at 0; Tq, Tk multiples of `block`."""
+    B, Tq, HQ, D = q.shape
+    Tk = k.shape[1]
+    G = HQ // k.shape[2]
+    bm = bn = block
+    off = (jnp.asarray(q_block0, jnp.int32) * block).reshape(1)
+    kern = functools.partial(_fwd_offset_kernel, bm=bm, bn=bn, scale=scale)
+    o, lse = _call(
+        kern, (Tq // bm, B, HQ),
+        [pl.BlockSpec((1,), lambda i, b, h: (0,)),
+         pl.BlockSpec((None, bm, None, D), lambda i, b, h: (b, i, h, 0)),
+         pl.BlockSpec((None, Tk, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+         pl.BlockSpec((None, Tk, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+         pl.BlockSpec((None, Tq), lambda i, b, h: (b, 0)),
+         pl.BlockSpec((None, Tk), lambda i, b, h: (b, 0))],
+        [pl.BlockSpec((None, bm, None, D), lambda i, b, h: (b, i, h, 0)),
+         pl.BlockSpec((None, None, bm), lambda i, b, h: (b, h, i))],
+        [jax.ShapeDtypeStruct((B, Tq, HQ, D), f32), jax.ShapeDtypeStruct((B, HQ, Tq), f32)],
+        interpret, "ttt_block0_fwd_offset", warps=4, stages=3)(off, q, k, v, seg_q, seg_k)
+    return o, lse.transpose(0, 2, 1)
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, bm, bn, scale, has_seg):
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]

@@ -265,7 +265,7 @@ def dot_product_attention(
     # Heads are grouped as HF's repeat_kv does: query head i uses kv head i // (N // K).
     cp_mesh = meshlib.context_mesh()
     if cp_mesh is not None and k_bskh.shape[1] == t:  # training-time self-attention (not a KV-cache decode)
-        return _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, cp_mesh)
+        return _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, cp_mesh, implementation)
     if implementation in (None, "auto"):
         implementation = "auto" if target_platform() in ("gpu", "tpu") else "plain"
     if implementation != "plain" and isinstance(mask_bts, SegmentCausalMask) and k_bskh.shape[1] == t:
@@ -309,7 +309,7 @@ def _grouped(q_btnh, k_bskh, v_bskh, mask, scale, q_block):
     return jnp.moveaxis(out, 0, 1).reshape(b, t, n, h)
 
 
-def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh):
+def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh, implementation=None):
     """Context parallelism (forward only): each `context` shard keeps its query rows, all-gathers
     K/V (tiled, so shard c sees keys 0..T-1 in order) and computes exactly its rows. A
     SegmentCausalMask (the training forward) runs the blockwise online softmax of
@@ -334,10 +334,13 @@ def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh):
         # the training forward's segment-causal self-attention: step 0 of the TTT attention, whose
         # context-parallel form walks the gathered keys block by block with an online softmax from
         # each shard's global offset (O(T/C x block) scores per device, never [B, N, block, T])
-        record_choice("target_attention", "ttt_attention context parallel")
+        # kernels.target_attention=pallas_gpu opts into the Triton forward with a global query offset
+        # (interpret-tested; auto keeps the lax loops until it has run on a GPU)
+        forward = "pallas_gpu" if implementation == "pallas_gpu" else "xla"
+        record_choice("target_attention", f"ttt_attention context parallel ({forward})")
         return ttt_attention_context_parallel(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, mesh=mesh,
                                               axis=axis, q_spec=q_spec, kv_spec=kv_spec, scale=scale,
-                                              block_size=block)
+                                              block_size=block, forward=forward)
     m_in, m_spec = (mask_bts.segment_ids, P(batch, axis)) if lazy else (mask_bts, P(batch, axis, None))
 
     def body(q, k, v, m):
