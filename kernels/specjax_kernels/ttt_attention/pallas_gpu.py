@@ -26,47 +26,11 @@ DEFAULT_BLOCK = 64  # query and key tile (a power of two >= 16 for the Triton lo
 _compiler_params, _dot, _mm = compiler_params, dot_nt, mm
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, bm, bn, scale, has_seg):
-    i = pl.program_id(0)
-    q = q_ref[...]
-    qpos = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-    qseg = seg_ref[pl.ds(i * bm, bm)] if has_seg else None
-
-    def body(j, carry, causal):
-        acc, m, l = carry
-        k = k_ref[pl.ds(j * bn, bn), :]
-        v = v_ref[pl.ds(j * bn, bn), :]
-        s = _dot(q, k) * scale
-        if causal:
-            kpos = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-            s = jnp.where(qpos >= kpos, s, MASK)
-        if has_seg:
-            kseg = seg_ref[pl.ds(j * bn, bn)]
-            s = jnp.where(qseg[:, None] == kseg[None, :], s, MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + _mm(p.astype(v.dtype), v)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
-
-    carry = (jnp.zeros(q.shape, f32), jnp.full((bm,), MASK, f32), jnp.zeros((bm,), f32))
-    below = (i * bm) // bn
-    carry = lax.fori_loop(0, below, functools.partial(body, causal=False), carry)
-    acc, m, l = lax.fori_loop(below, ((i + 1) * bm) // bn, functools.partial(body, causal=True), carry)
-    o_ref[...] = acc / l[:, None]
-    lse_ref[...] = m + jnp.log(l)
-
-
-def _fwd_offset_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, bm, bn, scale):
-    """`_fwd_kernel` for query rows that start at global row `off` of a key sequence that starts at 0
-    (a context-parallel shard's queries against the all-gathered keys): the causal bound and the
-    unmasked / diagonal split are global, the query segment ids local."""
-    i = pl.program_id(0)
-    off = off_ref[0]
-    q = q_ref[...]
-    q0 = off + i * bm
+def _causal_walk(q, k_ref, v_ref, o_ref, lse_ref, q0, qseg, kseg_ref, *, bm, bn, scale):
+    """Online-softmax forward of the query tile whose first row is global row `q0` (may be traced):
+    the key blocks wholly below it unmasked, then the blocks the diagonal crosses with the causal
+    mask; segment ids (query tile `qseg`, keys from `kseg_ref`) when given."""
     qpos = q0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-    qseg = segq_ref[pl.ds(i * bm, bm)]
 
     def body(j, carry, causal):
         acc, m, l = carry
@@ -76,7 +40,9 @@ def _fwd_offset_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, 
         if causal:
             kpos = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
             s = jnp.where(qpos >= kpos, s, MASK)
-        s = jnp.where(qseg[:, None] == segk_ref[pl.ds(j * bn, bn)][None, :], s, MASK)
+        if qseg is not None:
+            kseg = kseg_ref[pl.ds(j * bn, bn)]
+            s = jnp.where(qseg[:, None] == kseg[None, :], s, MASK)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -89,6 +55,21 @@ def _fwd_offset_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, 
     acc, m, l = lax.fori_loop(below, (q0 + bm + bn - 1) // bn, functools.partial(body, causal=True), carry)
     o_ref[...] = acc / l[:, None]
     lse_ref[...] = m + jnp.log(l)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, bm, bn, scale, has_seg):
+    i = pl.program_id(0)
+    qseg = seg_ref[pl.ds(i * bm, bm)] if has_seg else None
+    _causal_walk(q_ref[...], k_ref, v_ref, o_ref, lse_ref, i * bm, qseg, seg_ref, bm=bm, bn=bn, scale=scale)
+
+
+def _fwd_offset_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, bm, bn, scale):
+    """`_fwd_kernel` for query rows that start at global row `off` of a key sequence that starts at 0
+    (a context-parallel shard's queries against the all-gathered keys): the causal bound and the
+    unmasked / diagonal split are global, the query segment ids local."""
+    i = pl.program_id(0)
+    _causal_walk(q_ref[...], k_ref, v_ref, o_ref, lse_ref, off_ref[0] + i * bm, segq_ref[pl.ds(i * bm, bm)],
+                 segk_ref, bm=bm, bn=bn, scale=scale)
 
 
 def fwd0_offset(q, k, v, seg_q, seg_k, q_block0, scale, *, block, interpret=False):
