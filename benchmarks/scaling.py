@@ -11,7 +11,8 @@ requires, and the JSON/markdown state the depth used. Draft: EAGLE-3 from the ta
 vocab 32000, 7 TTT steps, AdamW, bf16 compute. Target attention runs in query blocks of 512
 (attention_q_block) so its score buffer is [B, 32, 512, T], not [B, 32, T, T].
 
-(i) throughput, the same run (global batch B x T) on: 1 GPU; 2 GPUs data=2; 2 GPUs fsdp=2.
+(i) throughput, the same run (global batch B x T) on: 1 GPU; 2 GPUs data=2; 2 GPUs fsdp=2, the frozen target
+    sharded over fsdp and kept whole (parallelism.target_sharding=replicated).
     tokens/s = B*T*steps / wall time of the timed steps (after a warm-up step that compiles),
     per GPU = / devices; scaling = tokens/s(2 GPUs) / tokens/s(1 GPU).
 (ii) longest sequence at batch 1 that trains, context=1 (1 GPU) vs context=2 (2 GPUs, the explicit
@@ -106,7 +107,7 @@ class Bench:
         return self.a.budget_s - (time.time() - self.t0)
 
     # ---- one configuration: build, compile, (run) -------------------------------------------------
-    def build(self, sizes, n_dev, B, T):
+    def build(self, sizes, n_dev, B, T, target_exclude=()):
         jax, jnp, np = self.jax, self.jnp, self.np
         from specjax import mesh as meshlib
         from specjax.config import OptimConfig
@@ -122,7 +123,8 @@ class Bench:
         dparams = eagle3.init_draft_params(dcfg, jax.random.key(1))
         opt = make_optimizer(OptimConfig(), 1000)
         ttt = TTTConfig(ttt_steps=self.a.ttt_steps)
-        fns = build_step_fns(self.target, self.target.params, dparams, dcfg, ttt, opt, mesh, self.dtype)
+        fns = build_step_fns(self.target, self.target.params, dparams, dcfg, ttt, opt, mesh, self.dtype,
+                             target_exclude=target_exclude)
         rng = np.random.default_rng(0)
         draft_ids = np.sort(rng.choice(V, Vd, replace=False))
         vocab = {"draft_ids": jnp.asarray(draft_ids, jnp.int32),
@@ -167,11 +169,16 @@ class Bench:
     def throughput(self):
         a, jax = self.a, self.jax
         rows = []
-        configs = [("1 GPU", {"data": 1}, 1), ("2 GPUs data=2", {"data": 2}, 2), ("2 GPUs fsdp=2", {"fsdp": 2}, 2)]
-        for name, sizes, n in configs:
-            row = {"config": name, "mesh": sizes, "devices": n, "batch": [a.batch, a.seq]}
+        # fsdp=2 twice: the frozen target sharded like the draft (all-gathered every step) and kept whole
+        # on both GPUs (parallelism.target_sharding=replicated: only the draft and optimizer are sharded)
+        configs = [("1 GPU", {"data": 1}, 1, ()), ("2 GPUs data=2", {"data": 2}, 2, ()),
+                   ("2 GPUs fsdp=2", {"fsdp": 2}, 2, ()),
+                   ("2 GPUs fsdp=2, target replicated", {"fsdp": 2}, 2, ("fsdp",))]
+        for name, sizes, n, exclude in configs:
+            row = {"config": name, "mesh": sizes, "devices": n, "batch": [a.batch, a.seq],
+                   "target_sharding": "replicated" if exclude else "fsdp"}
             try:
-                compiled, materialise, compile_s, plan = self.build(sizes, n, a.batch, a.seq)
+                compiled, materialise, compile_s, plan = self.build(sizes, n, a.batch, a.seq, exclude)
                 state, tparams, vocab, batch = materialise()
                 state, m = compiled(state, tparams, vocab, batch)  # warm-up (first touch, autotuning)
                 jax.block_until_ready(m["loss"])

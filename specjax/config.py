@@ -211,6 +211,16 @@ class ParallelismConfig(_Checked):
     tensor: int = _ranged(1, ge=1)
     context: int = _ranged(1, ge=1)
     expert: int = _ranged(1, ge=1)
+    # the frozen target's weights: "fsdp" shards them like the draft's (their hidden dim over `fsdp`:
+    # least memory, but the step all-gathers the whole target every time); "replicated" keeps them
+    # whole on every fsdp shard (tensor / expert sharding still applies), so only the draft and its
+    # optimizer state are FSDP-sharded and the step gathers no target weights
+    target_sharding: Literal["fsdp", "replicated"] = "fsdp"
+
+    @property
+    def target_excluded_axes(self) -> tuple[str, ...]:
+        """Mesh axes the target's weights are not sharded over."""
+        return ("fsdp",) if self.target_sharding == "replicated" else ()
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ def make_mesh(sizes: dict[str, int], devices: Optional[Sequence[jax.Device]] = N
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def logical_to_pspec(logical: Optional[Sequence[Optional[str]]], mesh: Mesh) -> P:
+def logical_to_pspec(logical: Optional[Sequence[Optional[str]]], mesh: Mesh, exclude: Sequence[str] = ()) -> P:
+    """The PartitionSpec of a logical-axis tuple under RULES; mesh axes in `exclude` are not used
+    (e.g. the frozen target kept whole across `fsdp`: parallelism.target_sharding)."""
     if logical is None:
         return P()
     out, used = [], set()
@@ -79,7 +81,7 @@ def logical_to_pspec(logical: Optional[Sequence[Optional[str]]], mesh: Mesh) -> 
             raise KeyError(f"logical axis `{name}` has no rule in specjax.mesh.RULES")
         axes = (phys,) if isinstance(phys, str) else tuple(phys or ())
         # drop mesh axes of size 1 and axes already used by an earlier dim
-        axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
+        axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used and a not in exclude)
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
@@ -97,21 +99,22 @@ def _fits(shape: Sequence[int], spec: P, mesh: Mesh) -> P:
     return P(*fixed)
 
 
-def named_sharding(mesh: Mesh, logical, shape=None) -> NamedSharding:
-    spec = logical_to_pspec(logical, mesh)
+def named_sharding(mesh: Mesh, logical, shape=None, exclude: Sequence[str] = ()) -> NamedSharding:
+    spec = logical_to_pspec(logical, mesh, exclude)
     if shape is not None:
         spec = _fits(shape, spec, mesh)
     return NamedSharding(mesh, spec)
 
 
-def tree_shardings(mesh: Mesh, logical_tree, shape_tree) -> Any:
-    """Shardings for a pytree given a matching tree of logical-axis tuples and of arrays/shapes."""
+def tree_shardings(mesh: Mesh, logical_tree, shape_tree, exclude: Sequence[str] = ()) -> Any:
+    """Shardings for a pytree given a matching tree of logical-axis tuples and of arrays/shapes
+    (mesh axes in `exclude` left out, see `logical_to_pspec`)."""
     is_leaf = lambda x: x is None or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
     flat_logical, _ = jax.tree_util.tree_flatten(logical_tree, is_leaf=is_leaf)
     flat_shapes, treedef = jax.tree_util.tree_flatten(shape_tree)
     if len(flat_logical) != len(flat_shapes):
         raise ValueError("logical-axis tree does not match the parameter tree")
-    out = [named_sharding(mesh, lg, np.shape(s) if not hasattr(s, "shape") else s.shape)
+    out = [named_sharding(mesh, lg, np.shape(s) if not hasattr(s, "shape") else s.shape, exclude)
            for lg, s in zip(flat_logical, flat_shapes)]
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -117,15 +117,16 @@ def kernel_overrides(cfg: Config, cls) -> dict:
     return out
 
 
-def target_shardings(cls, config, mesh):
+def target_shardings(cls, config, mesh, exclude=()):
     """NamedShardings for every target leaf from its weight map, known before any weight is read,
-    so the loader puts each tensor straight onto its shards (no full host copy of a big target)."""
+    so the loader puts each tensor straight onto its shards (no full host copy of a big target).
+    `exclude`: mesh axes not to shard over (parallelism.target_excluded_axes)."""
 
     logical, shapes = {}, {}
     for spec in cls.weight_specs(config):
         tree_set(logical, spec.path, spec.axes)
         tree_set(shapes, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.float32))
-    return meshlib.tree_shardings(mesh, logical, shapes)
+    return meshlib.tree_shardings(mesh, logical, shapes, exclude)
 
 
 def build_target(cfg: Config, mesh=None):
@@ -146,7 +147,8 @@ def build_target(cfg: Config, mesh=None):
     hf = read_hf_config(path)
     cls = get_target_class(hf)
     overrides = kernel_overrides(cfg, cls)
-    shardings = None if mesh is None else target_shardings(cls, cls.config_from_hf(hf, **overrides), mesh)
+    shardings = None if mesh is None else target_shardings(cls, cls.config_from_hf(hf, **overrides), mesh,
+                                                           cfg.parallelism.target_excluded_axes)
     return load_target(path, dtype=cfg.target.dtype, shardings=shardings, **overrides)
 
 
@@ -362,7 +364,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     compute_dtype = jnp.float32 if (dtype or cfg.target.dtype) == "float32" else jnp.bfloat16
     dshape = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
     ttt = make_objective_config(cfg, draft_cfg)
-    fns = build_step_fns(target, target.params, dshape, draft_cfg, ttt, optimizer, mesh, compute_dtype)
+    fns = build_step_fns(target, target.params, dshape, draft_cfg, ttt, optimizer, mesh, compute_dtype,
+                         target_exclude=cfg.parallelism.target_excluded_axes)
     return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, ttt=ttt,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                     compute_dtype=compute_dtype, draft_params_shape=dshape, fns=fns)

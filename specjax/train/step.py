@@ -123,7 +123,7 @@ def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
 
 
 def build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimizer,
-                   mesh: Mesh, compute_dtype=jnp.float32) -> StepFns:
+                   mesh: Mesh, compute_dtype=jnp.float32, target_exclude=()) -> StepFns:
     loss_fn = make_loss_fn(target, draft_cfg, ttt, compute_dtype)
     replicated = NamedSharding(mesh, P())
     param_sh = meshlib.tree_shardings(mesh, draft_types.param_logical_axes(draft_cfg), draft_params)
@@ -132,7 +132,7 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimize
         "params": param_sh,
         "opt_state": opt_state_shardings(optimizer, draft_params, param_sh, mesh),
     }
-    target_sh = meshlib.tree_shardings(mesh, target.param_logical_axes(), target_params)
+    target_sh = meshlib.tree_shardings(mesh, target.param_logical_axes(), target_params, target_exclude)
     vocab_sh = {"draft_ids": replicated, "t2d": replicated, "d2t": replicated}
     batch_sh = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
     batch_shs = {k: batch_sh for k in BATCH_KEYS}

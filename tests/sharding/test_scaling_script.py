@@ -25,7 +25,7 @@ def test_tiny_run_writes_results(scaling, tmp_path):
     rep = json.loads((out / "scaling.json").read_text())
     md = (out / "scaling.md").read_text()
     thr = {r["config"]: r for r in rep["throughput"]}
-    assert set(thr) == {"1 GPU", "2 GPUs data=2", "2 GPUs fsdp=2"}
+    assert set(thr) == {"1 GPU", "2 GPUs data=2", "2 GPUs fsdp=2", "2 GPUs fsdp=2, target replicated"}
     for r in thr.values():
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / r["devices"])
