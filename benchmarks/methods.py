@@ -280,7 +280,8 @@ def cmd_report(a) -> int:
                        for i in range(NUM_SPEC_TOKENS)]
             lines.append(f"| {h['name']} | {ds} | {len(recs)} / {s['n_turns']} | {sum(steps)} | "
                          f"{_ci(_tau(steps, acc))} | {' '.join(f'{x:.2f}' for x in per_pos)} | "
-                         f"{s['n_turns'] - s['mismatched_turns']}/{s['n_turns']} |")
+                         + (f"{s['n_turns'] - s['mismatched_turns']}/{s['n_turns']} |"
+                            if res["config"].get("greedy_baseline", True) else "not run (--no-greedy) |"))
     if vllm is not None:
         lines += ["", "| method | dataset | prompts / turns | specjax steps | vLLM drafts | specjax accepted/pos | "
                   "vLLM accepted/pos | τ specjax [95% CI] | τ vLLM [95% CI] | outputs equal (turns) | "
