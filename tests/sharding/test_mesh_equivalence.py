@@ -48,11 +48,12 @@ def _setup():
     return target, dcfg, params, batch, vocab
 
 
-def _train(mesh_sizes, n_devices):
+def _train(mesh_sizes, n_devices, target_exclude=()):
     target, dcfg, params, batch, vocab = _setup()
     mesh = meshlib.make_mesh(mesh_sizes, jax.devices()[:n_devices])
     opt = make_optimizer(OptimConfig(lr=1e-4, warmup_ratio=0.0), 10)  # the default lr
-    fns = build_step_fns(target, target.params, params, dcfg, TTTConfig(ttt_steps=3, vocab_chunk=64), opt, mesh)
+    fns = build_step_fns(target, target.params, params, dcfg, TTTConfig(ttt_steps=3, vocab_chunk=64), opt, mesh,
+                         target_exclude=target_exclude)
     state = jax.device_put(init_state(params, opt), fns.state_shardings)
     tparams = jax.device_put(target.params, fns.target_shardings)
     vocab = jax.device_put(vocab, fns.vocab_shardings)
@@ -92,37 +93,19 @@ def test_sharded_equals_single_device(single, name):
     assert golden.get(name) == shardings, f"shardings for {name} changed; see {GOLDEN}"
 
 
-def test_fsdp_with_the_target_replicated():
-    """parallelism.target_sharding=replicated: on fsdp=2 x tensor=2 the frozen target's weights keep no
-    `fsdp` axis (whole on each fsdp shard, still tensor-sharded) while the draft stays FSDP-sharded,
-    and three steps equal the single-device run (fp32, 1e-5)."""
+def test_fsdp_with_the_target_replicated(single):
+    """parallelism.target_sharding=replicated: on data=2 x fsdp=2 x tensor=2 the frozen target's weights
+    keep no `fsdp` axis (whole on each fsdp shard, still tensor-sharded) while the draft stays
+    FSDP-sharded, and three steps equal the single-device run (fp32, 1e-5)."""
     from specjax.config import ParallelismConfig
 
     assert ParallelismConfig(target_sharding="replicated").target_excluded_axes == ("fsdp",)
     assert ParallelismConfig().target_excluded_axes == ()
-    target, dcfg, params, batch, vocab = _setup()
-    mesh = meshlib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()[:8])
-    opt = make_optimizer(OptimConfig(lr=1e-4, warmup_ratio=0.0), 10)
-    runs = {}
+    ref_metrics, ref_params, _ = single
     for exclude in ((), ("fsdp",)):
-        fns = build_step_fns(target, target.params, params, dcfg, TTTConfig(ttt_steps=3, vocab_chunk=64), opt, mesh,
-                             target_exclude=exclude)
-        target_specs = {str(s.spec) for s in jax.tree_util.tree_leaves(fns.target_shardings)}
-        param_specs = {str(s.spec) for s in jax.tree_util.tree_leaves(fns.state_shardings["params"])}
-        assert any("fsdp" in s for s in param_specs)  # the draft is FSDP-sharded either way
-        assert any("fsdp" in s for s in target_specs) == (not exclude), target_specs
-        assert any("tensor" in s for s in target_specs)
-        fresh = jax.tree_util.tree_map(np.array, params)  # the step donates its state
-        state = jax.device_put(init_state(fresh, opt), fns.state_shardings)
-        tparams = jax.device_put(target.params, fns.target_shardings)
-        v = jax.device_put(vocab, fns.vocab_shardings)
-        gbatch = {k: jax.device_put(batch[k], fns.batch_sharding) for k in BATCH_KEYS}
-        losses = []
-        for _ in range(3):
-            state, m = fns.train_step(state, tparams, v, gbatch)
-            losses.append(float(m["loss"]))
-        runs[exclude] = (losses, jax.device_get(state["params"]))
-    ref_losses, ref_params, _ = _train({"data": 1}, 1)
-    for losses, p in runs.values():
-        np.testing.assert_allclose(losses, [m["loss"] for m in ref_losses], rtol=1e-5)
-        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), p, ref_params)
+        metrics, params, shardings = _train({"data": 2, "fsdp": 2, "tensor": 2}, 8, target_exclude=exclude)
+        assert any("fsdp" in s for s in shardings["params"].values())  # the draft is FSDP-sharded either way
+        assert any("fsdp" in s for s in shardings["target"].values()) == (not exclude), shardings["target"]
+        assert any("tensor" in s for s in shardings["target"].values())
+        np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-5)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
