@@ -263,6 +263,27 @@ def test_long_prompts_drop_oldest_turns(tiny_target, tmp_path):
         regenerate(input=str(src), out_dir=out, target=tiny_target, resume=True,
                    **{**settings, "long_prompts": "skip"})
 
+    # turns="all": answering "Name a river." needs the long first exchange dropped, so the conversation
+    # so far is written first as a window of its own; the final row continues from the shortened prompt.
+    # A resume reads the windows, truncated and shortened counts back from the shards.
+    three = lambda target, prompts, **kw: [[ord("x")] * 3 for _ in prompts]  # noqa: E731
+    xxx = tok.decode([ord("x")] * 3)
+    first = [full[0], full[1]]
+    limit = len(backend(10_000, "skip").encode(first))  # round 1 fits exactly; round 2 does not
+    assert len(backend(10_000, "skip").encode(first + [{"role": "assistant", "content": xxx}, full[3]])) > limit
+    out_all = str(tmp_path / "regen_all")
+    settings_all = {**SETTINGS, "max_prompt_tokens": limit, "long_prompts": "drop_oldest_turns", "turns": "all",
+                    "max_new_tokens": 3}
+    s = regenerate(input=str(src), out_dir=out_all, target=tiny_target, generate_fn=three, **settings_all)
+    rows = [r["messages"] for r in shard_rows(out_all)["shard-000000.parquet"]]
+    answer = {"role": "assistant", "content": xxx}
+    assert rows == [first + [answer], [full[0], full[3], answer, full[5], answer]]
+    assert (s.written, s.windows, s.turns_answered, s.shortened, s.truncated) == (2, 1, 3, 1, 3)
+    again = regenerate(input=str(src), out_dir=out_all, target=tiny_target, generate_fn=three, resume=True,
+                       **settings_all)
+    assert (again.written, again.windows, again.turns_answered, again.shortened, again.truncated,
+            again.tokens_generated) == (2, 1, 3, 1, 3, 0)
+
     # a manifest from before the key existed resumes under the default ("skip") and no other
     old = str(tmp_path / "old")
     regenerate(input=str(src), out_dir=old, target=tiny_target, **{**SETTINGS, "max_prompt_tokens": n_kept})
