@@ -1,14 +1,21 @@
-"""Regeneration speed: `specjax.eval.generate` (prefill + one `lax.while_loop` of one-token steps per
-batch, what `regenerate` with the JAX back end runs) on a target of a config.json's shape with random
-weights drawn on the device, random prompt ids and no EOS (every row runs `--max-new-tokens`), per
-batch size and per `kernels.decode_attention` implementation, side by side in one process.
+"""Regeneration speed on a target of a config.json's shape with random weights drawn on the device and
+random prompt ids, per batch size, per `kernels.decode_attention` implementation and per engine, side by
+side in one process:
+  generate    `specjax.eval.generate`: static batches (prefill + one `lax.while_loop` of one-token
+              steps per batch, until the batch's longest answer ends)
+  continuous  `specjax.eval.continuous.ContinuousGenerator` (what `regenerate` with the JAX back end
+              runs): `batch` cache rows, each refilled with the next prompt when its answer ends
 
     python benchmarks/regen_speed.py [--random-target configs/targets/smollm2_135m] [--batch 256,512]
-        [--prompt-len 600] [--max-new-tokens 384] [--impl xla,auto] [--repeats 2] [--out results.json]
+        [--prompts 4x] [--prompt-len 600] [--max-new-tokens 384] [--eos-ids 0] [--impl xla,auto]
+        [--engine generate] [--repeats 2] [--out results.json]
 
-Generated tok/s = batch x max_new_tokens / wall of one `generate` call (host included), after one
-untimed call (the compile); `step_ms` = wall / max_new_tokens. The outputs of the implementations are
-compared token for token (bf16 near-ties may flip a row; counted, not asserted).
+`--eos-ids N` makes N random token ids end a turn, so answers end at random lengths as real ones do
+(with random weights each step ends a row with probability about N / vocab); 0 = no EOS, every row
+runs `--max-new-tokens`. Generated tok/s = new tokens (EOS cut) / wall of one call over all `--prompts`
+prompts (host included), after one untimed call (the compile). The outputs of every arm are compared
+token for token with the first (bf16 near-ties may flip a row; counted, not asserted; sampled arms
+draw differently per engine, so only their lengths compare).
 """
 from __future__ import annotations
 
@@ -28,6 +35,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--random-target", default=os.path.join(ROOT, "configs/targets/smollm2_135m"))
     ap.add_argument("--batch", default="256,512")
+    ap.add_argument("--prompts", default="1x", help="prompts per run: N, or Kx = K x the batch")
+    ap.add_argument("--eos-ids", type=int, default=0, help="random token ids that end a turn (0: none)")
+    ap.add_argument("--engine", default="generate", help="generate,continuous")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0 samples (random weights decode greedily into a few repeated tokens, which rarely are "
+                         "an EOS; sampled tokens end rows at random lengths with --eos-ids)")
+    ap.add_argument("--segment-steps", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=600)
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--impl", default="xla,auto", help="kernels.decode_attention values to compare")
@@ -39,6 +53,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
+    from specjax.eval.continuous import ContinuousGenerator, Request
     from specjax.eval.generate import generate
     from specjax.targets.loading import read_hf_config
     from specjax.targets.shapes import make_target, random_params_on_device
@@ -48,36 +63,58 @@ def main(argv=None) -> int:
     base = make_target(hf)
     params = random_params_on_device(type(base), base.config, dtype=a.dtype)
     rng = np.random.default_rng(0)
+    vocab = base.config.vocab_size
+    eos = rng.choice(vocab, size=a.eos_ids, replace=False).tolist() if a.eos_ids else []
+
+    def run(target, engine, prompts, batch):
+        if engine == "generate":
+            return generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=batch, eos_token_ids=eos,
+                            temperature=a.temperature)
+        got = {}
+
+        def done(key, tokens):
+            got[key] = tokens
+
+        gen = ContinuousGenerator(target, batch_size=batch, max_prompt_tokens=a.prompt_len,
+                                  max_new_tokens=a.max_new_tokens, eos_token_ids=eos, segment_steps=a.segment_steps,
+                                  temperature=a.temperature)
+        gen.run((Request(i, tuple(p)) for i, p in enumerate(prompts)), done)
+        return [got[i] for i in range(len(prompts))]
+
     rows = []
     for batch in [int(x) for x in a.batch.split(",")]:
-        lens = rng.integers(a.prompt_len // 2, a.prompt_len + 1, size=batch)
-        prompts = [rng.integers(0, base.config.vocab_size, size=int(n)).tolist() for n in lens]
+        n = int(a.prompts[:-1]) * batch if a.prompts.endswith("x") else int(a.prompts)
+        lens = rng.integers(a.prompt_len // 2, a.prompt_len + 1, size=n)
+        prompts = [rng.integers(0, vocab, size=int(k)).tolist() for k in lens]
         outs = {}
         for impl in a.impl.split(","):
             cfg = dataclasses.replace(base.config, decode_attention_implementation=impl)
             target = type(base)(cfg, base.hf_config, params)
-            with recording_choices() as chosen:
-                generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=batch)  # compile
-            walls = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                out = generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=batch)
-                walls.append(time.perf_counter() - t0)
-            outs[impl] = out
-            wall = min(walls)
-            row = {"batch": batch, "impl": impl, "chosen": sorted(chosen.get("decode_attention", [])),
-                   "prompt_len_mean": float(lens.mean()), "max_new_tokens": a.max_new_tokens,
-                   "wall_s": [round(w, 3) for w in walls], "tok_per_s": round(batch * a.max_new_tokens / wall, 1),
-                   "step_ms": round(1e3 * wall / a.max_new_tokens, 3)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        ref = outs[a.impl.split(",")[0]]
-        for impl, out in outs.items():
-            same = sum(x == y for x, y in zip(out, ref))
-            print(f"batch {batch}: {impl} rows equal to {a.impl.split(',')[0]}: {same}/{len(ref)}", flush=True)
+            for engine in a.engine.split(","):
+                with recording_choices() as chosen:
+                    run(target, engine, prompts, batch)  # compile
+                walls = []
+                for _ in range(a.repeats):
+                    t0 = time.perf_counter()
+                    out = run(target, engine, prompts, batch)
+                    walls.append(time.perf_counter() - t0)
+                outs[(impl, engine)] = out
+                wall = min(walls)
+                new = sum(len(o) for o in out)
+                row = {"batch": batch, "prompts": n, "impl": impl, "engine": engine,
+                       "chosen": sorted(chosen.get("decode_attention", [])), "prompt_len_mean": float(lens.mean()),
+                       "max_new_tokens": a.max_new_tokens, "eos_ids": a.eos_ids, "temperature": a.temperature, "new_tokens": new,
+                       "mean_answer": round(new / n, 1), "wall_s": [round(w, 3) for w in walls],
+                       "tok_per_s": round(new / wall, 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        first = next(iter(outs))
+        for arm, out in outs.items():
+            same = sum(x == y for x, y in zip(out, outs[first]))
+            print(f"batch {batch}: {arm} rows equal to {first}: {same}/{len(out)}", flush=True)
             for r in rows:
-                if r["batch"] == batch and r["impl"] == impl:
-                    r["rows_equal_first_impl"] = same
+                if r["batch"] == batch and (r["impl"], r["engine"]) == arm:
+                    r["rows_equal_first_arm"] = same
     result = {"machine": platform.node(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "target": a.random_target, "dtype": a.dtype, "rows": rows}

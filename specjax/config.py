@@ -260,7 +260,8 @@ class RegenerateConfig(_Checked):
     max_new_tokens: int = _ranged(512, ge=1)
     temperature: float = _ranged(0.0, ge=0.0)
     top_p: float = _ranged(1.0, gt=0.0, le=1.0)
-    batch_size: int = _ranged(16, ge=1)  # jax backend: prompts generated together
+    batch_size: int = _ranged(16, ge=1)  # jax backend: cache rows (continuous batching: a row takes the next prompt when its answer ends)
+    segment_steps: int = _ranged(16, ge=1)  # jax backend: decoding steps between refills of the rows whose answers ended
     max_prompt_tokens: int = _ranged(1024, ge=1)  # longer prompts are skipped (counted), or shortened (long_prompts)
     # skip | drop_oldest_turns: drop whole exchanges from the start until the prompt fits (the last
     # user turn is never cut)
@@ -272,7 +273,7 @@ class RegenerateConfig(_Checked):
     keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
     seed: int = 0
     # last: answer each conversation's final turn (its earlier assistant turns stay the source's);
-    # all: answer every turn in order, each after the target's own earlier answers (regen.common.answer_every_turn);
+    # all: answer every turn in order, each after the target's own earlier answers (regen.common.ConversationFlow);
     # a conversation that outgrows max_prompt_tokens is written as several rows (its finished windows)
     turns: Literal["last", "all"] = "last"
 

@@ -31,7 +31,8 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 
-from specjax.regen.common import LOGGER_NAME, Item, RegenerateError, Redactor, answer_every_turn, prompt_messages
+from specjax.regen.common import (LOGGER_NAME, ConversationFlow, Item, RegenerateError, Redactor, answer_every_turn,
+                                  prompt_messages)
 from specjax.regen.inputs import canonical_input, iter_rows
 from specjax.regen.output import finished_shards, prepare_output_dir, read_shard_stats, shard_name, write_shard
 
@@ -127,6 +128,7 @@ def regenerate(
     top_p: float | None = None,
     seed: int = 0,
     batch_size: int = 16,
+    segment_steps: int = 16,
     max_prompt_tokens: int = 1024,
     long_prompts: str = "skip",
     concurrency: int = 8,
@@ -150,6 +152,8 @@ def regenerate(
                               f"or 'all' (answer every turn in order), got {turns!r}")
     if shard_size <= 0:
         raise RegenerateError(f"shard_size must be positive, got {shard_size}")
+    if segment_steps <= 0:
+        raise RegenerateError(f"segment_steps must be positive, got {segment_steps}")
     if limit is not None and limit <= 0:
         raise RegenerateError(f"limit must be positive, got {limit}")
     key = os.environ.get(api_key_env) if backend == "openai" else None
@@ -225,72 +229,96 @@ def _run(*, t0, redactor, key, **a) -> Summary:
              f"; resuming, {len(done)} shard(s) done" if resumed else "")
 
     summary = Summary(out_dir=out_dir)
-    engine = None
-    for k, chunk in enumerate(_chunks(_items(source, a["limit"], summary), int(a["shard_size"]))):
-        path = os.path.join(out_dir, shard_name(k))
+    all_turns = a["turns"] == "all"
+    chunks = list(enumerate(_chunks(_items(source, a["limit"], summary), int(a["shard_size"]))))
+    todo = []
+    for k, chunk in chunks:
         if k in done:
-            st = read_shard_stats(path)
-            summary.shards_resumed += 1
-            summary.written += int(st.get("written", 0))
-            summary.turns_answered += int(st.get("turns_answered", st.get("written", 0)))
-            summary.windows += int(st.get("windows", 0))
-            summary.truncated += int(st.get("truncated", 0))
-            summary.shortened += int(st.get("shortened", 0))
-            for r, n in (st.get("skipped") or {}).items():
-                _count(summary.skipped, r, int(n))
-            for r, n in (st.get("cut") or {}).items():
-                _count(summary.cut, r, int(n))
-            continue
-        if engine is None:  # load the model / open the client only when there is work
-            engine = _make_backend(a, temperature=temperature, top_p=top_p, max_new=max_new, redactor=redactor)
-        rows, skipped, cut = [], {}, {}
-        tokens = truncated = shortened = turns = windows = 0
-        if a["turns"] == "all":
-            for it, conv in zip(chunk, answer_every_turn(engine.answer, chunk)):
-                tokens += conv.new_tokens
-                if conv.messages is None:
-                    _count(skipped, conv.skip_reason or "no answer")
-                    continue
-                truncated += conv.truncated
-                shortened += int(conv.shortened)
-                turns += conv.turns
-                if conv.cut_reason:
-                    _count(cut, f"turn {conv.turns + 1} of {conv.rounds}: {conv.cut_reason}")
-                windows += len(conv.windows)
-                rows.extend((m, it.source_index) for m in conv.rows())
+            _count_resumed(summary, read_shard_stats(os.path.join(out_dir, shard_name(k))))
         else:
-            for it, ans in zip(chunk, engine.answer(chunk)):
-                tokens += ans.new_tokens
-                if ans.content is None:
-                    _count(skipped, ans.skip_reason or "no answer")
-                    continue
-                truncated += int(ans.truncated)
-                shortened += int(ans.prompt is not None)
-                prompt = ans.prompt if ans.prompt is not None else it.prompt  # the turns the answer was given to
-                rows.append((list(prompt) + [{"role": "assistant", "content": ans.content}], it.source_index))
-                turns += 1
-        write_shard(out_dir, k, rows, {"written": len(rows), "skipped": skipped, "tokens_generated": tokens,
-                                       "truncated": truncated, "shortened": shortened, "turns_answered": turns,
-                                       "cut": cut, "windows": windows})
-        summary.shards_written += 1
-        summary.written += len(rows)
-        summary.written_this_run += len(rows)
-        summary.tokens_generated += tokens
-        summary.truncated += truncated
-        summary.shortened += shortened
-        summary.turns_answered += turns
-        summary.windows += windows
-        for r, n in skipped.items():
-            _count(summary.skipped, r, n)
-        for r, n in cut.items():
-            _count(summary.cut, r, n)
-        log.info("shard %d: %d rows written, %d skipped, %d tokens (%.1f s so far)", k, len(rows),
-                 sum(skipped.values()), tokens, time.time() - t0)
+            todo.append((k, chunk))
+    if todo:  # load the model / open the client only when there is work
+        engine = _make_backend(a, temperature=temperature, top_p=top_p, max_new=max_new, redactor=redactor)
+        if hasattr(engine, "run_flows"):
+            # every shard's conversations through one continuous batch; a shard is written as soon as
+            # its last conversation ends (its requests go first: priority = shard number)
+            waiting: dict[int, list] = {}
+
+            def flows():
+                for k, chunk in todo:
+                    made = [ConversationFlow(it, all_turns) for it in chunk]
+                    waiting[k] = [chunk, made, len(made)]
+                    for i, f in enumerate(made):
+                        yield (k, i), f, (k,)
+
+            def finished(key, _flow):
+                entry = waiting[key[0]]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del waiting[key[0]]
+                    _write(out_dir, key[0], entry[0], [f.conversation for f in entry[1]], summary, t0)
+
+            stats = engine.run_flows(flows(), finished)
+            log.info("generation: %s", json.dumps(stats))
+            if waiting:
+                raise RuntimeError(f"shards {sorted(waiting)} did not finish")
+        else:
+            for k, chunk in todo:
+                _write(out_dir, k, chunk, answer_every_turn(engine.answer, chunk, all_turns), summary, t0)
     if summary.conversations == 0:
         log.warning("the input %s has no conversation with a turn to answer (skipped %s)", source, summary.skipped)
     summary.wall_s = time.time() - t0
     log.info("regeneration done: %s", json.dumps(summary.as_dict()))
     return summary
+
+
+def _count_resumed(summary: Summary, st: dict) -> None:
+    """Add a finished shard's stats (from an earlier run) to the summary."""
+    summary.shards_resumed += 1
+    summary.written += int(st.get("written", 0))
+    summary.turns_answered += int(st.get("turns_answered", st.get("written", 0)))
+    summary.windows += int(st.get("windows", 0))
+    summary.truncated += int(st.get("truncated", 0))
+    summary.shortened += int(st.get("shortened", 0))
+    for r, n in (st.get("skipped") or {}).items():
+        _count(summary.skipped, r, int(n))
+    for r, n in (st.get("cut") or {}).items():
+        _count(summary.cut, r, int(n))
+
+
+def _write(out_dir: str, k: int, chunk: list[Item], convs: list, summary: Summary, t0: float) -> None:
+    """Write shard k from its conversations' results and count them in the summary."""
+    rows, skipped, cut = [], {}, {}
+    tokens = truncated = shortened = turns = windows = 0
+    for it, conv in zip(chunk, convs):
+        tokens += conv.new_tokens
+        if conv.messages is None:
+            _count(skipped, conv.skip_reason or "no answer")
+            continue
+        truncated += conv.truncated
+        shortened += int(conv.shortened)
+        turns += conv.turns
+        if conv.cut_reason:
+            _count(cut, f"turn {conv.turns + 1} of {conv.rounds}: {conv.cut_reason}")
+        windows += len(conv.windows)
+        rows.extend((m, it.source_index) for m in conv.rows())
+    write_shard(out_dir, k, rows, {"written": len(rows), "skipped": skipped, "tokens_generated": tokens,
+                                   "truncated": truncated, "shortened": shortened, "turns_answered": turns,
+                                   "cut": cut, "windows": windows})
+    summary.shards_written += 1
+    summary.written += len(rows)
+    summary.written_this_run += len(rows)
+    summary.tokens_generated += tokens
+    summary.truncated += truncated
+    summary.shortened += shortened
+    summary.turns_answered += turns
+    summary.windows += windows
+    for r, n in skipped.items():
+        _count(summary.skipped, r, n)
+    for r, n in cut.items():
+        _count(summary.cut, r, n)
+    log.info("shard %d: %d rows written, %d skipped, %d tokens (%.1f s so far)", k, len(rows),
+             sum(skipped.values()), tokens, time.time() - t0)
 
 
 def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, redactor: Redactor):
@@ -328,6 +356,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         target, tok, chat_template=a["chat_template"], eos_ids=eos_token_ids(tok, a["target"]),
         max_new_tokens=max_new, temperature=temperature, top_p=top_p,
         max_prompt_tokens=a["max_prompt_tokens"], batch_size=a["batch_size"], seed=a["seed"],
+        segment_steps=a["segment_steps"],
         keep_reasoning=a["keep_reasoning"], generate_fn=a["generate_fn"], long_prompts=a["long_prompts"],
     )
 
@@ -346,7 +375,8 @@ def run_from_config(cfg) -> str:
         tokenizer=cfg.data.tokenizer, chat_template=cfg.data.chat_template, dtype=cfg.target.dtype,
         trust_remote_code=cfg.target.trust_remote_code, model=r.model, endpoint=r.endpoint,
         api_key_env=r.api_key_env, limit=r.limit, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-        top_p=r.top_p, seed=r.seed, batch_size=r.batch_size, max_prompt_tokens=r.max_prompt_tokens,
+        top_p=r.top_p, seed=r.seed, batch_size=r.batch_size, segment_steps=r.segment_steps,
+        max_prompt_tokens=r.max_prompt_tokens,
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
         keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns, decode_attention=cfg.kernels.decode_attention,
     )
@@ -383,7 +413,8 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--tokenizer", help="tokenizer folder (default: the target folder)")
     j.add_argument("--chat-template", help="Jinja template string or .jinja file (default: the tokenizer's)")
     j.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: float32 on CPU, else bfloat16")
-    j.add_argument("--batch-size", type=int, default=16)
+    j.add_argument("--batch-size", type=int, default=16, help="cache rows (continuous batching)")
+    j.add_argument("--segment-steps", type=int, default=16, help="decoding steps between refills of finished rows")
     j.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped (counted)")
     j.add_argument("--long-prompts", choices=("skip", "drop_oldest_turns"), default="skip",
                    help="a prompt over --max-prompt-tokens: skip it, or drop its oldest exchanges until it fits")
@@ -445,7 +476,8 @@ def main(argv=None) -> int:
             trust_remote_code=args.trust_remote_code, model=args.model, endpoint=args.endpoint,
             api_key_env=args.api_key_env, extra_body=extra, limit=args.limit,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+            seed=args.seed, batch_size=args.batch_size, segment_steps=args.segment_steps,
+            max_prompt_tokens=args.max_prompt_tokens,
             long_prompts=args.long_prompts,
             concurrency=args.concurrency, timeout_s=args.timeout, max_retries=args.max_retries,
             shard_size=args.shard_size, keep_reasoning=args.keep_reasoning, resume=args.resume,

@@ -96,48 +96,75 @@ class Conversation:
         return [*self.windows, self.messages] if self.messages is not None else []
 
 
-def answer_every_turn(answer, items) -> list[Conversation]:
-    """Answer every turn of each item's conversation, in order: round r sends, for every conversation
-    that has an r-th turn, its conversation so far (the target's own earlier answers, then the
-    source's next messages) in one `answer(items)` call, so a batched back end batches across
-    conversations. A turn that cannot be answered ends its conversation there (`cut_reason`; the first
-    turn: `skip_reason`). When a back end drops older turns to fit (`Answer.prompt`), the
+class ConversationFlow:
+    """One conversation answered turn by turn: ``next_item()`` is the prompt of its next turn (None
+    once it has ended), ``record(item, answer)`` takes the back end's answer to it, ``conversation``
+    is the result.
+
+    all_turns: every turn in order (``answer_rounds``), each after the target's own earlier answers;
+    else only the last turn, after the source's earlier turns (its earlier answers included). A
+    turn that cannot be answered ends the conversation there (``cut_reason``; the first turn:
+    ``skip_reason``). When a back end drops older turns to fit (``Answer.prompt``), the
     conversation continues from what the target saw, and what it held before is kept as a finished
-    window (`Conversation.windows`)."""
-    rounds = [answer_rounds(it.prompt) for it in items]
-    convs = [Conversation(messages=None, rounds=len(r)) for r in rounds]
-    state: list[list[dict]] = [[] for _ in items]
-    live = [i for i, r in enumerate(rounds) if r]
-    for i, r in enumerate(rounds):
-        if not r:
-            convs[i].skip_reason = "no user turn to answer"
-    r = 0
+    window (``Conversation.windows``)."""
+
+    def __init__(self, item: Item, all_turns: bool = True):
+        self.source_index = item.source_index
+        self.rounds = answer_rounds(item.prompt) if all_turns else [list(item.prompt)]
+        self.conversation = Conversation(messages=None, rounds=len(self.rounds))
+        if not self.rounds:
+            self.conversation.skip_reason = "no user turn to answer"
+        self._state: list[dict] = []
+        self._turn = 0
+        self._ended = not self.rounds
+
+    @property
+    def turn(self) -> int:
+        """Index of the turn ``next_item`` asks for."""
+        return self._turn
+
+    def next_item(self) -> Item | None:
+        if self._ended:
+            return None
+        return Item(self.source_index, tuple(self._state + self.rounds[self._turn]))
+
+    def record(self, item: Item, ans: Answer) -> None:
+        c = self.conversation
+        c.new_tokens += ans.new_tokens
+        if ans.content is None:
+            if self._turn == 0:
+                c.skip_reason = ans.skip_reason or "no answer"
+            else:
+                c.cut_reason = ans.skip_reason or "no answer"
+            self._ended = True
+            return
+        c.truncated += int(ans.truncated)
+        c.shortened |= ans.prompt is not None
+        if ans.prompt is not None and self._state:
+            c.windows.append(self._state)
+        self._state = list(ans.prompt if ans.prompt is not None else item.prompt) + [
+            {"role": "assistant", "content": ans.content}]
+        c.messages, c.turns = self._state, c.turns + 1
+        self._turn += 1
+        self._ended = self._turn >= len(self.rounds)
+
+
+def answer_every_turn(answer, items, all_turns: bool = True) -> list[Conversation]:
+    """Answer every turn of each item's conversation (``ConversationFlow``) in rounds: round r sends,
+    for every conversation that has an r-th turn, its conversation so far in one ``answer(items)``
+    call, so a batched back end batches across conversations. ``all_turns=False``: the last turn
+    only (one round)."""
+    flows = [ConversationFlow(it, all_turns) for it in items]
+    live = [f for f in flows if f.next_item() is not None]
     while live:
-        asked = [Item(items[i].source_index, tuple(state[i] + rounds[i][r])) for i in live]
+        asked = [f.next_item() for f in live]
         answers = answer(asked)
         if len(answers) != len(asked):
             raise RuntimeError(f"the back end returned {len(answers)} answers for {len(asked)} prompts")
-        nxt = []
-        for i, it, ans in zip(live, asked, answers):
-            c = convs[i]
-            c.new_tokens += ans.new_tokens
-            if ans.content is None:
-                if r == 0:
-                    c.skip_reason = ans.skip_reason or "no answer"
-                else:
-                    c.cut_reason = ans.skip_reason or "no answer"
-                continue
-            c.truncated += int(ans.truncated)
-            c.shortened |= ans.prompt is not None
-            if ans.prompt is not None and state[i]:
-                c.windows.append(state[i])
-            state[i] = list(ans.prompt if ans.prompt is not None else it.prompt) + [
-                {"role": "assistant", "content": ans.content}]
-            c.messages, c.turns = state[i], c.turns + 1
-            if r + 1 < len(rounds[i]):
-                nxt.append(i)
-        live, r = nxt, r + 1
-    return convs
+        for f, it, ans in zip(live, asked, answers):
+            f.record(it, ans)
+        live = [f for f in live if f.next_item() is not None]
+    return [f.conversation for f in flows]
 
 
 _THINK_BLOCK = re.compile(re.escape(REASONING_OPEN) + r"(.*?)" + re.escape(REASONING_CLOSE), re.S)

@@ -80,6 +80,7 @@ class JaxBackend:
         keep_reasoning: bool,
         generate_fn: Callable | None = None,
         long_prompts: str = "skip",
+        segment_steps: int = 16,
     ):
         if max_new_tokens <= 0:
             raise RegenerateError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -107,6 +108,9 @@ class JaxBackend:
         self.seed = int(seed)
         self.keep_reasoning = keep_reasoning
         self.long_prompts = long_prompts
+        self.segment_steps = int(segment_steps)
+        # an injected generate function (tests) also answers `run_flows`, in rounds; else continuous batching
+        self.injected = generate_fn is not None
         if generate_fn is None:
             from specjax.eval.generate import generate as generate_fn  # the batched KV-cache decoder
         self.generate_fn = generate_fn
@@ -142,16 +146,9 @@ class JaxBackend:
         used: dict[int, tuple | None] = {}  # the shortened prompt, where older turns were dropped
         todo: list[tuple[int, list[int]]] = []
         for i, it in enumerate(items):
-            try:
-                fitted = self.fit_prompt(it.prompt)
-            except ChatTemplateUnusable:
-                raise  # jinja2 missing, a template that does not compile: not this row's problem
-            except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
-                log.debug("row %d: chat template error: %s", it.source_index, e)
-                out[i] = Answer(None, "chat template error")
-                continue
-            if fitted is None:
-                out[i] = Answer(None, "prompt longer than max_prompt_tokens")
+            fitted = self._fit_or_answer(it)
+            if isinstance(fitted, Answer):
+                out[i] = fitted
             else:
                 ids, used[i] = fitted
                 todo.append((i, ids))
@@ -167,13 +164,78 @@ class JaxBackend:
             if len(gen) != len(todo):
                 raise RuntimeError(f"generate returned {len(gen)} answers for {len(todo)} prompts")
             for (i, _), new in zip(todo, gen):
-                new = [int(t) for t in new]
-                truncated = len(new) >= self.max_new_tokens
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                reasoning, answer = split_reasoning(text)
-                if not answer:
-                    out[i] = Answer(None, "empty answer", len(new), truncated)
-                else:
-                    out[i] = Answer(compose_answer(reasoning, answer, self.keep_reasoning), None, len(new), truncated,
-                                    prompt=used.get(i))
+                out[i] = self.answer_from_tokens(new, used.get(i))
         return out  # type: ignore[return-value]
+
+    def answer_from_tokens(self, new, shortened: tuple | None) -> Answer:
+        """The Answer for the target's new tokens (EOS already cut)."""
+        new = [int(t) for t in new]
+        truncated = len(new) >= self.max_new_tokens
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        reasoning, answer = split_reasoning(text)
+        if not answer:
+            return Answer(None, "empty answer", len(new), truncated)
+        return Answer(compose_answer(reasoning, answer, self.keep_reasoning), None, len(new), truncated,
+                      prompt=shortened)
+
+    def _fit_or_answer(self, item: Item) -> tuple[list[int], tuple | None] | Answer:
+        """(prompt ids, shortened prompt) to generate from, or the Answer that skips this item."""
+        try:
+            fitted = self.fit_prompt(item.prompt)
+        except ChatTemplateUnusable:
+            raise  # jinja2 missing, a template that does not compile: not this row's problem
+        except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
+            log.debug("row %d: chat template error: %s", item.source_index, e)
+            return Answer(None, "chat template error")
+        return Answer(None, "prompt longer than max_prompt_tokens") if fitted is None else fitted
+
+    def run_flows(self, flows, on_finished) -> dict:
+        """Answer conversations (``ConversationFlow``) turn by turn with continuous batching: each
+        answer that ends queues its conversation's next turn at once, so no conversation waits for a
+        round of others. ``flows`` yields (key, flow, priority), lazily; ``on_finished(key, flow)`` is
+        called when a conversation has ended. Returns the engine's counters."""
+        from specjax.eval.continuous import ContinuousGenerator, Request
+
+        def requests(key, flow, priority):
+            """The flow's next request, answering at once the turns that cannot be sent."""
+            while (item := flow.next_item()) is not None:
+                fitted = self._fit_or_answer(item)
+                if isinstance(fitted, Answer):
+                    flow.record(item, fitted)
+                    continue
+                ids, shortened = fitted
+                sample_id = (item.source_index * 1_000_003 + flow.turn) % 2**31
+                return [Request((key, flow, priority, item, shortened), tuple(ids), priority, sample_id)]
+            on_finished(key, flow)
+            return []
+
+        def on_done(rkey, tokens):
+            key, flow, priority, item, shortened = rkey
+            flow.record(item, self.answer_from_tokens(tokens, shortened))
+            return requests(key, flow, priority)
+
+        source = (r for key, flow, priority in flows for r in requests(key, flow, priority))
+        if self.injected:
+            return _run_in_rounds(self, source, on_done)
+        engine = ContinuousGenerator(
+            self.target, batch_size=self.batch_size, max_prompt_tokens=self.max_prompt_tokens,
+            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+            eos_token_ids=self.eos_ids, seed=self.seed, segment_steps=self.segment_steps)
+        engine.run(source, on_done)
+        return dict(engine.stats)
+
+
+def _run_in_rounds(backend: JaxBackend, source, on_done) -> dict:
+    """``run_flows`` through an injected ``generate(target, prompts, **kw)``: every waiting request in
+    one call per round (the tests' fake generators)."""
+    waiting, rounds = list(source), 0
+    while waiting:
+        outs = backend.generate_fn(
+            backend.target, [list(r.ids) for r in waiting], max_new_tokens=backend.max_new_tokens,
+            temperature=backend.temperature, top_p=backend.top_p, eos_token_ids=backend.eos_ids,
+            seed=backend.seed, batch_size=backend.batch_size)
+        if len(outs) != len(waiting):
+            raise RuntimeError(f"generate returned {len(outs)} answers for {len(waiting)} prompts")
+        waiting = [nxt for r, new in zip(waiting, outs) for nxt in on_done(r.key, list(new))]
+        rounds += 1
+    return {"rounds": rounds}

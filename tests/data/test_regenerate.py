@@ -80,7 +80,8 @@ def test_regenerate_resume_and_refusals(tiny_target, source, tmp_path):
     assert s.skipped == {"malformed JSON": 1, "no user turn to answer": 1,
                          "prompt longer than max_prompt_tokens": 1}, s.skipped
     assert s.written + sum(v for k, v in s.skipped.items() if k in ("empty answer",)) == 7
-    assert count.calls == 2 and count.prompts == 7
+    # an injected generate answers every shard's waiting prompts in one call per round (one round here)
+    assert count.calls == 1 and count.prompts == 7
     assert 0 < s.tokens_generated <= 7 * 8
     assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.parquet", "shard-000001.parquet"]
 
@@ -121,7 +122,7 @@ def test_regenerate_resume_and_refusals(tiny_target, source, tmp_path):
     with pytest.raises(ManifestMismatch, match="temperature"):
         regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True,
                    temperature=0.7, **SETTINGS)
-    assert count.calls == 2  # refusals happen before any generation
+    assert count.calls == 1  # refusals happen before any generation
 
     # --- resume after a kill during the second shard: its temporary file is ignored
     os.remove(os.path.join(out, "shard-000001.parquet"))
@@ -130,7 +131,7 @@ def test_regenerate_resume_and_refusals(tiny_target, source, tmp_path):
     # a reader of the folder meanwhile sees the finished shard only
     assert [r.error for r in read_conversations(out)] == [None] * len(first["shard-000000.parquet"])
     s2 = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
-    assert count.calls == 3  # only the missing shard was generated
+    assert (count.calls, count.prompts) == (2, 10)  # only the missing shard's 3 prompts were generated
     assert (s2.shards_resumed, s2.shards_written) == (1, 1)
     assert s2.written == s.written and s2.skipped == s.skipped
     assert shard_rows(out) == first  # greedy answers do not depend on batching: same output
@@ -138,7 +139,7 @@ def test_regenerate_resume_and_refusals(tiny_target, source, tmp_path):
 
     # --- a finished run resumes to nothing
     s3 = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
-    assert count.calls == 3 and s3.shards_resumed == 2 and s3.written == s.written
+    assert count.calls == 2 and s3.shards_resumed == 2 and s3.written == s.written
 
     # --- the output trains: it reads back as conversations and tokenizes with loss masks
     back = list(read_conversations(out))  # the folder, as data.train_files gives it
@@ -165,8 +166,22 @@ def test_input_errors(tiny_target, tmp_path):
 def test_run_from_config_and_launch_stage(tiny_target, source, tmp_path, monkeypatch):
     from specjax.launch import run_regenerate_stage
 
-    calls = Counting(gen_mod.generate)
-    monkeypatch.setattr(gen_mod, "generate", calls)  # the back end looks it up when built
+    import specjax.eval.continuous as cont
+
+    class Runs:  # counts the continuous batch's runs (the back end's engine when nothing is injected)
+        calls = 0
+
+        def __init__(self, run=cont.ContinuousGenerator.run):
+            self.run = run
+
+        def __get__(self, obj, cls):
+            def run(*a, **kw):
+                Runs.calls += 1
+                return self.run(obj, *a, **kw)
+            return run
+
+    calls = Runs
+    monkeypatch.setattr(cont.ContinuousGenerator, "run", Runs())
     cfg = config_from_dict({
         "run": {"output_dir": str(tmp_path / "run")},
         "target": {"path": tiny_target, "dtype": "float32"},
@@ -360,13 +375,20 @@ def test_regenerate_every_turn_through_the_stage(tiny_target, source, tmp_path):
     assert [two[1]["content"], two[3]["content"]] == ["When was Oldmere founded?", "And Korvath?"]
     assert not {"Oldmere was founded in 1102.", "old", "older"} & {m["content"] for m in two}
     assert s.turns_answered == sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows) == s.written + 1
-    assert count.calls == 3  # shard 0: round 0 (4 prompts) + round 1 (the two-turn conversation); shard 1
+    assert count.calls == 2  # round 0: both shards' first turns; round 1: the two-turn conversation's second
+    # the continuous batch (no injected generate: the back end's own engine, 3 rows refilled as answers
+    # end) writes the same shards: greedy answers do not depend on batching or on turn scheduling
+    cont = str(tmp_path / "continuous")
+    s_cont = regenerate(input=source, out_dir=cont, target=tiny_target, turns="all", **{**SETTINGS, "batch_size": 3})
+    assert shard_rows(cont) == shard_rows(out)
+    assert (s_cont.written, s_cont.turns_answered, s_cont.tokens_generated, s_cont.skipped) == \
+        (s.written, s.turns_answered, s.tokens_generated, s.skipped)
     assert json.load(open(os.path.join(out, "manifest.json")))["turns"] == "all"
     with pytest.raises(ManifestMismatch, match="turns"):
         regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, **SETTINGS)
     again = regenerate(input=source, out_dir=out, target=tiny_target, generate_fn=count, resume=True, turns="all",
                        **SETTINGS)
-    assert (again.written, again.turns_answered, again.tokens_generated, count.calls) == (s.written, s.turns_answered, 0, 3)
+    assert (again.written, again.turns_answered, again.tokens_generated, count.calls) == (s.written, s.turns_answered, 0, 2)
     with pytest.raises(RegenerateError, match="turns must be"):
         regenerate(input=source, out_dir=str(tmp_path / "x"), target=tiny_target, turns="every", **SETTINGS)
     # a directory written before the option existed (no "turns" in its manifest) resumes as "last"
