@@ -5,8 +5,10 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
         [--repeats 3] [--out results.json]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
+        [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
-        head, random prompt ids and no EOS: speed and losslessness at a real shape)
+        head, random prompt ids and no EOS: speed and losslessness at a real shape; --layers keeps N
+        decoder blocks at full width, see `cut_depth`, and the result's "target" says which)
 
 Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
 batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of draft +
@@ -44,6 +46,41 @@ def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], t
     return ids, eos_token_ids(target_dir, tok)
 
 
+def cut_depth(hf: dict, n: int) -> tuple[dict, dict]:
+    """(config with n of its decoder blocks, what was kept). A per-block pattern (Nemotron-H's
+    hybrid_override_pattern, or a layers_block_type / layer_types list) keeps its first blocks, but
+    when n is at least the number of block kinds, the first block of each kind missing from the prefix
+    replaces the prefix's tail (in pattern order), so every kind is still timed: n=4 of "MEMEM*E..." is
+    "MEM*". Without a pattern, layers 0..n-1; per-layer index lists (mlp_only_layers) follow."""
+    pattern_key = next((k for k in ("hybrid_override_pattern", "layers_block_type", "layer_types")
+                        if hf.get(k)), None)
+    blocks = list(hf[pattern_key]) if pattern_key else None
+    total = int(hf.get("num_hidden_layers") or len(blocks))
+    if not 3 <= n <= total:  # the EAGLE-3 head taps 3 distinct layers (aux_ids.default_aux_layer_ids)
+        raise SystemExit(f"--layers {n}: need 3 <= N <= {total} (the EAGLE-3 head taps 3 distinct layers)")
+    keep = list(range(n))
+    if blocks is not None:
+        first = {}
+        for i, b in enumerate(blocks):
+            first.setdefault(b, i)
+        if len(first) <= n:
+            for j in range(n, -1, -1):  # the longest prefix that leaves room for the missing kinds
+                missing = [i for i in first.values() if i >= j]
+                if j + len(missing) <= n:
+                    keep = list(range(j)) + missing
+                    break
+    out = dict(hf, num_hidden_layers=n)
+    for key in ("hybrid_override_pattern", "layers_block_type", "layer_types"):
+        value = hf.get(key)
+        if value and len(value) == total:
+            cut = [value[i] for i in keep]
+            out[key] = "".join(cut) if isinstance(value, str) else cut
+    if hf.get("mlp_only_layers"):
+        out["mlp_only_layers"] = [keep.index(i) for i in hf["mlp_only_layers"] if i in keep]
+    return out, {"num_hidden_layers": n, "of": total, "kept_layers": keep,
+                 "blocks": out[pattern_key] if pattern_key else None}
+
+
 def _timed(fn, repeats: int):
     fn()  # compile
     walls, out = [], None
@@ -60,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--random-target", default=None,
                     help="folder with a config.json: that shape with random weights (no tokenizer needed)")
     ap.add_argument("--prompt-len", type=int, default=256, help="random prompt length (--random-target)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="--random-target only: keep N (>= 3) decoder blocks at full width (see cut_depth)")
     ap.add_argument("--draft", default=None, help="exported head folder (default: a random EAGLE-3 head)")
     ap.add_argument("--prompts", default="mtbench")
     ap.add_argument("--limit", type=int, default=16)
@@ -87,11 +126,18 @@ def main(argv=None) -> int:
 
     if (a.target is None) == (a.random_target is None):
         raise SystemExit("give --target DIR or --random-target DIR")
+    if a.layers is not None and not a.random_target:
+        raise SystemExit("--layers needs --random-target")
+    depth = None
     if a.random_target:
         from specjax.targets.loading import read_hf_config
         from specjax.targets.shapes import make_target, random_params_on_device
 
         hf = read_hf_config(a.random_target)
+        if a.layers is not None:
+            hf, depth = cut_depth(hf, a.layers)
+            print(f"target depth: {depth['num_hidden_layers']} of {depth['of']} layers "
+                  f"{depth['blocks'] or depth['kept_layers']}", flush=True)
         target = make_target(hf)
         target = make_target(hf, random_params_on_device(type(target), target.config, dtype=jnp_dtype(a.dtype)))
     else:
@@ -141,7 +187,8 @@ def main(argv=None) -> int:
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
                           "jax": jax.__version__},
-              "settings": {k: v for k, v in vars(a).items()}, "rows": rows}
+              "settings": {k: v for k, v in vars(a).items()},
+              "target": depth or {"num_hidden_layers": getattr(target.config, "num_hidden_layers", None)}, "rows": rows}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

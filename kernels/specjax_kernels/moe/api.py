@@ -114,7 +114,8 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_
                 activation: str = "silu", implementation: Optional[str] = None):
     """Weighted sum over each token's k experts of FFN_e(x); shapes x [T, D], ids/weights [T, k],
     up/gate [E, D, F] or gate_up [E, D, 2F], down [E, F, D]. Forward-only use in frozen targets;
-    differentiable anyway."""
+    differentiable anyway (reverse mode). Under jax.vmap with shared expert weights the vmapped axes
+    join T: one call on all rows (`per_token`)."""
     if x_td.ndim != 2 or expert_ids_tk.ndim != 2 or expert_ids_tk.shape != weights_tk.shape:
         raise ValueError(
             f"moe_experts: expected x [T, D] and ids/weights [T, k], got {x_td.shape}, "
@@ -145,4 +146,46 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_
         if why:  # shapes, dtype or devices the kernel does not take
             log_once_fallback("moe", name, why, new, level=logging.INFO if auto else logging.WARNING)
             name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, new)
-    return fn(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation)
+    gated = gate_edf is not None
+    call = per_token(lambda x, ids, w, up, down, *gate: fn(x, ids, w, up, down, gate[0] if gated else None,
+                                                          activation))
+    return call(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, *((gate_edf,) if gated else ()))
+
+
+def per_token(fn):
+    """``fn(x [T, D], ids [T, k], w [T, k], *expert_weights) -> [T, D]``, a per-token op, with a vmap rule:
+    when only x / ids / w are batched the vmapped axes fold into the token axis (one call on [V*T] rows,
+    as the batched decoders need: one grouped GEMM per layer instead of one per batch row); when an
+    expert weight is batched each member runs on its own (lax.map).
+
+    JAX cannot differentiate a custom_vmap in reverse mode (no transpose rule), so a custom_vjp around it
+    hands reverse mode to ``fn`` itself (jax.vjp): grad, vmap-of-grad and grad-of-vmap see the plain
+    function and its own rules; only undifferentiated vmaps take the fold. Forward mode (jax.jvp) is
+    lost with custom_vjp; nothing here uses it (a custom_jvp instead broke grad-of-vmap)."""
+    @jax.custom_batching.custom_vmap
+    def batched(x, ids, w, *weights):
+        return fn(x, ids, w, *weights)
+
+    @batched.def_vmap
+    def _rule(axis_size, in_batched, x, ids, w, *weights):
+        if any(in_batched[3:]):  # per-member expert weights: no shared grouped GEMM to fold into
+            mapped = [a for a, b in zip((x, ids, w, *weights), in_batched) if b]
+
+            def one(xs):
+                it = iter(xs)
+                return batched(*[next(it) if b else a for a, b in zip((x, ids, w, *weights), in_batched)])
+
+            return jax.lax.map(one, mapped), True
+        x, ids, w = (a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                     for a, b in zip((x, ids, w), in_batched))
+        v, t = x.shape[:2]
+        out = batched(x.reshape(v * t, -1), ids.reshape(v * t, -1), w.reshape(v * t, -1), *weights)
+        return out.reshape(v, t, -1), True
+
+    @jax.custom_vjp
+    def op(x, ids, w, *weights):
+        return batched(x, ids, w, *weights)
+
+    # the residual is fn's own pullback (a pytree of its residual arrays): nothing is recomputed
+    op.defvjp(lambda *args: jax.vjp(fn, *args), lambda pullback, g: pullback(g))
+    return op

@@ -66,8 +66,9 @@ def blocks_for(k: int, n: int) -> Blocks:
 
 def gmm(lhs, rhs, group_sizes, blocks: Blocks | None = None):
     """lhs [M, K] (rows grouped by expert) @ rhs[e] [K, N] per group -> [M, N] in lhs's dtype.
-    Under jax.vmap (the batched decoders vmap whole generations) each batch member is its own kernel
-    call, in a lax.map: the Mosaic kernel has no batching rule of its own."""
+    The Mosaic kernel has no batching rule (vmap of it failed in decode_speed.md's first MoE run), so a
+    vmapped gmm runs each member as its own call (lax.map). moe_experts' forward never reaches this
+    batched (its own rule folds the vmap into the rows, see api.per_token); this serves direct calls."""
     return map_under_vmap(functools.partial(_gmm, blocks=blocks))(lhs, rhs, group_sizes)
 
 
