@@ -71,12 +71,14 @@ class Prepared:
         return [s.message for s in self.skips]
 
 
-def split_is_val(source: str, index: int, seed: int, val_fraction: float) -> bool:
+def split_is_val(source: str, index: int, seed: int, val_fraction: float, group: str | None = None) -> bool:
     """Deterministic train/val assignment of one row. Uses the file's base name, so the split does
-    not change when the data directory moves or is given as a relative path."""
+    not change when the data directory moves or is given as a relative path. Rows with a ``group``
+    (``Row.group``: a regenerated conversation's windows and last row share their ``source_index``)
+    are assigned by the group, so turns two rows share never sit on both sides."""
     if val_fraction <= 0:
         return False
-    key = f"{os.path.basename(source)}\x00{index}\x00{seed}".encode()
+    key = (f"{group}\x00{seed}" if group is not None else f"{os.path.basename(source)}\x00{index}\x00{seed}").encode()
     u = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2.0**64
     return u < val_fraction
 
@@ -139,7 +141,7 @@ def prepare_examples(
             skip(row, e.reason, f"{row.source}:{row.index + 1}", e.detail)
             continue
         ex = dataclasses.replace(ex, source=str(row.source), row=int(row.index) + 1)  # as in file:N
-        (val if split_is_val(row.source, row.index, seed, val_fraction) else train).append(ex)
+        (val if split_is_val(row.source, row.index, seed, val_fraction, row.group) else train).append(ex)
 
     prepared = Prepared(train=train, val=val, skipped=skipped, n_rows=n_rows, skips=skips)
     first = [s.message for s in skips[:_LOGGED_SKIPS]]

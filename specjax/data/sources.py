@@ -76,6 +76,9 @@ class Row(NamedTuple):
     index: int
     messages: list[dict] | None
     error: str | None
+    # rows that must land on the same side of the train/val split: the `source_index` a regenerated
+    # row carries (specjax.regenerate), shared by a conversation's windows and its last row
+    group: str | None = None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -132,7 +135,9 @@ def _row_from_obj(source: str, index: int, where: str, obj: Any) -> Row:
     messages, err = normalize_messages(obj)
     if err is not None:
         return Row(source, index, None, RowError(err[0], where, err[1]))
-    return Row(source, index, messages, None)
+    src = obj.get("source_index") if isinstance(obj, dict) else None
+    group = f"source_index {src}" if isinstance(src, int) and not isinstance(src, bool) else None
+    return Row(source, index, messages, None, group)
 
 
 def _open_binary(path: str):

@@ -270,6 +270,35 @@ def test_prepare_examples_split_deterministic(tmp_path, tok):
     assert 25 <= len(a.val) <= 75
 
 
+def test_split_keeps_a_regenerated_conversation_together(tmp_path, tok):
+    """Regenerated rows carry `source_index`; a conversation's windows and last row share it (and
+    share turns), so they go to the same side of the split. Without the column rows split one by one,
+    and the windows of these 60 conversations would land on both sides."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": conv(("user", f"Question {i}"), ("assistant", f"Answer {i}, part {w}.")), "source_index": i}
+            for i in range(60) for w in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "shard-000000.parquet")
+    prep = prepare_examples([tmp_path], tok, 64, val_fraction=0.3, seed=0)
+    side = {}
+    for is_val, examples in ((False, prep.train), (True, prep.val)):
+        for e in examples:
+            side.setdefault(rows[e.row - 1]["source_index"], set()).add(is_val)
+    assert len(side) == 60 and all(len(v) == 1 for v in side.values())
+    assert 5 <= sum(v == {True} for v in side.values()) <= 35
+    # the same rows without the column split by row: some conversation sits on both sides
+    for r in rows:
+        del r["source_index"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "shard-000000.parquet")
+    prep = prepare_examples([tmp_path], tok, 64, val_fraction=0.3, seed=0)
+    both = {}
+    for is_val, examples in ((False, prep.train), (True, prep.val)):
+        for e in examples:
+            both.setdefault((e.row - 1) // 3, set()).add(is_val)
+    assert any(len(v) == 2 for v in both.values())
+
+
 def test_prepare_examples_truncate_vs_drop(tmp_path, tok):
     long_answer = " ".join(["The quick brown fox jumps over the lazy dog."] * 10)
     p = tmp_path / "mixed_len.jsonl"
