@@ -172,6 +172,10 @@ class ContinuousGenerator:
         self.min_refill = max(1, int(min_refill if min_refill is not None else self.batch // 8))
         self.n_out = _round_up(self.max_new, _OUT_MULTIPLE)
         self.num_slots = max(prompt_bucket(self.max_prompt), self.max_prompt + self.n_out)
+        # refill chunk lengths: few of them, since each (rows, length) pair is one more compiled prefill
+        # (powers of two would be 7 lengths up to 1024); padding a refill costs a little prefill work
+        cap = prompt_bucket(self.max_prompt)
+        self.refill_lengths = sorted({min(128, cap), min(512, cap), cap})
         eos_arr = np.full(_round_up(max(len(self.eos), 1), _EOS_SLOTS), -1, np.int32)
         eos_arr[: len(self.eos)] = self.eos
         self.eos_arr = jnp.asarray(eos_arr)
@@ -233,7 +237,8 @@ class ContinuousGenerator:
                 take = [heapq.heappop(heap)[2] for _ in range(min(len(free), len(heap)))]
                 rows = [free.pop(0) for _ in take]
                 n = min(b, max(8, 1 << (len(take) - 1).bit_length()))
-                t = prompt_bucket(max(len(r.ids) for r in take))
+                longest = max(len(r.ids) for r in take)
+                t = next(c for c in self.refill_lengths if c >= longest)
                 ids = np.zeros((n, t), np.int32)
                 lens_n = np.ones((n,), np.int32)
                 sid_n = np.zeros((n,), np.int32)

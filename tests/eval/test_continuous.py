@@ -54,6 +54,11 @@ def test_greedy_equals_generate(target):
     assert [got[i] for i in range(len(PROMPTS))] == [w[: w.index(eos)] if eos in w else w for w in want]
     got, _ = _run(target, PROMPTS, batch_size=4, max_prompt_tokens=32, max_new_tokens=1)
     assert [got[i] for i in range(len(PROMPTS))] == [w[:1] for w in want]
+    # a longer prompt limit pads refills to 128 tokens (its refill lengths are 128 and 256): same answers
+    gen = ContinuousGenerator(target, batch_size=3, max_prompt_tokens=200, max_new_tokens=10)
+    assert gen.refill_lengths == [128, 256]
+    got, _ = _run(target, PROMPTS, batch_size=3, max_prompt_tokens=200, max_new_tokens=10, segment_steps=4)
+    assert [got[i] for i in range(len(PROMPTS))] == want
 
 
 def test_follow_ups_and_priority(target):
