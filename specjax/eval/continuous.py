@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 import jax
@@ -179,7 +180,9 @@ class ContinuousGenerator:
         eos_arr = np.full(_round_up(max(len(self.eos), 1), _EOS_SLOTS), -1, np.int32)
         eos_arr[: len(self.eos)] = self.eos
         self.eos_arr = jnp.asarray(eos_arr)
-        self.stats = {"segments": 0, "refills": 0, "answers": 0, "tokens": 0}
+        # host_s: answers handed back and their follow-ups prepared (overlaps the running segment);
+        # wait_s: blocked on a segment's end. wait_s near 0 means the host, not the device, sets the pace.
+        self.stats = {"segments": 0, "refills": 0, "answers": 0, "tokens": 0, "host_s": 0.0, "wait_s": 0.0}
 
     def _check(self, req: Request) -> None:
         if not req.ids:
@@ -188,9 +191,10 @@ class ContinuousGenerator:
             raise ValueError(f"request {req.key!r} has {len(req.ids)} prompt tokens, more than max_prompt_tokens="
                              f"{self.max_prompt}; fit prompts before submitting them")
         vocab = int(self.target.config.vocab_size)
-        bad = [x for x in req.ids if not 0 <= int(x) < vocab]
-        if bad:
-            raise ValueError(f"request {req.key!r} has token id {bad[0]} outside the target vocab [0, {vocab})")
+        ids = np.asarray(req.ids, np.int64)  # one check per request: regeneration sends tens of thousands
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ValueError(f"request {req.key!r} has token id {int(bad[0])} outside the target vocab [0, {vocab})")
 
     def run(self, requests: Iterable[Request], on_done: Callable[[Hashable, list[int]], Iterable[Request] | None]):
         target, cls, cfg = self.target, type(self.target), self.target.config
@@ -260,14 +264,18 @@ class ContinuousGenerator:
                     scalars["temperature"], scalars["top_p"], self.eos_arr,
                     target_cls=cls, config=cfg, steps=self.segment_steps, sample=self.sample)
                 self.stats["segments"] += 1
+            t0 = time.perf_counter()
             self._hand_back(finished, on_done, push)
+            self.stats["host_s"] += time.perf_counter() - t0
             finished = []
             if not busy:
                 pull()
                 if not heap and exhausted:
                     return
                 continue
+            t0 = time.perf_counter()
             done_np, gen_np = jax.device_get((done, gen))
+            self.stats["wait_s"] += time.perf_counter() - t0
             ended = [row for row in busy if done_np[row]]
             if ended:
                 finished = [(out, [(row, busy.pop(row), int(gen_np[row])) for row in ended])]
