@@ -21,7 +21,6 @@ arm's per row: in fp32 under `highest` they must be equal; in bf16 near-ties may
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import write_results  # noqa: E402
 
 
 def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -189,10 +191,7 @@ def main(argv=None) -> int:
                           "jax": jax.__version__},
               "settings": {k: v for k, v in vars(a).items()},
               "target": depth or {"num_hidden_layers": getattr(target.config, "num_hidden_layers", None)}, "rows": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return write_results(result, a.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import write_results  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "kernels"))
 
 
@@ -97,10 +100,7 @@ def main(argv=None) -> int:
     result = {"machine": platform.node(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "shape": {"V": a.v, "T": a.t, "E": e, "k": a.k, "D": d, "F": f, "dtype": a.dtype}, "rows": rows}
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-    return 0
+    return write_results(result, a.out)
 
 
 if __name__ == "__main__":

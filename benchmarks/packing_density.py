@@ -24,6 +24,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -78,10 +81,7 @@ def main(argv=None) -> int:
         entry = {"seq_length": seq, "bins": bins, "density": round(nonpad / total, 3), "rows_left_out": len(examples) - len(fit)}
         result["layouts"].append(entry)
         print(json.dumps(entry), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return write_results(result, a.out)
 
 
 if __name__ == "__main__":

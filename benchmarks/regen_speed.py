@@ -29,6 +29,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import write_results  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -118,10 +121,7 @@ def main(argv=None) -> int:
     result = {"machine": platform.node(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "target": a.random_target, "dtype": a.dtype, "rows": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return write_results(result, a.out)
 
 
 if __name__ == "__main__":
