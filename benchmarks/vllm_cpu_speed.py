@@ -5,7 +5,7 @@ Starts two vLLM CPU OpenAI servers one after the other (the target with the head
 (acceptance from vLLM's counters, tok/s, the speedup per concurrency level) and stops both by their
 process groups. A report, not a goal: a 2-core CPU is not where speculation is meant to pay.
 
-    python benchmarks/vllm_cpu_speed.py --vllm-python /work/vllm-venv/bin/python \\
+    python benchmarks/vllm_cpu_speed.py --vllm-python PY \\
         --target runs/smollm2_assets/SmolLM2-135M-Instruct --draft HEAD --prompts humaneval --limit 20 \\
         [--num-spec-tokens 5] [--max-tokens 256] [--concurrency 1] --out OUT
 """

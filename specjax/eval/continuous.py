@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.eval.generate import _EOS_SLOTS, _OUT_MULTIPLE, _round_up, check_sampling, cut_at_eos, prompt_bucket
+from specjax.eval.generate import (_OUT_MULTIPLE, _is_eos, _round_up, check_sampling, cut_at_eos, eos_array,
+                                   prompt_bucket, sample_token)
 
 __all__ = ["Request", "ContinuousGenerator", "cache_batch_axes"]
 
@@ -62,10 +63,6 @@ def cache_batch_axes(target_cls, config, dtype) -> dict:
     return jax.tree.map(axis, one, two)
 
 
-def _is_eos(tok_b, eos_e):
-    return jnp.any(tok_b[:, None] == eos_e[None, :], axis=-1)
-
-
 def _row_keys(seed, sample_id_b, index_b):
     base = jax.random.PRNGKey(seed)
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base, s), i))(sample_id_b, index_b)
@@ -73,8 +70,6 @@ def _row_keys(seed, sample_id_b, index_b):
 
 def _sample_rows(logits_bv, keys_b, temperature, top_p, sample: bool):
     """[B] int32: argmax, or a nucleus draw per row with that row's key (generate.sample_token per row)."""
-    from specjax.eval.generate import sample_token
-
     if not sample:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     one = lambda lg, k: sample_token(lg[None], k, temperature, top_p, sample=True)[0]  # noqa: E731
@@ -177,9 +172,7 @@ class ContinuousGenerator:
         # (powers of two would be 7 lengths up to 1024); padding a refill costs a little prefill work
         cap = prompt_bucket(self.max_prompt)
         self.refill_lengths = sorted({min(128, cap), min(512, cap), cap})
-        eos_arr = np.full(_round_up(max(len(self.eos), 1), _EOS_SLOTS), -1, np.int32)
-        eos_arr[: len(self.eos)] = self.eos
-        self.eos_arr = jnp.asarray(eos_arr)
+        self.eos_arr = jnp.asarray(eos_array(self.eos))
         # host_s: answers handed back and their follow-ups prepared (overlaps the running segment);
         # wait_s: blocked on a segment's end. wait_s near 0 means the host, not the device, sets the pace.
         self.stats = {"segments": 0, "refills": 0, "answers": 0, "tokens": 0, "host_s": 0.0, "wait_s": 0.0}

@@ -53,6 +53,15 @@ def _is_eos(tok_b, eos_e):
     return jnp.any(tok_b[:, None] == eos_e[None, :], axis=-1)
 
 
+def eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
+    """The EOS ids as int32, padded with -1 (never a token) to a multiple of _EOS_SLOTS: one compiled
+    shape for 1..8 EOS ids."""
+    eos = [int(e) for e in eos_token_ids]
+    arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
+    arr[: len(eos)] = eos
+    return arr
+
+
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "cache_len", "n_out", "sample"))
 def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eos_e, *,
                     target_cls, config, cache_len, n_out, sample):
@@ -149,8 +158,7 @@ def generate(
     max_new = int(max_new_tokens)
     n_out = _round_up(max_new, _OUT_MULTIPLE)
     eos = [int(e) for e in eos_token_ids]
-    eos_arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
-    eos_arr[: len(eos)] = eos
+    eos_arr = eos_array(eos)
     sample = float(temperature) > 0.0
     # the batch is padded to a power of two (>= 8, <= batch_size): regeneration with turns="all" calls
     # this once per round with ever fewer prompts, and each distinct batch would compile anew

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.eval.generate import _EOS_SLOTS, _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, prompt_bucket
+from specjax.eval.generate import _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, eos_array, prompt_bucket
 from specjax.eval.spec_decode import (SpecDecoder, SpecResult, _draft_block, _draft_chain, _draft_parallel, _draft_tree,
                                       _prefill, _verify_chain, _verify_tree, init_draft_cache)
 from specjax.drafts import dflash
@@ -177,8 +177,7 @@ class SpecLoop:
         if max_new == 0:
             return [SpecResult([], [], [0] * dec.k, 0, 0.0, 0.0, 0.0) for _ in prompts]
         eos = [int(e) for e in eos_token_ids]
-        eos_arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
-        eos_arr[: len(eos)] = eos
+        eos_arr = eos_array(eos)
         n_out = _round_up(max_new, _OUT_MULTIPLE)
         b = len(prompts) if batch_size is None else max(1, min(int(batch_size), len(prompts)))
         for lo in range(0, len(prompts), b):

@@ -1,18 +1,20 @@
-"""Continuous batching (specjax.eval.continuous) against the static batches of specjax.eval.generate.
+"""Continuous batching (specjax.eval.continuous) against references that share none of its code.
 
-CPU, fp32, tiny random targets: Llama / Qwen3 (eval._models, weights scaled so greedy argmaxes are
-not near-ties) and every other decoding family (Qwen3-MoE, looped Llama / Qwen3, HRM-Text, Nemotron-H:
-tests/parity builders). The bar is exact token equality with `generate` run one prompt at a time."""
+CPU, fp32, tiny random targets. Llama / Qwen3 (eval._models, weights scaled so greedy argmaxes are
+not near-ties): transformers' own `generate`, one unpadded prompt at a time. Every other decoding
+family (Qwen3-MoE, looped Llama / Qwen3, HRM-Text, Nemotron-H: tests/parity builders): the greedy
+continuation by the target's uncached full forward (`naive_greedy`, no KV or SSM cache). The bar is
+exact token equality."""
 import os
 import sys
 
 import pytest
 
 from specjax.eval.continuous import ContinuousGenerator, Request, cache_batch_axes
-from specjax.eval.generate import generate
 from specjax.targets.loading import load_target
 
 from eval._models import build_target
+from eval.test_generate import hf_greedy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
 import test_decoding_families as fam  # noqa: E402
@@ -36,12 +38,20 @@ def _run(target, prompts, *, follow=None, **kw):
 
 
 @pytest.fixture(scope="module", params=[("LlamaForCausalLM", False), ("Qwen3ForCausalLM", True)], ids=["llama", "qwen3"])
-def target(request, tmp_path_factory):
-    return load_target(build_target(tmp_path_factory.mktemp("cont"), *request.param), dtype="float32")
+def model(request, tmp_path_factory):
+    """(HF folder, the specjax target loaded from it)"""
+    path = build_target(tmp_path_factory.mktemp("cont"), *request.param)
+    return path, load_target(path, dtype="float32")
 
 
-def test_greedy_equals_generate(target):
-    want = [generate(target, [p], max_new_tokens=10, batch_size=1)[0] for p in PROMPTS]
+@pytest.fixture(scope="module")
+def target(model):
+    return model[1]
+
+
+def test_greedy_equals_transformers(model):
+    path, target = model
+    want = hf_greedy(path, PROMPTS, 10)
     # 3 rows for 7 prompts, segments of 4 steps: rows are refilled mid-run, one at a time (min_refill 1)
     got, gen = _run(target, PROMPTS, batch_size=3, max_prompt_tokens=32, max_new_tokens=10, segment_steps=4,
                     min_refill=1)
@@ -61,10 +71,11 @@ def test_greedy_equals_generate(target):
     assert [got[i] for i in range(len(PROMPTS))] == want
 
 
-def test_follow_ups_and_priority(target):
+def test_follow_ups_and_priority(model):
     """A request's answer can queue the next one (a conversation's next turn): prompt + answer +
-    more tokens; every follow-up is answered as generate answers that prompt, and a lower priority
-    value is served first."""
+    more tokens; every follow-up is answered as transformers answers that prompt, and a lower
+    priority value is served first."""
+    path, target = model
     turns = {}
 
     def follow(key, tokens):
@@ -83,8 +94,8 @@ def test_follow_ups_and_priority(target):
     gen.run((Request((i, 0), tuple(p), priority=(1,)) for i, p in enumerate(prompts)),
             lambda k, t: (order.append(k), follow(k, t))[1])
     assert len(turns) == 12
-    for key, tokens in turns.items():
-        assert tokens == generate(target, [prompts_at[key]], max_new_tokens=6)[0], key
+    keys = sorted(turns)
+    assert [turns[k] for k in keys] == hf_greedy(path, [prompts_at[k] for k in keys], 6)
     # follow-ups (priority 0) go before waiting first turns (priority 1). A follow-up joins the queue
     # one refill late (the host prepares it while the next segment runs), so with one row conversation
     # 1's first turn comes before conversation 0's second, and then every later turn before (2, 0)
@@ -117,15 +128,15 @@ def test_errors(target):
 
 
 @pytest.mark.parametrize("name", [*fam.FAMILIES, "nemotron_h"])
-def test_every_family_equals_generate(name):
+def test_every_family_equals_uncached_greedy(name):
     """Each family's cache (KV per virtual layer, Nemotron-H's conv / SSM states and slot labels,
-    whose batch axis differs) is refilled row by row and still decodes as generate does."""
+    whose batch axis differs) is refilled row by row and still decodes as the uncached forward does."""
     target = nemo.build(vocab=128) if name == "nemotron_h" else fam.build(name, vocab=128)
     cls, cfg = type(target), target.config
     axes = cache_batch_axes(cls, cfg, target.embed_table(target.params).dtype)
     assert set(jax_leaves(axes)) <= {0, 1}
     prompts = [[p % 128 for p in q] for q in PROMPTS[:5]]
-    want = [generate(target, [p], max_new_tokens=5, batch_size=1)[0] for p in prompts]
+    want = [fam.naive_greedy(target, p, 5) for p in prompts]
     got, _ = _run(target, prompts, batch_size=2, max_prompt_tokens=32, max_new_tokens=5, segment_steps=2,
                   min_refill=1)
     assert [got[i] for i in range(len(prompts))] == want
