@@ -77,8 +77,11 @@ def test_stream_request_timings_and_tokens():
         # 3 gaps after the first text chunk, shared by the 8 tokens after the first
         assert rec["itl_s"] >= 3 * GAP / 8 * 0.9
         assert rec["e2e_s"] >= TTFT + 3 * GAP
-        gaps = np.diff(rec["chunk_times_s"])
-        assert (gaps >= GAP * 0.9).all()
+        # the server sends chunk i no earlier than TTFT + i * GAP after the request; a chunk delayed in
+        # delivery (a loaded machine) shortens the next gap, so the bound is on arrival times, not gaps
+        times = np.asarray(rec["chunk_times_s"])
+        assert (times >= TTFT + GAP * np.arange(len(times))).all(), times
+        assert (np.diff(times) >= 0).all(), times
         body = srv.bodies[-1]
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["temperature"] == 0.0 and body["max_tokens"] == 9 and "ignore_eos" not in body
