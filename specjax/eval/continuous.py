@@ -174,7 +174,8 @@ class ContinuousGenerator:
         self.refill_lengths = sorted({min(128, cap), min(512, cap), cap})
         self.eos_arr = jnp.asarray(eos_array(self.eos))
         # host_s: answers handed back and their follow-ups prepared (overlaps the running segment);
-        # wait_s: blocked on a segment's end. wait_s near 0 means the host, not the device, sets the pace.
+        # wait_s: blocked on a segment's end (and its answers' copy). wait_s near 0 means the host, not
+        # the device, sets the pace.
         self.stats = {"segments": 0, "refills": 0, "answers": 0, "tokens": 0, "host_s": 0.0, "wait_s": 0.0}
 
     def _check(self, req: Request) -> None:
@@ -267,18 +268,23 @@ class ContinuousGenerator:
                     return
                 continue
             t0 = time.perf_counter()
-            done_np, gen_np = jax.device_get((done, gen))
+            # the answers come to the host here, with the flags, before the next segment is queued: a read
+            # of `out` issued after that segment would wait for it (one device stream), and the host's
+            # work on the answers would no longer overlap the device's
+            done_np, gen_np, out_np = jax.device_get((done, gen, out))
             self.stats["wait_s"] += time.perf_counter() - t0
             ended = [row for row in busy if done_np[row]]
             if ended:
-                finished = [(out, [(row, busy.pop(row), int(gen_np[row])) for row in ended])]
+                finished = [(out_np, [(row, busy.pop(row), int(gen_np[row])) for row in ended])]
                 free.extend(ended)
                 free.sort()
 
     def _hand_back(self, finished, on_done, push):
-        for out, rows in finished:
-            tokens = np.asarray(jax.device_get(out[np.asarray([r for r, _, _ in rows])]))
-            for (row, req, n), toks in zip(rows, tokens):
+        """Answers of the last segment to `on_done`, on host copies only: this runs while the next
+        segment computes."""
+        for out_np, rows in finished:
+            for row, req, n in rows:
+                toks = out_np[row]
                 ans = cut_at_eos(toks[: min(n, self.max_new)].tolist(), self.eos)
                 self.stats["answers"] += 1
                 self.stats["tokens"] += len(ans)

@@ -8,6 +8,7 @@ exact token equality."""
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from specjax.eval.continuous import ContinuousGenerator, Request, cache_batch_axes
@@ -100,6 +101,28 @@ def test_follow_ups_and_priority(model):
     # one refill late (the host prepares it while the next segment runs), so with one row conversation
     # 1's first turn comes before conversation 0's second, and then every later turn before (2, 0)
     assert order[:3] == [(0, 0), (1, 0), (0, 1)] and order.index((1, 2)) < order.index((2, 0))
+
+
+def test_answers_reach_the_host_without_a_device_read(model, monkeypatch):
+    """The answers of a segment are handed back while the next segment runs, from host copies made
+    with the end-of-segment flags: a device read there would queue behind the running segment and
+    serialise host and device (197 s of the 833 s H200 regeneration of 2026-12-03 went there). The
+    hand-back gets numpy arrays, and any transfer inside it raises."""
+    import jax
+
+    path, target = model
+    real = ContinuousGenerator._hand_back
+
+    def guarded(self, finished, on_done, push):
+        assert all(isinstance(out, np.ndarray) for out, _ in finished), "the hand-back got device arrays"
+        with jax.transfer_guard("disallow"):
+            return real(self, finished, on_done, push)
+
+    monkeypatch.setattr(ContinuousGenerator, "_hand_back", guarded)
+    got, gen = _run(target, PROMPTS, batch_size=3, max_prompt_tokens=32, max_new_tokens=10, segment_steps=4,
+                    min_refill=1)
+    assert [got[i] for i in range(len(PROMPTS))] == hf_greedy(path, PROMPTS, 10)
+    assert gen.stats["answers"] == len(PROMPTS)
 
 
 def test_sampling_does_not_depend_on_batching(target):
