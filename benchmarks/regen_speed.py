@@ -8,7 +8,7 @@ side in one process:
 
     python benchmarks/regen_speed.py [--random-target configs/targets/smollm2_135m] [--batch 256,512]
         [--prompts 4x] [--prompt-len 600] [--max-new-tokens 384] [--eos-ids 0] [--impl xla,auto]
-        [--engine generate] [--repeats 2] [--out results.json]
+        [--engine generate] [--repeats 2] [--out results.json] [--profile TRACE_DIR]
 
 `--eos-ids N` makes N random token ids end a turn, so answers end at random lengths as real ones do
 (with random weights each step ends a row with probability about N / vocab); 0 = no EOS, every row
@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import write_results  # noqa: E402
+from trace_ops import format_summary, summarize  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed runs, trace one more run of each arm on its first --batch prompts "
+                         "(jax.profiler, into DIR/<batch>_<impl>_<engine>) and store where the device time "
+                         "went (trace_ops.summarize) in the arm's row")
     a = ap.parse_args(argv)
 
     import jax
@@ -109,8 +114,14 @@ def main(argv=None) -> int:
                        "max_new_tokens": a.max_new_tokens, "eos_ids": a.eos_ids, "temperature": a.temperature, "new_tokens": new,
                        "mean_answer": round(new / n, 1), "wall_s": [round(w, 3) for w in walls],
                        "tok_per_s": round(new / wall, 1)}
+                if a.profile:
+                    where = os.path.join(a.profile, f"{batch}_{impl}_{engine}")
+                    with jax.profiler.trace(where):
+                        run(target, engine, prompts[:batch], batch)
+                    row["profile"] = summarize(where, top=30)
+                    print(format_summary(row["profile"]), flush=True)
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         first = next(iter(outs))
         for arm, out in outs.items():
             same = sum(x == y for x, y in zip(out, outs[first]))
