@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     vocab = base.config.vocab_size
     eos = rng.choice(vocab, size=a.eos_ids, replace=False).tolist() if a.eos_ids else []
 
+    engine_stats: dict = {}
+
     def run(target, engine, prompts, batch):
         if engine == "generate":
             return generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=batch, eos_token_ids=eos,
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
                                   max_new_tokens=a.max_new_tokens, eos_token_ids=eos, segment_steps=a.segment_steps,
                                   temperature=a.temperature)
         gen.run((Request(i, tuple(p)) for i, p in enumerate(prompts)), done)
+        engine_stats.clear()
+        engine_stats.update(gen.stats)  # segments, refills, host_s vs wait_s of the last call
         return [got[i] for i in range(len(prompts))]
 
     rows = []
@@ -114,6 +118,9 @@ def main(argv=None) -> int:
                        "max_new_tokens": a.max_new_tokens, "eos_ids": a.eos_ids, "temperature": a.temperature, "new_tokens": new,
                        "mean_answer": round(new / n, 1), "wall_s": [round(w, 3) for w in walls],
                        "tok_per_s": round(new / wall, 1)}
+                if engine == "continuous":
+                    row["engine_stats"] = {k: round(v, 3) if isinstance(v, float) else v
+                                           for k, v in engine_stats.items()}
                 if a.profile:
                     where = os.path.join(a.profile, f"{batch}_{impl}_{engine}")
                     with jax.profiler.trace(where):
