@@ -35,8 +35,9 @@ import numpy as np
 
 from specjax.eval.generate import (_OUT_MULTIPLE, _is_eos, _round_up, check_sampling, cut_at_eos, eos_array,
                                    prompt_bucket, sample_token)
+from specjax.targets.layers.attention import CACHE_MULTIPLE
 
-__all__ = ["Request", "ContinuousGenerator", "cache_batch_axes"]
+__all__ = ["Request", "ContinuousGenerator", "cache_batch_axes", "cache_slot_axes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,22 @@ def cache_batch_axes(target_cls, config, dtype) -> dict:
     return jax.tree.map(axis, one, two)
 
 
+def cache_slot_axes(target_cls, config, dtype) -> dict:
+    """The axis of every cache leaf that grows with the cache length (KV slots, Nemotron-H's conv
+    inputs by slot), or -1 for a leaf of fixed size (SSM states and their slot labels); found by
+    comparing the caches for two lengths."""
+    short = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, CACHE_MULTIPLE, dtype))
+    long = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 2 * CACHE_MULTIPLE, dtype))
+
+    def axis(a, b):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(diff) > 1:
+            raise ValueError(f"cannot find the slot axis of a cache leaf: {a.shape} vs {b.shape}")
+        return diff[0] if diff else -1
+
+    return jax.tree.map(axis, short, long)
+
+
 def _row_keys(seed, sample_id_b, index_b):
     base = jax.random.PRNGKey(seed)
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base, s), i))(sample_id_b, index_b)
@@ -76,31 +93,36 @@ def _sample_rows(logits_bv, keys_b, temperature, top_p, sample: bool):
     return jax.vmap(one)(logits_bv, keys_b)
 
 
-def _scatter_rows(big, small, rows_n, axes):
+def _scatter_rows(big, small, rows_n, axes, slot_axes):
     """Write the n rows of `small` into `big` at `rows_n` along each leaf's batch axis (rows past the
-    end, the padding of a refill group, are dropped)."""
-    def put(b, s, ax):
+    end, the padding of a refill group, are dropped). A leaf with slots writes `small`'s first slots
+    only: the row's later slots keep the last request's entries, which no query sees before its own
+    step has overwritten them (a row's mask ends at its position)."""
+    def put(b, s, ax, sx):
         idx = (slice(None),) * ax + (rows_n,)
+        if sx >= 0:
+            idx = idx + (slice(0, s.shape[sx]),)
         return b.at[idx].set(s, mode="drop")
 
-    return jax.tree.map(put, big, small, axes)
+    return jax.tree.map(put, big, small, axes, slot_axes)
 
 
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "sample", "axes_def", "num_slots"),
                    donate_argnums=(1,))
 def _refill(params, cache, out, gen, lens, done, sid, rows_n, ids_nt, lens_n, sid_n, max_new, seed, temperature,
             top_p, eos_e, *, target_cls, config, sample, axes_def, num_slots):
-    """Prefill the n new prompts into a fresh n-row cache, scatter it into rows `rows_n`, and draw
-    each row's first token."""
+    """Prefill the n new prompts into a fresh n-row cache of the prompt chunk's length (attention over
+    t slots, not the whole row's), scatter it into rows `rows_n`, and draw each row's first token."""
     n, t = ids_nt.shape
-    axes = jax.tree.unflatten(axes_def[0], axes_def[1])
+    axes = jax.tree.unflatten(axes_def[0], [a for a, _ in axes_def[1]])
+    slot_axes = jax.tree.unflatten(axes_def[0], [sx for _, sx in axes_def[1]])
     dtype = target_cls.embed_fn(params, config).dtype
-    small = target_cls.init_cache_fn(config, n, num_slots, dtype)
+    small = target_cls.init_cache_fn(config, n, min(t, num_slots), dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
     logits, _, _, small = target_cls.decode_fn(params, config, small, ids_nt, positions, jnp.zeros((n,), jnp.int32),
                                                logits_index=(lens_n - 1)[:, None])
     tok = _sample_rows(logits[:, 0], _row_keys(seed, sid_n, jnp.zeros_like(sid_n)), temperature, top_p, sample)
-    cache = _scatter_rows(cache, small, rows_n, axes)
+    cache = _scatter_rows(cache, small, rows_n, axes, slot_axes)
     first = jnp.zeros((n, out.shape[1]), jnp.int32).at[:, 0].set(tok)
     out = out.at[rows_n].set(first, mode="drop")
     gen = gen.at[rows_n].set(1, mode="drop")
@@ -196,7 +218,12 @@ class ContinuousGenerator:
         dtype = target.embed_table(params).dtype
         b = self.batch
         axes = cache_batch_axes(cls, cfg, dtype)
-        axes_def = (jax.tree.structure(axes), tuple(jax.tree.leaves(axes)))
+        slot_axes = cache_slot_axes(cls, cfg, dtype)
+        pairs = tuple(zip(jax.tree.leaves(axes), jax.tree.leaves(slot_axes)))
+        if any(sx >= 0 and sx != ax + 1 for ax, sx in pairs):
+            raise ValueError(f"{cls.__name__}: continuous batching needs each cache leaf's slot axis right after its "
+                             f"batch axis; got (batch, slot) axes {pairs}")
+        axes_def = (jax.tree.structure(axes), pairs)
         cache = cls.init_cache_fn(cfg, b, self.num_slots, dtype)
         out = jnp.zeros((b, self.n_out), jnp.int32)
         gen = jnp.zeros((b,), jnp.int32)

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from specjax.eval.continuous import ContinuousGenerator, Request, cache_batch_axes
+from specjax.eval.continuous import ContinuousGenerator, Request, cache_batch_axes, cache_slot_axes
 from specjax.targets.loading import load_target
 
 from eval._models import build_target
@@ -70,6 +70,15 @@ def test_greedy_equals_transformers(model):
     assert gen.refill_lengths == [128, 256]
     got, _ = _run(target, PROMPTS, batch_size=3, max_prompt_tokens=200, max_new_tokens=10, segment_steps=4)
     assert [got[i] for i in range(len(PROMPTS))] == want
+    # a refill's cache is as long as its chunk (256 slots for a 128-token chunk) and fills the first
+    # slots of a 512-slot row; a row that held a 280-token prompt keeps that prompt's K/V past slot
+    # 256, which its next occupant never sees
+    long_prompt = [(7 * i) % 50 + 1 for i in range(280)]
+    mixed = [long_prompt, *PROMPTS[:3], long_prompt[:270], *PROMPTS[3:]]
+    got, gen = _run(target, mixed, batch_size=2, max_prompt_tokens=300, max_new_tokens=10, segment_steps=4,
+                    min_refill=1)
+    assert gen.num_slots == 512 and gen.refill_lengths == [128, 512]
+    assert [got[i] for i in range(len(mixed))] == hf_greedy(path, mixed, 10)
 
 
 def test_follow_ups_and_priority(model):
@@ -158,6 +167,13 @@ def test_every_family_equals_uncached_greedy(name):
     cls, cfg = type(target), target.config
     axes = cache_batch_axes(cls, cfg, target.embed_table(target.params).dtype)
     assert set(jax_leaves(axes)) <= {0, 1}
+    slots = cache_slot_axes(cls, cfg, target.embed_table(target.params).dtype)
+    # slots right after the batch axis; fixed-size leaves (Nemotron-H's SSM states and labels) have none
+    assert all(sx in (-1, ax + 1) for ax, sx in zip(jax_leaves(axes), jax_leaves(slots)))
+    if name == "nemotron_h":
+        assert {k for k, sx in slots.items() if sx >= 0} == {"conv", "k", "v"}
+    else:
+        assert set(jax_leaves(slots)) == {2}
     prompts = [[p % 128 for p in q] for q in PROMPTS[:5]]
     want = [fam.naive_greedy(target, p, 5) for p in prompts]
     got, _ = _run(target, prompts, batch_size=2, max_prompt_tokens=32, max_new_tokens=5, segment_steps=2,
