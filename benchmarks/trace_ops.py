@@ -6,8 +6,8 @@ idle (launch gaps, host waits).
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR)` wrote (the newest `*.trace.json.gz` under it is
 read; it is Chrome's trace-event JSON: "X" events with microsecond `ts`/`dur`, process names from "M"
-events). Only the standard library is used, so it runs where the trace was taken. The scripts that
-take `--profile DIR` (regen_speed.py, decode_speed.py) call `summarize` themselves.
+events). It runs where the trace was taken, beside the repository. regen_speed.py --profile DIR calls
+`summarize` itself.
 """
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _results import write_results  # noqa: E402
+
+from specjax.bench.core import union_length  # noqa: E402
 
 # a kernel name's trailing instance number (fusion.123, loop_add_fusion_4) joins one row per kind
 _INSTANCE = re.compile(r"[._]\d+$")
@@ -33,19 +36,6 @@ def newest_trace(trace_dir: str) -> str:
     if not found:
         raise SystemExit(f"{trace_dir}: no *.trace.json.gz under it; pass the folder jax.profiler.trace wrote")
     return max(found, key=os.path.getmtime)
-
-
-def _merge(intervals):
-    """Total length of the union of (start, end) intervals."""
-    total, end = 0.0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
 
 
 def summarize(trace_dir: str, top: int = 25) -> dict:
@@ -76,7 +66,7 @@ def summarize(trace_dir: str, top: int = 25) -> dict:
             by[key][1] += 1
         start = min(float(e["ts"]) for e in xs)
         end = max(float(e["ts"]) + float(e["dur"]) for e in xs)
-        busy = _merge((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs)
+        busy = union_length((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs)
         total = sum(v[0] for v in by.values())
         rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
         out["processes"].append({

@@ -349,10 +349,14 @@ def busy_time(records: Sequence[dict]) -> float:
     """Length of the union of the requests' [start_s, start_s + duration_s]: the time at least one
     request was in flight (the client's own gaps between requests, e.g. its /metrics scrapes at
     concurrency 1, are not in it)."""
-    spans = sorted((r["start_s"], r["start_s"] + r["duration_s"]) for r in records
-                   if r.get("start_s") is not None and r.get("duration_s") is not None)
+    return union_length((r["start_s"], r["start_s"] + r["duration_s"]) for r in records
+                        if r.get("start_s") is not None and r.get("duration_s") is not None)
+
+
+def union_length(spans) -> float:
+    """Total length of the union of (start, end) spans (overlaps counted once)."""
     total, end = 0.0, -math.inf
-    for a, b in spans:
+    for a, b in sorted(spans):
         if a > end:
             total += b - a
             end = b
