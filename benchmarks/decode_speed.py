@@ -3,7 +3,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
 
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
-        [--repeats 3] [--out results.json]
+        [--repeats 3] [--out results.json] [--profile TRACE_DIR]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import write_results  # noqa: E402
+from trace_ops import format_summary, summarize  # noqa: E402
 
 
 def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -111,6 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--matmul-precision", default="default", help="default | highest | ...")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed calls of each batch size, trace one greedy and one speculative call "
+                         "(jax.profiler, into DIR/b<batch>_<greedy|spec>) and store where the device time went "
+                         "(trace_ops.summarize) in the row")
     a = ap.parse_args(argv)
 
     import jax
@@ -182,6 +187,17 @@ def main(argv=None) -> int:
                "speedup": statistics.median(s_rate) / statistics.median(g_rate),
                "tau": 1.0 + float(accepted.sum()) / max(steps, 1), "accepted_per_position": accepted.tolist(),
                "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
+        if a.profile:
+            row["profile"] = {}
+            for arm, call in (("greedy", lambda: generate(target, ps, max_new_tokens=a.max_new_tokens,
+                                                           eos_token_ids=eos, batch_size=b)),
+                              ("spec", lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens,
+                                                             eos_token_ids=eos, batch_size=b))):
+                where = os.path.join(a.profile, f"b{b}_{arm}")
+                with dec._precision(), jax.profiler.trace(where):
+                    call()
+                row["profile"][arm] = summarize(where, top=30)
+                print(f"batch {b}, {arm}:\n{format_summary(row['profile'][arm])}", flush=True)
         rows.append(row)
         print(f"batch {b}: greedy {row['greedy_tok_s']:.1f} tok/s, speculative {row['spec_tok_s']:.1f} tok/s "
               f"({row['speedup']:.2f}x), tau {row['tau']:.3f}, rows equal to greedy {row['rows_equal_greedy']}/{n}",
