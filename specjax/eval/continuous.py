@@ -48,20 +48,25 @@ class Request:
     sample_id: int = 0  # with the token index, seeds this request's draws (temperature > 0)
 
 
+def _axis_that_changes(small, large, what: str, optional: bool) -> dict:
+    """Per leaf of two caches of the same tree, the one axis whose size differs (-1 when none differs
+    and `optional`)."""
+    def axis(a, b):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(diff) > 1 or (not diff and not optional):
+            raise ValueError(f"cannot find the {what} axis of a cache leaf: {a.shape} vs {b.shape}")
+        return diff[0] if diff else -1
+
+    return jax.tree.map(axis, small, large)
+
+
 def cache_batch_axes(target_cls, config, dtype) -> dict:
     """The batch axis of every cache leaf (same tree as the cache), found by comparing the cache
     shapes for one and for two rows: targets lay their caches out differently ([L, B, ...] KV and
     SSM states, [B, W] slot labels)."""
     one = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 16, dtype))
     two = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 2, 16, dtype))
-
-    def axis(a, b):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-        if len(diff) != 1:
-            raise ValueError(f"cannot find the batch axis of a cache leaf: {a.shape} (1 row) vs {b.shape} (2 rows)")
-        return diff[0]
-
-    return jax.tree.map(axis, one, two)
+    return _axis_that_changes(one, two, "batch", optional=False)
 
 
 def cache_slot_axes(target_cls, config, dtype) -> dict:
@@ -70,14 +75,7 @@ def cache_slot_axes(target_cls, config, dtype) -> dict:
     comparing the caches for two lengths."""
     short = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, CACHE_MULTIPLE, dtype))
     long = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 2 * CACHE_MULTIPLE, dtype))
-
-    def axis(a, b):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-        if len(diff) > 1:
-            raise ValueError(f"cannot find the slot axis of a cache leaf: {a.shape} vs {b.shape}")
-        return diff[0] if diff else -1
-
-    return jax.tree.map(axis, short, long)
+    return _axis_that_changes(short, long, "slot", optional=True)
 
 
 def _row_keys(seed, sample_id_b, index_b):

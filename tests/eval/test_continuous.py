@@ -179,6 +179,14 @@ def test_every_family_equals_uncached_greedy(name):
     got, _ = _run(target, prompts, batch_size=2, max_prompt_tokens=32, max_new_tokens=5, segment_steps=2,
                   min_refill=1)
     assert [got[i] for i in range(len(prompts))] == want
+    # rows of 512 slots refilled from 256-slot chunk caches after a 280-token prompt filled them: the
+    # stale K/V (and Nemotron-H's stale conv inputs) past slot 256 stay hidden
+    long_prompt = [(7 * i) % 127 + 1 for i in range(280)]
+    mixed = [long_prompt, *prompts[:2], long_prompt[:270], *prompts[2:]]
+    got, gen = _run(target, mixed, batch_size=2, max_prompt_tokens=300, max_new_tokens=5, segment_steps=2,
+                    min_refill=1)
+    assert gen.refill_lengths == [128, 512]
+    assert [got[i] for i in range(len(mixed))] == [fam.naive_greedy(target, p, 5) for p in mixed]
 
 
 def jax_leaves(tree):
