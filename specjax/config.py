@@ -136,6 +136,20 @@ class DataConfig(_Checked):
     # template's generation prompt supplies at inference (role header, empty reasoning block)
     mask_reasoning_content: bool = False
     mask_generation_prompt: bool = False
+    # processes that render the chat template and tokenize the rows before training (both are one
+    # thread per row); null: one per CPU core, at most 16; 0 or 1: in the launching process. Workers
+    # start only for the rows still left after 5 s in-process (a worker takes seconds to start)
+    prepare_workers: Optional[int] = _ranged(None, ge=0)
+
+    def prepare_processes(self) -> int:
+        """`prepare_workers` as a number of processes (null -> the CPU cores this process may use, <= 16)."""
+        if self.prepare_workers is not None:
+            return self.prepare_workers
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        return min(cores, 16)
 
 
 @dataclass(frozen=True)

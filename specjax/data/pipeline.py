@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -96,13 +98,20 @@ def prepare_examples(
     mask_reasoning_content: bool = False,
     mask_generation_prompt: bool = False,
     skip_report_dir: str | os.PathLike | None = None,
+    workers: int = 0,
+    inline_s: float | None = None,
 ) -> Prepared:
     """Read, template, tokenize and split. Bad rows are counted in ``skipped`` and listed in
     ``skips``, never raised; a missing file, a tokenizer without a chat template, or no usable
     example at all raise. The two mask flags are `data.mask_reasoning_content` /
     `data.mask_generation_prompt` (see `specjax.data.chat`). With ``skip_report_dir`` (the run
     folder) every skipped row is written to ``<skip_report_dir>/skipped_rows.jsonl`` (see
-    `write_skip_report`), also when no usable example is left, and the log line names the file."""
+    `write_skip_report`), also when no usable example is left, and the log line names the file.
+
+    ``workers`` > 1 templates and tokenizes in that many processes (`data.prepare_workers`), in chunks
+    of rows: the first ``inline_s`` seconds of rows (default `PARALLEL_AFTER_S`) are done here, so
+    small data never waits for workers to start, and the rows left after that go to the workers. The
+    result is the same in every respect: examples, skips and their order."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_rows is not None and max_rows <= 0:
@@ -120,10 +129,16 @@ def prepare_examples(
         source = str(row.source)
         skips.append(Skip(where, source, None if where == source else int(row.index) + 1, reason, detail))
 
-    for row in read_conversations(paths):
-        if max_rows is not None and n_rows >= max_rows:
-            break
-        n_rows += 1
+    def rows():
+        nonlocal n_rows
+        for row in read_conversations(paths):
+            if max_rows is not None and n_rows >= max_rows:
+                return
+            n_rows += 1
+            yield row
+
+    options = _TokenizeOptions(seq_length, truncate, template, mask_reasoning_content, mask_generation_prompt)
+    for row, outcome in _tokenized(rows(), tokenizer, options, workers, inline_s):
         if row.error is not None:
             err = row.error
             where = getattr(err, "where", None)
@@ -132,15 +147,10 @@ def prepare_examples(
             else:
                 skip(row, err.kind, where, err.detail)
             continue
-        try:
-            ex = tokenize_conversation(
-                tokenizer, row.messages, seq_length, truncate=truncate, chat_template=template,
-                mask_reasoning_content=mask_reasoning_content, mask_generation_prompt=mask_generation_prompt,
-            )
-        except SkipRow as e:
-            skip(row, e.reason, f"{row.source}:{row.index + 1}", e.detail)
+        if isinstance(outcome, SkipRow):
+            skip(row, outcome.reason, f"{row.source}:{row.index + 1}", outcome.detail)
             continue
-        ex = dataclasses.replace(ex, source=str(row.source), row=int(row.index) + 1)  # as in file:N
+        ex = dataclasses.replace(outcome, source=str(row.source), row=int(row.index) + 1)  # as in file:N
         (val if split_is_val(row.source, row.index, seed, val_fraction, row.group) else train).append(ex)
 
     prepared = Prepared(train=train, val=val, skipped=skipped, n_rows=n_rows, skips=skips)
@@ -158,6 +168,91 @@ def prepare_examples(
             + (f"; all {len(skips)} skipped rows are listed in {path}" if skip_report_dir is not None else "")
         )
     return prepared
+
+
+# ---------------------------------------------------------------------------------------------
+# Templating + tokenizing, here or in worker processes. Rendering a chat template is Python (jinja2)
+# and tokenizing one text is one thread, ~4 ms a ShareGPT row on an H200 host: 128 s for the 32,713
+# rows of the full SmolLM2 recipe (benchmarks/results/smollm2_eagle3.md). Rows are independent, so
+# chunks of them go to processes; reading, splitting and skip bookkeeping stay here, in order.
+
+# in-process for this long first: data that is done by then never pays for starting workers (each
+# imports transformers, seconds); the rows still left then go to the workers
+PARALLEL_AFTER_S = 5.0
+_CHUNK_ROWS = 256  # rows per task: pickling a chunk is small next to ~1 s of work in it
+
+
+class _TokenizeOptions(NamedTuple):
+    seq_length: int
+    truncate: bool
+    template: str
+    mask_reasoning_content: bool
+    mask_generation_prompt: bool
+
+
+def _tokenize_one(tokenizer, messages: list[dict], o: _TokenizeOptions) -> Example | SkipRow:
+    try:
+        return tokenize_conversation(
+            tokenizer, messages, o.seq_length, truncate=o.truncate, chat_template=o.template,
+            mask_reasoning_content=o.mask_reasoning_content, mask_generation_prompt=o.mask_generation_prompt,
+        )
+    except SkipRow as e:
+        return SkipRow(e.reason, e.detail)
+
+
+_worker: tuple | None = None  # (tokenizer, options) of a worker process
+
+
+def _init_worker(tokenizer, options: _TokenizeOptions) -> None:
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one text at a time per process: no thread pool
+    _worker = (tokenizer, options)
+
+
+def _tokenize_chunk(chunk: list[list[dict] | None]) -> list[Example | SkipRow | None]:
+    tokenizer, options = _worker
+    return [None if m is None else _tokenize_one(tokenizer, m, options) for m in chunk]
+
+
+def _tokenized(rows, tokenizer, options: _TokenizeOptions, workers: int, inline_s: float | None):
+    """(row, Example | SkipRow | None) for every row, in reading order; None for a row the reader
+    already failed. An exception other than SkipRow (ChatTemplateUnusable: the machine's or the
+    config's problem) propagates from the first row that raises it, here or in a worker."""
+    rows = iter(rows)
+    deadline = time.perf_counter() + (PARALLEL_AFTER_S if inline_s is None else inline_s)
+    for row in rows:
+        yield row, (None if row.error is not None else _tokenize_one(tokenizer, row.messages, options))
+        if workers > 1 and time.perf_counter() >= deadline:
+            break
+    else:
+        return
+    head = list(itertools.islice(rows, 1))
+    if not head:  # the data ended with the deadline
+        return
+
+    import concurrent.futures
+    import multiprocessing
+
+    def chunks():
+        stream = itertools.chain(head, rows)
+        while chunk := list(itertools.islice(stream, _CHUNK_ROWS)):
+            yield chunk
+
+    # spawn, not fork: the parent holds JAX's threads (and maybe tokenizers' pool), which fork copies
+    # in an undefined state
+    ctx = multiprocessing.get_context("spawn")
+    log.info("data: templating and tokenizing in %d worker processes (data.prepare_workers)", workers)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                initargs=(tokenizer, options)) as pool:
+        pending = []  # (rows, future), oldest first; at most 2 chunks per worker in flight
+        for chunk in chunks():
+            pending.append((chunk, pool.submit(_tokenize_chunk, [r.messages if r.error is None else None
+                                                                 for r in chunk])))
+            if len(pending) >= 2 * workers:
+                done_rows, fut = pending.pop(0)
+                yield from zip(done_rows, fut.result())
+        for done_rows, fut in pending:
+            yield from zip(done_rows, fut.result())
 
 
 def _write_report(skips: Sequence[Skip], out_dir: str | os.PathLike) -> str:

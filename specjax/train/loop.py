@@ -278,16 +278,19 @@ class _Trainer:
         files = tuple(resolve_path(p) for p in cfg.data.train_files)
         if not files:
             raise ValueError("data.train_files is empty: give one or more JSONL/JSON/parquet chat files.")
+        t_prep = time.perf_counter()
         prepared = prepare_examples(
             files, tokenizer, cfg.data.seq_length, cfg.data.val_fraction, cfg.data.shuffle_seed,
             max_rows=cfg.data.max_rows, truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
             mask_reasoning_content=cfg.data.mask_reasoning_content,
             mask_generation_prompt=cfg.data.mask_generation_prompt,
             skip_report_dir=out_dir,  # every skipped row, file:line and reason: <output_dir>/skipped_rows.jsonl
+            workers=cfg.data.prepare_processes(),
         )
         n_skipped = sum(prepared.skipped.values())
-        log.info("data: %d rows -> %d train / %d val examples; skipped %d %s", prepared.n_rows,
-                 len(prepared.train), len(prepared.val), n_skipped, dict(prepared.skipped))
+        log.info("data: %d rows -> %d train / %d val examples; skipped %d %s (%.1f s)", prepared.n_rows,
+                 len(prepared.train), len(prepared.val), n_skipped, dict(prepared.skipped),
+                 time.perf_counter() - t_prep)
         if not prepared.train:
             raise ValueError(f"no usable training rows in {files} (skipped: {dict(prepared.skipped)}).")
         self.prepared = prepared
