@@ -127,3 +127,19 @@ def test_decoding_through_the_kernel(family, monkeypatch):
     for a, b in zip(*rows):
         assert (a.tokens, a.accept_lengths, a.accepted_per_position) == (b.tokens, b.accept_lengths,
                                                                          b.accepted_per_position)
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_kernel_lowers_for_cuda_on_this_machine(T):
+    """The Pallas (Triton) lowering runs on a CPU machine: a one-token step (its mask row broadcast
+    over the G query rows, no per-layer [B, Rp, S] mask copy) and a verification chunk both lower,
+    and the one-token step pads only q, not the mask."""
+    V, B, N, H, L, S, K = 1, 4, 9, 64, 2, 256, 3
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda q, k, v, m, lim: pallas_gpu.decode_attention_stacked(q, k, v, jnp.int32(1), m, lim, 0.125))
+    low = f.trace(sds((V, B, T, N, H), jnp.bfloat16), sds((V, L, B, S, K, H), jnp.bfloat16),
+                  sds((V, L, B, S, K, H), jnp.bfloat16), sds((V, B, T, S), jnp.bool_),
+                  sds((V, B), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = low.as_text()
+    assert "decode_attention" in text
+    assert text.count("stablehlo.pad") == (1 if T == 1 else 2)

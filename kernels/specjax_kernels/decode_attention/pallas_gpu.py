@@ -57,7 +57,7 @@ def _kernel(layer_ref, limit_ref, q_ref, mask_ref, k_ref, v_ref, o_ref, *, nb, s
         k = k_ref[v_i, layer, b, pl.ds(j * bs, bs), kh, :]
         v = v_ref[v_i, layer, b, pl.ds(j * bs, bs), kh, :]
         s = dot_nt(q, k.astype(q.dtype)) * scale
-        s = jnp.where(mask_ref[:, pl.ds(j * bs, bs)] != 0, s, MASK)
+        s = jnp.where(mask_ref[:, pl.ds(j * bs, bs)] != 0, s, MASK)  # [Rp or 1, bs] -> [Rp, bs]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -80,8 +80,13 @@ def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, 
     # rows of kv head k: (t, g) -> t * G + g; padded rows see nothing useful and are cut below
     qr = q.reshape(V * B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(V * B, K, R, H)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-    mr = jnp.repeat(mask.reshape(V * B, T, S).astype(jnp.int8), G, axis=1)  # row t*G+g <- mask row t
-    mr = jnp.pad(mr, ((0, 0), (0, Rp - R), (0, 0)))
+    if T == 1:  # one decoded token: its mask row serves all G rows (broadcast in the kernel), so no
+        # [B, Rp, S] copy of the mask is built and read per layer (Rp x the bytes, at every step)
+        mr = mask.reshape(V * B, 1, S).astype(jnp.int8)
+    else:
+        mr = jnp.repeat(mask.reshape(V * B, T, S).astype(jnp.int8), G, axis=1)  # row t*G+g <- mask row t
+        mr = jnp.pad(mr, ((0, 0), (0, Rp - R), (0, 0)))
+    Rm = mr.shape[1]
     lim = jnp.clip(limit.reshape(V * B).astype(jnp.int32), 1, S)
     kern = functools.partial(_kernel, nb=B, scale=float(scale), bs=BLOCK_S)
     whole = pl.BlockSpec()  # the whole stacked cache: the kernel indexes (member, layer, row, slots, kv head) itself
@@ -91,7 +96,7 @@ def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, 
         in_specs=[pl.BlockSpec((1,), lambda i, k: (0,)),
                   pl.BlockSpec((V * B,), lambda i, k: (0,)),
                   pl.BlockSpec((None, None, Rp, H), lambda i, k: (i, k, 0, 0)),
-                  pl.BlockSpec((None, Rp, S), lambda i, k: (i, 0, 0)),
+                  pl.BlockSpec((None, Rm, S), lambda i, k: (i, 0, 0)),
                   whole, whole],
         out_specs=pl.BlockSpec((None, None, Rp, H), lambda i, k: (i, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((V * B, K, Rp, H), q.dtype),
