@@ -27,8 +27,8 @@ from _results import write_results  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--data", default="preset://sharegpt", help="files / folder data.train_files would take")
+    ap.add_argument("--tokenizer", required=True, help="HF tokenizer folder (the target's)")
     ap.add_argument("--rows", type=int, default=None, help="first N rows (data.max_rows)")
     ap.add_argument("--workers", default="0,2", help="comma list of data.prepare_workers values")
     ap.add_argument("--seq-length", type=int, default=2048)
