@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="first N rows (data.max_rows)")
     ap.add_argument("--workers", default="0,2", help="comma list of data.prepare_workers values")
     ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--inline-s", type=float, default=None,
+                    help="seconds in-process before the workers start (default: the launch's, 5 s)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -44,8 +46,8 @@ def main(argv=None) -> int:
     arms, first = [], None
     for w in (int(x) for x in a.workers.split(",")):
         t0 = time.perf_counter()
-        # as the launch calls it: alone for the first 5 s, then the workers take the rows left
-        prep = prepare_examples([a.data], tok, a.seq_length, 0.02, 0, max_rows=a.rows, workers=w)
+        # as the launch calls it (alone for the first 5 s, then the workers take the rows left)
+        prep = prepare_examples([a.data], tok, a.seq_length, 0.02, 0, max_rows=a.rows, workers=w, inline_s=a.inline_s)
         wall = time.perf_counter() - t0
         examples = prep.train + prep.val
         arm = {"workers": w, "wall_s": round(wall, 2), "rows": prep.n_rows, "examples": len(examples),

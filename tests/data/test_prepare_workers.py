@@ -139,8 +139,8 @@ def test_config_prepare_workers():
 
 
 def test_prepare_speed_script_runs_both_arms_on_the_same_rows(tmp_path, tok):
-    """benchmarks/prepare_speed.py: each arm is a real prepare_examples call; the workers arm must
-    report the same examples as the in-process one (the check the results file quotes)."""
+    """benchmarks/prepare_speed.py: each arm is a real prepare_examples call; the workers arm (made to
+    use its workers from the first row) must report the same examples as the in-process one."""
     import os
     import sys
 
@@ -151,7 +151,7 @@ def test_prepare_speed_script_runs_both_arms_on_the_same_rows(tmp_path, tok):
     data = _write(tmp_path / "d.jsonl", _rows(300))
     out = tmp_path / "r.json"
     assert prepare_speed.main(["--tokenizer", str(tmp_path / "tok"), "--data", str(data), "--workers", "0,2",
-                               "--seq-length", "96", "--out", str(out)]) == 0
+                               "--seq-length", "96", "--inline-s", "0", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert [a["workers"] for a in r["arms"]] == [0, 2]
     assert r["arms"][0]["rows"] == r["arms"][1]["rows"] == 300
