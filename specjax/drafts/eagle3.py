@@ -254,10 +254,10 @@ def layer_output(params: dict, cfg: Eagle3Config, hidden_btd, attn_btnh, layer: 
 
 
 def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:
-    """lm_head(norm(h)) over the draft vocab, in fp32."""
+    """lm_head(norm(h)) over the draft vocab, in fp32 (fp64 for fp64 input)."""
     hn = rms_norm(h_btd, params["norm"]["scale"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", hn, params["lm_head"]["kernel"].astype(hn.dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.promote_types(hn.dtype, jnp.float32))
 
 
 def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:

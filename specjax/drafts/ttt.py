@@ -108,10 +108,12 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
     pad = n_chunks * chunk - V
     w = jnp.pad(w_vd, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
 
+    acc = jnp.promote_types(h_nd.dtype, jnp.float32)  # fp32, or fp64 for fp64 inputs
+
     def body(carry, inp):
         best_val, best_idx, sum_exp = carry
         wc, c = inp
-        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=acc)
         col = c * chunk + jnp.arange(chunk)
         logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
         idx = jnp.argmax(logits, axis=-1)
@@ -120,10 +122,10 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
         new_max = jnp.maximum(best_val, val)
         if with_lse:  # sum of exp(logit - running max), rescaled when the max grows
             sum_exp = sum_exp * jnp.exp(best_val - new_max) + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1)
-        return (new_max, jnp.where(better, c * chunk + idx, best_idx), sum_exp), None
+        return (new_max, jnp.where(better, c * chunk + idx, best_idx).astype(jnp.int32), sum_exp), None
 
     n = h_nd.shape[0]
-    init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32))
+    init = (jnp.full((n,), -jnp.inf, acc), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), acc))
     (best_val, best, sum_exp), _ = jax.lax.scan(body, init, (w, jnp.arange(n_chunks)))
     if with_lse:
         return best.astype(jnp.int32), best_val + jnp.log(sum_exp)
@@ -131,12 +133,12 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
 
 
 def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int, with_lse: bool = False):
-    """(teacher logits over the draft vocab [B,T,Vd] fp32, full-vocab argmax [B,T]) and, with
-    `with_lse`, the full-vocab logsumexp [B,T] as a third entry."""
+    """(teacher logits over the draft vocab [B,T,Vd] fp32 (fp64 for fp64 input), full-vocab argmax
+    [B,T]) and, with `with_lse`, the full-vocab logsumexp [B,T] as a third entry."""
     B, T, D = final_hidden_btd.shape
     rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
     teacher = jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=jnp.promote_types(final_hidden_btd.dtype, jnp.float32))
     flat = final_hidden_btd.reshape(B * T, D)
     if with_lse:
         argmax, lse = chunked_argmax(flat, lm_head_vd, vocab_chunk, with_lse=True)
@@ -233,7 +235,7 @@ def ttt_loss(
         pmask_sums.append(jnp.sum(pos_mask))
     losses = jnp.stack(losses)
     accs = sg(jnp.stack(accs))
-    weights = ttt.step_decay ** jnp.arange(ttt.ttt_steps, dtype=jnp.float32)
+    weights = ttt.step_decay ** jnp.arange(ttt.ttt_steps, dtype=losses.dtype)
     total = jnp.sum(weights * losses)
     metrics = {
         "loss": total,

@@ -18,6 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from specjax_kernels._dtypes import accum_dtype  # noqa: F401  (re-exported for the backends)
+
 f32 = jnp.float32
 
 
@@ -42,7 +44,7 @@ def _fused_fwd(be, h, w, t, th, tw, mask):
 
 def _fused_bwd(be, res, cts):
     h, w, t, th, tw, mask, lse_d, lse_t = res
-    g = cts[0].astype(f32) * mask
+    g = cts[0].astype(accum_dtype(h)) * mask
     dh, dw = be.grads(h, w, t, th, tw, g, lse_d, lse_t)
     return dh.astype(h.dtype), dw.astype(w.dtype), None, None, None, None
 
@@ -76,7 +78,8 @@ def fused_with(be: Backend, hidden, lm_head, teacher_logits=None, teacher_hidden
     for n in lead:
         N *= n
     flat = lambda x: None if x is None else x.reshape(N, x.shape[-1])
-    m = jnp.ones((N,), f32) if mask is None else mask.reshape(N).astype(f32)
+    acc = accum_dtype(hidden)
+    m = jnp.ones((N,), acc) if mask is None else mask.reshape(N).astype(acc)
     sg = jax.lax.stop_gradient
     t = None if teacher_logits is None else sg(flat(teacher_logits))
     th = None if teacher_hidden is None else sg(flat(teacher_hidden))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax_kernels.soft_ce.common import Backend, f32, fused_with
+from specjax_kernels.soft_ce.common import Backend, accum_dtype, fused_with
 
 DEFAULT_VOCAB_BLOCK = 4096
 NEG = -1.0e30
@@ -40,7 +40,9 @@ def _pad_cols(x, Vp):  # [N, V] -> [N, Vp]
 
 
 def _tiles(h, w, t, th, tw, bv):
-    """Closures producing (d, t) f32 tiles [N, bv] for tile index c, with columns >= V set to NEG."""
+    """Closures producing (d, t) f32 tiles [N, bv] (fp64 for fp64 inputs) for tile index c, with
+    columns >= V set to NEG."""
+    acc = accum_dtype(h, t, th)
     V = (w if w is not None else t).shape[0 if w is not None else 1]
     nV = -(-V // bv)
     Vp = nV * bv
@@ -50,15 +52,15 @@ def _tiles(h, w, t, th, tw, bv):
 
     def draft(c, d_given=None):
         if d_given is not None:
-            d = lax.dynamic_slice_in_dim(d_given, c * bv, bv, axis=1).astype(f32)
+            d = lax.dynamic_slice_in_dim(d_given, c * bv, bv, axis=1).astype(acc)
         else:
-            d = jnp.einsum("nh,vh->nv", h, lax.dynamic_slice_in_dim(w, c * bv, bv), preferred_element_type=f32)
+            d = jnp.einsum("nh,vh->nv", h, lax.dynamic_slice_in_dim(w, c * bv, bv), preferred_element_type=acc)
         return d
 
     def teacher(c):
         if t is not None:
-            return lax.dynamic_slice_in_dim(t, c * bv, bv, axis=1).astype(f32)
-        return jnp.einsum("nh,vh->nv", th, lax.dynamic_slice_in_dim(tw, c * bv, bv), preferred_element_type=f32)
+            return lax.dynamic_slice_in_dim(t, c * bv, bv, axis=1).astype(acc)
+        return jnp.einsum("nh,vh->nv", th, lax.dynamic_slice_in_dim(tw, c * bv, bv), preferred_element_type=acc)
 
     def valid(c):
         return (c * bv + jnp.arange(bv)) < V
@@ -66,7 +68,7 @@ def _tiles(h, w, t, th, tw, bv):
     return draft, teacher, valid, nV, Vp, w
 
 
-def _stats_scan(N, draft, teacher, valid, nV, bv):
+def _stats_scan(N, draft, teacher, valid, nV, bv, acc):
     def body(carry, c):
         md, ld, mt, lt, s, bval, bidx = carry
         ok = valid(c)[None, :]
@@ -85,7 +87,7 @@ def _stats_scan(N, draft, teacher, valid, nV, bv):
         return (md_new, ld, mt_new, lt, s, jnp.where(better, v, bval),
                 jnp.where(better, c * bv + i, bidx).astype(jnp.int32)), None
 
-    z = jnp.zeros((N,), f32)
+    z = jnp.zeros((N,), acc)
     init = (z + NEG, z, z + NEG, z, z, z - jnp.inf, jnp.zeros((N,), jnp.int32))
     (md, ld, mt, lt, s, _, idx), _ = lax.scan(body, init, jnp.arange(nV))
     return md + jnp.log(ld), mt + jnp.log(lt), s / lt, idx
@@ -94,13 +96,14 @@ def _stats_scan(N, draft, teacher, valid, nV, bv):
 def stats(h, w, t, th, tw, *, block):
     bv = pick_block(w.shape[0], block)
     draft, teacher, valid, nV, _, _ = _tiles(h, w, t, th, tw, bv)
-    return _stats_scan(h.shape[0], draft, teacher, valid, nV, bv)
+    return _stats_scan(h.shape[0], draft, teacher, valid, nV, bv, accum_dtype(h, t, th))
 
 
 def grads(h, w, t, th, tw, g, lse_d, lse_t, *, block):
     V, H = w.shape
     bv = pick_block(V, block)
     draft, teacher, valid, nV, Vp, wp = _tiles(h, w, t, th, tw, bv)
+    acc = accum_dtype(h, t, th)
 
     def body(dh, c):
         ok = valid(c)[None, :]
@@ -108,11 +111,11 @@ def grads(h, w, t, th, tw, g, lse_d, lse_t, *, block):
         p_t = jnp.exp(teacher(c) - lse_t[:, None])
         dd = jnp.where(ok, g[:, None] * (p_d - p_t), 0.0).astype(h.dtype)
         wc = lax.dynamic_slice_in_dim(wp, c * bv, bv)
-        dh = dh + jnp.einsum("nv,vh->nh", dd, wc, preferred_element_type=f32)
-        dw = jnp.einsum("nv,nh->vh", dd, h, preferred_element_type=f32)
+        dh = dh + jnp.einsum("nv,vh->nh", dd, wc, preferred_element_type=acc)
+        dw = jnp.einsum("nv,nh->vh", dd, h, preferred_element_type=acc)
         return dh, dw
 
-    dh, dw = lax.scan(body, jnp.zeros(h.shape, f32), jnp.arange(nV))
+    dh, dw = lax.scan(body, jnp.zeros(h.shape, acc), jnp.arange(nV))
     return dh, dw.reshape(Vp, H)[:V]
 
 
@@ -137,7 +140,8 @@ def _soft_ce_logits(d, t, bv):
 def _soft_ce_logits_fwd(d, t, bv):
     draft, teacher, valid, nV, _, _ = _tiles(None, None, t, None, None, bv)
     dp = _pad_cols(d, nV * bv)
-    lse_d, lse_t, spd, _ = _stats_scan(d.shape[0], functools.partial(draft, d_given=dp), teacher, valid, nV, bv)
+    lse_d, lse_t, spd, _ = _stats_scan(d.shape[0], functools.partial(draft, d_given=dp), teacher, valid, nV, bv,
+                                       accum_dtype(d, t))
     return lse_d - spd, (d, t, lse_d, lse_t)
 
 
@@ -149,7 +153,7 @@ def _soft_ce_logits_bwd(bv, res, g):
 
     def body(_, c):
         p_d = jnp.exp(draft(c, d_given=dp) - lse_d[:, None])
-        return None, (g[:, None].astype(f32) * (p_d - jnp.exp(teacher(c) - lse_t[:, None]))).astype(d.dtype)
+        return None, (g[:, None].astype(accum_dtype(d, t)) * (p_d - jnp.exp(teacher(c) - lse_t[:, None]))).astype(d.dtype)
 
     _, dd = lax.scan(body, None, jnp.arange(nV))  # [nV, N, bv]
     dd = dd.transpose(1, 0, 2).reshape(N, Vp)[:, :V]

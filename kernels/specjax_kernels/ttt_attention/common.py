@@ -24,6 +24,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from specjax_kernels._dtypes import accum_dtype
+
 f32 = jnp.float32
 
 
@@ -72,7 +74,7 @@ def _diag_scores(q, kd, scale):
     B, T, Hq, D = q.shape
     Hkv = kd.shape[3]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    return jnp.einsum("btkgd,nbtkd->nbtkg", qg, kd, preferred_element_type=f32) * scale
+    return jnp.einsum("btkgd,nbtkd->nbtkg", qg, kd, preferred_element_type=accum_dtype(q)) * scale
 
 
 def _merge(q, kd, vd, o0, lse0, scale):
@@ -89,7 +91,7 @@ def _merge(q, kd, vd, o0, lse0, scale):
     w0 = jnp.exp(l0 - lse)
     wd = jnp.exp(sd - lse)
     out = o0.reshape(B, T, Hkv, G, D) * w0[..., None] + jnp.einsum(
-        "nbtkg,nbtkd->btkgd", wd, vd.astype(f32))
+        "nbtkg,nbtkd->btkgd", wd, vd.astype(wd.dtype))
     return out.reshape(B, T, Hq, D), lse.reshape(B, T, Hq)
 
 
@@ -98,11 +100,12 @@ def _diag_backward(q, kd, vd, do, lse, delta, scale):
     Hkv = kd.shape[3]
     G = Hq // Hkv
     p = jnp.exp(_diag_scores(q, kd, scale) - lse.reshape(B, T, Hkv, G))  # [n,B,T,Hkv,G]
-    dog = do.reshape(B, T, Hkv, G, D).astype(f32)
-    dp = jnp.einsum("btkgd,nbtkd->nbtkg", dog, vd.astype(f32))
+    acc = accum_dtype(q)
+    dog = do.reshape(B, T, Hkv, G, D).astype(acc)
+    dp = jnp.einsum("btkgd,nbtkd->nbtkg", dog, vd.astype(acc))
     ds = p * (dp - delta.reshape(B, T, Hkv, G)) * scale
-    dq = jnp.einsum("nbtkg,nbtkd->btkgd", ds, kd.astype(f32)).reshape(B, T, Hq, D)
-    dkd = jnp.einsum("nbtkg,btkgd->nbtkd", ds, q.reshape(B, T, Hkv, G, D).astype(f32))
+    dq = jnp.einsum("nbtkg,nbtkd->btkgd", ds, kd.astype(acc)).reshape(B, T, Hq, D)
+    dkd = jnp.einsum("nbtkg,btkgd->nbtkd", ds, q.reshape(B, T, Hkv, G, D).astype(acc))
     dvd = jnp.einsum("nbtkg,btkgd->nbtkd", p, dog)
     return dq, dkd, dvd
 
@@ -139,7 +142,8 @@ def _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale):
 def _ttt_bwd(be, scale, res, do):
     q, k0, v0, kd, vd, seg, out, lse = res
     # delta uses the output as returned (rounded to q.dtype), like FlashAttention-2
-    delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)
+    acc = accum_dtype(q)
+    delta = jnp.sum(do.astype(acc) * out.astype(acc), axis=-1)
     dq, dk0, dv0 = _block0_bwd(be, q, k0, v0, seg, do, lse, delta, scale)
     if kd is not None and kd.shape[0] > 0:
         dq_d, dkd, dvd = _diag_backward(q, kd, vd, do, lse, delta, scale)

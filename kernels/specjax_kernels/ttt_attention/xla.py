@@ -17,7 +17,8 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from specjax_kernels.ttt_attention.common import Backend, f32, ttt_attention_with
+from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.ttt_attention.common import Backend, ttt_attention_with
 
 DEFAULT_BLOCK = 512
 
@@ -49,6 +50,7 @@ def fwd0_offset(q, k, v, seg_q, seg_k, q_block0, scale, *, block):
     q_block0 = 0 and Tq = Tk this is the plain causal block 0; the context-parallel path passes a
     shard's queries and the all-gathered keys."""
     B, Tq, Hq, D = q.shape
+    adt = accum_dtype(q)  # fp32 (fp64 for fp64 inputs)
     Hkv = k.shape[2]
     G = Hq // Hkv
     bs = block
@@ -63,19 +65,19 @@ def fwd0_offset(q, k, v, seg_q, seg_k, q_block0, scale, *, block):
         def step(j, carry):
             def run(carry):
                 m, l, acc = carry
-                s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kb[j], preferred_element_type=f32) * scale
+                s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kb[j], preferred_element_type=adt) * scale
                 s = jnp.where(_mask(gi, j, bs, si, skb[j]), s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing yet
                 p = jnp.exp(s - m_use[..., None])
                 alpha = jnp.exp(m - m_use)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=f32)
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=adt)
                 return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
             return lax.cond(_meets(qlo, qhi, klo, khi, i, j), run, lambda c: c, carry)
 
-        init = (jnp.full((B, Hkv, G, bs), -jnp.inf, f32), jnp.zeros((B, Hkv, G, bs), f32),
-                jnp.zeros((B, Hkv, G, bs, D), f32))
+        init = (jnp.full((B, Hkv, G, bs), -jnp.inf, adt), jnp.zeros((B, Hkv, G, bs), adt),
+                jnp.zeros((B, Hkv, G, bs, D), adt))
         m, l, acc = lax.fori_loop(0, gi + 1, step, init)
         # every row sees at least its own key (s == t, same segment), so l > 0
         return acc / l[..., None], m + jnp.log(l)
@@ -89,6 +91,7 @@ def fwd0_offset(q, k, v, seg_q, seg_k, q_block0, scale, *, block):
 def bwd0_offset(q, k, v, seg_q, seg_k, q_block0, do, lse, delta, scale, *, block):
     """Backward of fwd0_offset: (dq [B,Tq,Hq,D], dk, dv [B,Tk,Hkv,D]) in f32."""
     B, Tq, Hq, D = q.shape
+    adt = accum_dtype(q)  # fp32 (fp64 for fp64 inputs)
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     bs = block
@@ -109,22 +112,22 @@ def bwd0_offset(q, k, v, seg_q, seg_k, q_block0, do, lse, delta, scale, *, block
             def run(c):
                 dq, dk_all, dv_all = c
                 kj, vj = kb[j], vb[j]
-                s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=f32) * scale
+                s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=adt) * scale
                 p = jnp.where(_mask(gi, j, bs, si, skb[j]), jnp.exp(s - lsei[..., None]), 0.0)
-                dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=f32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=adt)
                 ds = p * (dp - deltai[..., None]) * scale
-                dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), doi, preferred_element_type=f32)
-                dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), qi, preferred_element_type=f32)
-                dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), kj, preferred_element_type=f32)
+                dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), doi, preferred_element_type=adt)
+                dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), qi, preferred_element_type=adt)
+                dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), kj, preferred_element_type=adt)
                 return dq, dk_all.at[j].add(dk), dv_all.at[j].add(dv)
 
             return lax.cond(_meets(qlo, qhi, klo, khi, i, j), run, lambda c: c, c)
 
         dq, dk_all, dv_all = lax.fori_loop(
-            0, gi + 1, step, (jnp.zeros((B, bs, Hkv, G, D), f32), dk_all, dv_all))
+            0, gi + 1, step, (jnp.zeros((B, bs, Hkv, G, D), adt), dk_all, dv_all))
         return (dk_all, dv_all), dq
 
-    zeros = jnp.zeros((Tk // bs, B, bs, Hkv, D), f32)
+    zeros = jnp.zeros((Tk // bs, B, bs, Hkv, D), adt)
     (dk, dv), dq = lax.scan(q_block, (zeros, zeros), jnp.arange(Tq // bs))
     dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(B, Tq, Hq, D)
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(B, Tk, Hkv, D)

@@ -231,9 +231,10 @@ def segment_causal_mask(segment_ids_bt: jnp.ndarray) -> SegmentCausalMask:
 
 
 def _attend(q_btkgh, k_bskh, v_bskh, mask_bts, scale):
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(scale)
-    scores = jnp.where(mask_bts[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    acc = jnp.promote_types(q_btkgh.dtype, jnp.float32)  # fp32, or fp64 for fp64 inputs
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=acc)
+    scores = scores * jnp.asarray(scale, acc)
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, jnp.finfo(acc).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
 
