@@ -46,6 +46,7 @@ from specjax.targets.layers.mamba2 import (EMPTY_LABEL, Mamba2Dims, decode_chunk
 from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
 from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
 from specjax.targets.registry import model_type_of, register
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.moe import moe_experts
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -102,6 +103,14 @@ def _finite_or_inf(v) -> float:
     return float(v)
 
 
+def _dt_limit(v) -> tuple[float, float]:
+    """config.time_step_limit (alias mamba_dt_limit) -> (lo, hi); absent/null -> (0, inf), i.e. no clamp."""
+    if v is None:
+        return (0.0, float("inf"))
+    lo, hi = v
+    return (_finite_or_inf(lo), _finite_or_inf(hi))
+
+
 # =============================================================================================
 # Config
 # =============================================================================================
@@ -132,7 +141,9 @@ class NemotronHTargetConfig:
     conv_kernel: int
     chunk_size: int
     use_conv_bias: bool
-    # transformers 5.24 clamps dt to (time_step_min, inf) and ignores config.time_step_limit
+    # clamp(softplus(dt + dt_bias), *dt_limit), from config.time_step_limit (default (0, inf): no clamp),
+    # as mamba_ssm, vLLM, NVIDIA's remote code and transformers >= 5.25. time_step_min (0.001) only sets
+    # the dt_bias init range; transformers <= 5.24 wrongly clamped at it (Zamba2's torch_forward).
     dt_limit: tuple[float, float]
     # MoE
     n_routed_experts: int
@@ -248,7 +259,7 @@ class NemotronHTargetConfig:
             conv_kernel=int(hf.get("conv_kernel", 4)),
             chunk_size=int(hf.get("chunk_size", 128)),
             use_conv_bias=bool(hf.get("use_conv_bias", True)),
-            dt_limit=(_finite_or_inf(hf.get("time_step_min", 0.001)), float("inf")),
+            dt_limit=_dt_limit(hf.get("time_step_limit")),
             n_routed_experts=int(hf.get("n_routed_experts", hf.get("num_local_experts", 8))),
             num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
             moe_intermediate_size=int(hf.get("moe_intermediate_size", 7688)),
@@ -305,7 +316,8 @@ class NemotronHTargetConfig:
             "mlp_hidden_act": self.mlp_hidden_act, "mamba_hidden_act": "silu",
             "mamba_num_heads": self.mamba_num_heads, "mamba_head_dim": self.mamba_head_dim,
             "n_groups": self.n_groups, "ssm_state_size": self.ssm_state_size, "conv_kernel": self.conv_kernel,
-            "chunk_size": self.chunk_size, "use_conv_bias": self.use_conv_bias, "time_step_min": self.dt_limit[0],
+            "chunk_size": self.chunk_size, "use_conv_bias": self.use_conv_bias,
+            "time_step_limit": list(self.dt_limit),
             "n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
             "moe_intermediate_size": self.moe_intermediate_size,
             "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
@@ -421,7 +433,7 @@ def weight_specs(cfg: NemotronHTargetConfig) -> list[WeightSpec]:
 # =============================================================================================
 def init_params(cfg: NemotronHTargetConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random params: normal(0, std) matrices, unit norm scales, and Mamba's A_log = log(1..H),
-    D = 1, dt_bias = softplus^-1 of steps spread over [time_step_min, 0.1] (HF's init ranges).
+    D = 1, dt_bias = softplus^-1 of steps spread over [0.001, 0.1] (HF's default time_step_min/max).
 
     All random leaves are cut from one normal draw (one RNG kernel to compile instead of one per
     leaf); jitted, and usable under ``jax.eval_shape`` for the full-size shapes.
@@ -444,7 +456,7 @@ def _init_params(cfg: NemotronHTargetConfig, key, dtype: str, std: float) -> dic
         elif name == "A_log":
             value = jnp.broadcast_to(jnp.log(jnp.arange(1, H + 1, dtype=jnp.float32)), spec.shape).astype(leaf_dtype)
         elif name == "dt_bias":
-            lo = max(cfg.dt_limit[0], 1e-4)
+            lo = 1e-3  # HF's default time_step_min (init range only; not the runtime dt_limit)
             dt = jnp.exp(jnp.linspace(math.log(lo), math.log(0.1), H, dtype=jnp.float32))
             value = jnp.broadcast_to(dt + jnp.log(-jnp.expm1(-dt)), spec.shape).astype(leaf_dtype)
         elif name in fixed:
@@ -463,10 +475,12 @@ _init_params_jit = jax.jit(_init_params, static_argnums=(0, 2, 3))
 # Blocks
 # =============================================================================================
 def rms_norm_fp32_weight(x, scale, eps):
-    """NemotronHRMSNorm: normalise in fp32, multiply by the weight in fp32, then cast to x's dtype."""
-    x32 = x.astype(jnp.float32)
+    """NemotronHRMSNorm: normalise in fp32, multiply by the weight in fp32, then cast to x's dtype
+    (fp64 input stays fp64 throughout: the tests' exact references)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    x32 = x.astype(acc)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * normed).astype(x.dtype)
+    return (scale.astype(acc) * normed).astype(x.dtype)
 
 
 def _ffn(p, act: str, x):
@@ -475,11 +489,12 @@ def _ffn(p, act: str, x):
 
 def route(x_nd, gate: dict, cfg: NemotronHTargetConfig):
     """Nemotron-H / DeepSeek-V3 router, in fp32 at full matmul precision (expert choice is discrete,
-    so a low-precision logit could flip it). Returns (expert ids int32 [N, k], weights fp32 [N, k])."""
-    logits = jnp.dot(x_nd.astype(jnp.float32), gate["kernel"].astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    so a low-precision logit could flip it). Returns (expert ids int32 [N, k], weights fp32 [N, k]);
+    fp64 inputs route in fp64 (weights fp64)."""
+    acc = accum_dtype(x_nd)
+    logits = jnp.dot(x_nd.astype(acc), gate["kernel"].astype(acc), precision=jax.lax.Precision.HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    choice = scores + gate["e_score_correction_bias"].astype(jnp.float32)  # bias steers the choice only
+    choice = scores + gate["e_score_correction_bias"].astype(acc)  # bias steers the choice only
     if cfg.n_group > 1:
         n, e = choice.shape
         per = e // cfg.n_group
@@ -491,7 +506,7 @@ def route(x_nd, gate: dict, cfg: NemotronHTargetConfig):
     weights = jnp.take_along_axis(scores, ids, axis=1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * jnp.float32(cfg.routed_scaling_factor)
+    return ids.astype(jnp.int32), weights * jnp.asarray(cfg.routed_scaling_factor, acc)
 
 
 def _moe(p, cfg: NemotronHTargetConfig, x_btd):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax_kernels._dtypes import accum_dtype
+
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # squared ReLU (Nemotron-H experts)
@@ -56,11 +58,13 @@ def sort_by_expert(expert_ids_tk, n_experts: int):
 
 
 def combine(ys_sorted, order, weights_tk, dtype):
-    """Undo the sort, weight each assignment and sum the k choices of every token (fp32 sum)."""
+    """Undo the sort, weight each assignment and sum the k choices of every token (fp32 sum; fp64
+    when the outputs or weights are fp64)."""
     t, k = weights_tk.shape
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     ys = jnp.take(ys_sorted, inverse, axis=0).reshape(t, k, -1)
-    out = jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights_tk.astype(jnp.float32))
+    acc = accum_dtype(ys, weights_tk)
+    out = jnp.einsum("tkd,tk->td", ys.astype(acc), weights_tk.astype(acc))
     return out.astype(dtype)
 
 

@@ -6,7 +6,8 @@
   x [B, T, H, P]  dt [B, T, H] (positive step, after dt_bias/softplus/limits)  A [H] (negative)
   B, C [B, T, G, N] with H % G == 0   D [H] or None   initial_state [B, H, P, N]
   segment_ids [B, T] int: the state resets where the id changes (packed documents)
-  -> y [B, T, H, P] fp32 (and the state after the last position, [B, H, P, N] fp32)
+  -> y [B, T, H, P] fp32 (and the state after the last position, [B, H, P, N] fp32); fp64 for
+     fp64 inputs (_dtypes.accum_dtype: the tests' exact references)
 
   reference  sequential lax.scan over time, the definition (reference.py)
   xla        chunked state-space-duality form, chunk size ``chunk_size`` (xla.py); the default

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.ssd.api import _check, ssd
 from specjax_kernels.ssd.reference import segment_starts
 
@@ -43,18 +44,18 @@ def ssd_context_parallel(x, dt, A, B, C, *, D=None, chunk_size: int = 128, segme
         raise ValueError(f"context-parallel ssd: T={t} is not divisible by the {n_shards} shards of mesh "
                          f"axis `{axis}`; pad the sequence to a multiple of {n_shards}.")
     seg = jnp.ones((bsz, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    D = jnp.zeros((h,), jnp.float32) if D is None else D
+    acc = accum_dtype(x, dt, A, B, C)  # fp32, or fp64 for fp64 inputs
+    D = jnp.zeros((h,), acc) if D is None else D
 
     def body(x, dt, a, bm, cm, d, seg):
         c = lax.axis_index(axis)
-        f32 = jnp.float32
         y0, s_own = ssd(x, dt, a, bm, cm, D=d, chunk_size=chunk_size, segment_ids=seg,
                         return_final_state=True, implementation=implementation)
         prev_last = previous_shard(seg[:, -1], axis, n_shards)
         edge = (c > 0) & (seg[:, 0] != prev_last)  # a new segment begins on this shard's row 0
         starts = segment_starts(seg, seg.shape).at[:, 0].set(edge)
         open_ = jnp.cumsum(starts.astype(jnp.int32), axis=1) == 0  # [B,Tl] still in the entering run
-        cs = jnp.cumsum(dt.astype(f32) * a.astype(f32), axis=1)  # [B,Tl,H]
+        cs = jnp.cumsum(dt.astype(acc) * a.astype(acc), axis=1)  # [B,Tl,H]
         decay = jnp.exp(cs[:, -1]) * open_[:, -1, None]  # [B,H]
         all_decay = lax.all_gather(decay, axis)  # [C,B,H]
         all_state = lax.all_gather(s_own, axis)  # [C,B,H,P,N]
@@ -62,7 +63,7 @@ def ssd_context_parallel(x, dt, A, B, C, *, D=None, chunk_size: int = 128, segme
         for j in range(n_shards - 1):
             entering.append(all_decay[j][:, :, None, None] * entering[-1] + all_state[j])
         state_in = jnp.stack(entering)[c]  # [B,H,P,N]
-        ch = jnp.repeat(cm.astype(f32), h // g, axis=2)  # [B,Tl,H,N]
+        ch = jnp.repeat(cm.astype(acc), h // g, axis=2)  # [B,Tl,H,N]
         corr = jnp.einsum("bhpn,blhn->blhp", state_in, ch, precision=_HI)
         w = jnp.exp(cs) * open_[..., None]
         return y0 + corr * w[..., None]

@@ -9,12 +9,15 @@ Per batch row, head h (head dim P, state size N, head h reads B/C group h // (H 
 ``segment_ids[t] != segment_ids[t-1]`` the carried state is dropped (state_{t-1} := 0), exactly as
 if the new document were run on its own. Everything is computed in fp32; ``dt`` is the final
 (positive) step size, i.e. the caller has already applied dt_bias, softplus and the dt limits.
+(fp64 inputs are computed in fp64 instead: the tests' exact references, see _dtypes.accum_dtype.)
 This is O(T) sequential steps: the spec and the test oracle, not a fast path (see xla.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from specjax_kernels._dtypes import accum_dtype
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -33,15 +36,15 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
     del chunk_size
     bsz, t, h, p = x_bthp.shape
     g, n = b_btgn.shape[2], b_btgn.shape[3]
-    f32 = jnp.float32
-    x = x_bthp.astype(f32)
-    dt = dt_bth.astype(f32)
+    acc = accum_dtype(x_bthp, dt_bth, a_h, b_btgn, c_btgn)  # fp32, or fp64 for fp64 inputs
+    x = x_bthp.astype(acc)
+    dt = dt_bth.astype(acc)
     # expand the G groups of B and C to the H heads (head h uses group h // (H // G))
-    bh = jnp.repeat(b_btgn.astype(f32), h // g, axis=2)
-    ch = jnp.repeat(c_btgn.astype(f32), h // g, axis=2)
+    bh = jnp.repeat(b_btgn.astype(acc), h // g, axis=2)
+    ch = jnp.repeat(c_btgn.astype(acc), h // g, axis=2)
     reset = segment_starts(segment_ids, (bsz, t))
-    state0 = jnp.zeros((bsz, h, p, n), f32) if initial_state is None else initial_state.astype(f32)
-    a = a_h.astype(f32)
+    state0 = jnp.zeros((bsz, h, p, n), acc) if initial_state is None else initial_state.astype(acc)
+    a = a_h.astype(acc)
 
     def step(state, inp):
         x_t, dt_t, b_t, c_t, r_t = inp
@@ -55,5 +58,5 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
     final, ys = jax.lax.scan(step, state0, time_major)
     y = jnp.moveaxis(ys, 0, 1)
     if d_h is not None:
-        y = y + d_h.astype(f32)[:, None] * x
+        y = y + d_h.astype(acc)[:, None] * x
     return y, final

@@ -15,12 +15,13 @@ Packed documents: positions are labelled with a run id (number of segment starts
 contribution from position s to position l (or to/from a chunk state) is kept only when both carry
 the same run id, i.e. no segment start lies between them. That is the reference's reset rule.
 B and C stay per group (G) and heads are split as (group, head-in-group) so C.B is computed
-once per group, not once per head. All math in fp32.
+once per group, not once per head. All math in fp32 (fp64 for fp64 inputs, _dtypes.accum_dtype).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.ssd.reference import segment_starts
 
 
@@ -43,7 +44,7 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
     q = int(chunk_size)
     nc = -(-t // q)
     pad = nc * q - t
-    f32 = jnp.float32
+    acc = accum_dtype(x_bthp, dt_bth, a_h, b_btgn, c_btgn)  # fp32, or fp64 for fp64 inputs
 
     run = jnp.cumsum(segment_starts(segment_ids, (bsz, t)).astype(jnp.int32), axis=1)  # [B, T]
 
@@ -53,13 +54,13 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
             v = jnp.pad(v, widths, mode="edge" if fill_edge else "constant")
         return v.reshape((bsz, nc, q) + v.shape[2:])
 
-    x = chunks(x_bthp.astype(f32)).reshape(bsz, nc, q, g, k, p)
-    dt = chunks(dt_bth.astype(f32)).reshape(bsz, nc, q, g, k)
-    bm = chunks(b_btgn.astype(f32))  # [B, c, Q, G, N]
-    cm = chunks(c_btgn.astype(f32))
+    x = chunks(x_bthp.astype(acc)).reshape(bsz, nc, q, g, k, p)
+    dt = chunks(dt_bth.astype(acc)).reshape(bsz, nc, q, g, k)
+    bm = chunks(b_btgn.astype(acc))  # [B, c, Q, G, N]
+    cm = chunks(c_btgn.astype(acc))
     run = chunks(run, fill_edge=True)  # [B, c, Q]; padding continues the last run
 
-    a = jnp.moveaxis(dt * a_h.astype(f32).reshape(g, k), 2, -1)  # [B, c, G, K, Q]
+    a = jnp.moveaxis(dt * a_h.astype(acc).reshape(g, k), 2, -1)  # [B, c, G, K, Q]
     cs = jnp.cumsum(a, axis=-1)
     xdt = x * dt[..., None]  # [B, c, Q, G, K, P]
 
@@ -76,9 +77,9 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
 
     # 3. states entering each chunk: index 0 = the initial state, index c+1 = after chunk c
     if initial_state is None:
-        h0 = jnp.zeros((bsz, 1, g, k, p, n), f32)
+        h0 = jnp.zeros((bsz, 1, g, k, p, n), acc)
     else:
-        h0 = initial_state.astype(f32).reshape(bsz, 1, g, k, p, n)
+        h0 = initial_state.astype(acc).reshape(bsz, 1, g, k, p, n)
     states = jnp.concatenate([h0, states], axis=1)  # [B, nc+1, G, K, P, N]
     a_chunk = jnp.pad(cs[..., -1], [(0, 0), (1, 0), (0, 0), (0, 0)])  # [B, nc+1, G, K]
     run_end = jnp.concatenate([run[:, :1, 0], run[:, :, -1]], axis=1)  # [B, nc+1] (init joins run 0)
@@ -96,5 +97,5 @@ def ssd(x_bthp, dt_bth, a_h, b_btgn, c_btgn, *, d_h=None, initial_state=None, se
 
     y = y.reshape(bsz, nc * q, h, p)[:, :t]
     if d_h is not None:
-        y = y + d_h.astype(f32)[:, None] * x_bthp.astype(f32)
+        y = y + d_h.astype(acc)[:, None] * x_bthp.astype(acc)
     return y, final

@@ -8,8 +8,9 @@
     y      = grouped gated RMSNorm(y, z): (y * silu(z)) normalised per group of I / n_groups
              channels, times the weight (fp32), cast to the model dtype
     out    = y @ out_proj
-with I = num_heads * head_dim. transformers 5.24 clamps dt to (time_step_min, inf), not to the
-config's ``time_step_limit``; ``dt_limit`` here is whatever the target config passes.
+with I = num_heads * head_dim. ``dt_limit`` is the config's ``time_step_limit`` (default (0, inf): no
+clamp), as in mamba_ssm, vLLM and transformers >= 5.25; transformers <= 5.24 clamped at
+(time_step_min, inf) instead, a bug it inherited from Zamba2's slow path.
 
 Packed sequences: ``segment_ids`` [B, T] (0 = padding, its own segment). The conv window and the SSM
 state both restart where the id changes, so each packed document sees exactly what it would see if
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.ssd import ssd
 from specjax_kernels.ssd.context_parallel import previous_shard, ssd_context_parallel
 
@@ -72,10 +74,12 @@ class Mamba2Dims:
 
 def causal_depthwise_conv1d(x_btc, kernel_kc, bias_c=None, segment_ids_bt=None):
     """out[t] = bias + sum_j kernel[K-1-j] * x[t-j], j = 0..K-1; taps before t = 0 or in an earlier
-    segment count as zero. Accumulates in fp32, returns x's dtype (HF runs the conv in the weight dtype)."""
+    segment count as zero. Accumulates in fp32 (fp64 for fp64 x), returns x's dtype (HF runs the conv
+    in the weight dtype)."""
     k = kernel_kc.shape[0]
-    x32 = x_btc.astype(jnp.float32)
-    w = kernel_kc.astype(jnp.float32)
+    acc = accum_dtype(x_btc)
+    x32 = x_btc.astype(acc)
+    w = kernel_kc.astype(acc)
     out = x32 * w[k - 1]
     for j in range(1, min(k, x_btc.shape[1] + 1)):
         shifted = jnp.pad(x32, [(0, 0), (j, 0), (0, 0)])[:, : x_btc.shape[1]]
@@ -84,18 +88,19 @@ def causal_depthwise_conv1d(x_btc, kernel_kc, bias_c=None, segment_ids_bt=None):
             shifted = jnp.where((prev == segment_ids_bt)[..., None], shifted, 0.0)
         out = out + shifted * w[k - 1 - j]
     if bias_c is not None:
-        out = out + bias_c.astype(jnp.float32)
+        out = out + bias_c.astype(acc)
     return out.astype(x_btc.dtype)
 
 
 def gated_group_rms_norm(y, z, scale, n_groups: int, eps: float, out_dtype):
     """(y * silu(z)) RMS-normalised over each of ``n_groups`` contiguous channel groups, times the
-    weight; all fp32 (HF's scan output is fp32), then cast to ``out_dtype``."""
-    h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    weight; all fp32 (HF's scan output is fp32; fp64 when y or z is fp64), then cast to ``out_dtype``."""
+    acc = accum_dtype(y, z)
+    h = y.astype(acc) * jax.nn.silu(z.astype(acc))
     shape = h.shape
     hg = h.reshape(shape[:-1] + (n_groups, shape[-1] // n_groups))
     hg = hg * jax.lax.rsqrt(jnp.mean(jnp.square(hg), axis=-1, keepdims=True) + eps)
-    return (scale.astype(jnp.float32) * hg.reshape(shape)).astype(out_dtype)
+    return (scale.astype(acc) * hg.reshape(shape)).astype(out_dtype)
 
 
 def mamba2_mixer(p: dict, dims: Mamba2Dims, x_btd, segment_ids_bt=None):
@@ -121,10 +126,11 @@ def mamba2_mixer(p: dict, dims: Mamba2Dims, x_btd, segment_ids_bt=None):
     bm = xbc[..., i_size : i_size + g * n].reshape(b, t, g, n)
     cm = xbc[..., i_size + g * n :].reshape(b, t, g, n)
 
-    dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    acc = accum_dtype(x_btd)  # fp32 (fp64 for fp64 inputs: the tests' exact references)
+    dt = jax.nn.softplus(dt.astype(acc) + p["dt_bias"].astype(acc))
     lo, hi = dims.dt_limit
     dt = jnp.clip(dt, lo, hi)
-    a = -jnp.exp(p["A_log"].astype(jnp.float32))
+    a = -jnp.exp(p["A_log"].astype(acc))
     if cp_mesh is not None:
         y = ssd_context_parallel(xs, dt, a, bm, cm, D=p["D"], chunk_size=dims.chunk_size,
                                  segment_ids=segment_ids_bt, mesh=cp_mesh, axis=meshlib.CONTEXT_AXIS,
