@@ -205,7 +205,7 @@ def test_selection_and_errors(caplog):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cpu_benchmark_case_matches_dense_loop(impl):
-    """The case that decides `auto` = xla on CPU (512 tokens, k=2, 32 experts; `benchmarks/kernels.py
+    """The case that decides `auto` = xla on CPU (512 tokens, k=2, 32 experts; `benchmarks/kernel_speed.py
     --small --ops moe --T 512` times both implementations on it): exact against the dense loop, and
     xla equal to the reference ragged_dot. Speed is measured in the benchmark, not asserted here."""
     x, ids, w, up, down, gate = make_case(5, T=512, k=2, E=32, D=64, F=64)

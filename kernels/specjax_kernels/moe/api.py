@@ -73,7 +73,7 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "mgpu": _mgpu, "pallas_
                    "pallas_gpu": _pallas_gpu}
 # Off TPU, ragged_dot is expanded into a dense masked product over all experts (E x the FLOPs), so
 # the blocked path is preferred there: 9x faster on an H200 for a Qwen3-30B-A3B layer (see xla.py),
-# 5-45x on CPU (`benchmarks/kernels.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
+# 5-45x on CPU (`benchmarks/kernel_speed.py --small --ops moe` times both). TPU keeps ragged_dot, which XLA:TPU lowers to
 # a grouped matmul (not measured here).
 # mgpu (JAX's ragged_dot_mgpu) runs one Qwen3-30B-A3B layer (bf16, 8192 tokens) in 1.99-2.01 ms with its
 # blocks tuned per projection, against 2.27 ms for pallas_gpu and 11.6 ms for xla on an H200

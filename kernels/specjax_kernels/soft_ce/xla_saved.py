@@ -18,7 +18,7 @@ O(N) (lse_d, lse_t, mask) and the inputs. The loss and gradients are those of th
 the input dtype (exact for f32 inputs; bf16 rounding, 2^-8 relative per logit, otherwise).
 `vocab_block` is accepted for a uniform signature and ignored (nothing is tiled).
 On XLA:CPU the compiled plan still holds f32 logits (see _logits); the saving is expected where the
-GEMM writes bf16 itself (GPU), and is for benchmarks/kernels.py's plan bytes (mem_gib) to confirm.
+GEMM writes bf16 itself (GPU), and is for benchmarks/kernel_speed.py's plan bytes (mem_gib) to confirm.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Kernel benchmarks: TTT attention, fused soft-CE and routed MoE experts, every implementation vs the
 XLA baselines.
 
-    JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernels.py --T 2048,8192,32768 --out results.json
-    JAX_PLATFORMS=cpu PYTHONPATH=kernels:. python benchmarks/kernels.py --small --ops moe --T 512
+    JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --T 2048,8192,32768 --out results.json
+    JAX_PLATFORMS=cpu PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --small --ops moe --T 512
 
 Shapes (issue "Kernels", Llama-3.1-8B draft): B=1, 32 query heads, 8 KV heads, D=128, Vd=32000,
 H=4096, bf16; TTT step k=6 (the last of K=7 steps, the most keys: k0 plus 6 diagonal keys).
