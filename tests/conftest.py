@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices, fp32 matmuls, torch single-threaded and uncompiled.
+"""Test setup: 8 fake CPU devices, fp32 matmuls, LLVM at -O0, torch single-threaded and uncompiled.
 
 Must run before anything imports jax (pytest loads conftest first)."""
 import os
@@ -8,6 +8,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # SpecForge wraps norms in to
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# XLA:CPU's LLVM backend at -O0 (XLA's own HLO passes still run): the suite is tiny programs whose
+# time is compilation, and one kernel file went from 198 s to 53 s. Subprocesses inherit it. The
+# optimised backend is what README command 1 (the demo job) runs.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 
