@@ -21,6 +21,7 @@ from specjax import mesh as meshlib
 from specjax.drafts import weights
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.ttt_attention import ttt_attention
 from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
 
@@ -257,7 +258,7 @@ def draft_logits(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.nda
     """lm_head(norm(h)) over the draft vocab, in fp32 (fp64 for fp64 input)."""
     hn = rms_norm(h_btd, params["norm"]["scale"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", hn, params["lm_head"]["kernel"].astype(hn.dtype),
-                      preferred_element_type=jnp.promote_types(hn.dtype, jnp.float32))
+                      preferred_element_type=accum_dtype(hn))
 
 
 def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp.ndarray:

@@ -56,6 +56,7 @@ from specjax.drafts import lk_losses
 from specjax.drafts.eagle3 import (Eagle3Config, draft_logits, draft_step, mask_hidden_projected, next_step_hidden,
                                    project_aux)
 from specjax.targets.layers.norms import rms_norm
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 
 
@@ -108,7 +109,7 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
     pad = n_chunks * chunk - V
     w = jnp.pad(w_vd, ((0, pad), (0, 0))).reshape(n_chunks, chunk, D)
 
-    acc = jnp.promote_types(h_nd.dtype, jnp.float32)  # fp32, or fp64 for fp64 inputs
+    acc = accum_dtype(h_nd)  # fp32, or fp64 for fp64 inputs
 
     def body(carry, inp):
         best_val, best_idx, sum_exp = carry
@@ -138,7 +139,7 @@ def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: in
     B, T, D = final_hidden_btd.shape
     rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
     teacher = jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
-                         preferred_element_type=jnp.promote_types(final_hidden_btd.dtype, jnp.float32))
+                         preferred_element_type=accum_dtype(final_hidden_btd))
     flat = final_hidden_btd.reshape(B * T, D)
     if with_lse:
         argmax, lse = chunked_argmax(flat, lm_head_vd, vocab_chunk, with_lse=True)

@@ -477,7 +477,7 @@ _init_params_jit = jax.jit(_init_params, static_argnums=(0, 2, 3))
 def rms_norm_fp32_weight(x, scale, eps):
     """NemotronHRMSNorm: normalise in fp32, multiply by the weight in fp32, then cast to x's dtype
     (fp64 input stays fp64 throughout: the tests' exact references)."""
-    acc = jnp.promote_types(x.dtype, jnp.float32)
+    acc = accum_dtype(x)
     x32 = x.astype(acc)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     return (scale.astype(acc) * normed).astype(x.dtype)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax_kernels.soft_ce.common import Backend, accum_dtype, fused_with
+from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.soft_ce.common import Backend, fused_with
 
 DEFAULT_VOCAB_BLOCK = 4096
 NEG = -1.0e30

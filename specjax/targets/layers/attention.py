@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import mesh as meshlib
 from specjax.targets.layers.norms import rms_norm
 from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels._dtypes import accum_dtype
 from specjax_kernels._select import record_choice, target_platform
 from specjax_kernels.ttt_attention import ttt_attention
 from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
@@ -231,7 +232,7 @@ def segment_causal_mask(segment_ids_bt: jnp.ndarray) -> SegmentCausalMask:
 
 
 def _attend(q_btkgh, k_bskh, v_bskh, mask_bts, scale):
-    acc = jnp.promote_types(q_btkgh.dtype, jnp.float32)  # fp32, or fp64 for fp64 inputs
+    acc = accum_dtype(q_btkgh)  # fp32, or fp64 for fp64 inputs
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=acc)
     scores = scores * jnp.asarray(scale, acc)
     scores = jnp.where(mask_bts[:, None, None, :, :], scores, jnp.finfo(acc).min)

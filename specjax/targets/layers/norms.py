@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax_kernels._dtypes import accum_dtype
+
 
 def rms_norm(x: jnp.ndarray, scale: jnp.ndarray, eps: float) -> jnp.ndarray:
     """Normalise over the last axis.
@@ -12,7 +14,7 @@ def rms_norm(x: jnp.ndarray, scale: jnp.ndarray, eps: float) -> jnp.ndarray:
     then multiply by the weight (so a bf16 model rounds once before the weight multiply). fp64
     input stays fp64 (the tests' exact references).
     """
-    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    x32 = x.astype(accum_dtype(x))
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     normed = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
     return scale * normed
