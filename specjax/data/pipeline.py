@@ -203,13 +203,25 @@ def _tokenize_one(tokenizer, messages: list[dict], o: _TokenizeOptions) -> Examp
 _worker: tuple | None = None  # (tokenizer, options) of a worker process
 
 
-def _init_worker(tokenizer_pickle: str, options: _TokenizeOptions) -> None:
+def _init_worker(tokenizer, options: _TokenizeOptions) -> None:
+    """`tokenizer`: the tokenizer object, or the folder a transformers tokenizer was saved to (see
+    `_tokenized`)."""
     global _worker
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one text at a time per process: no thread pool
-    import pickle
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
 
-    with open(tokenizer_pickle, "rb") as f:
-        _worker = (pickle.load(f), options)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    _worker = (tokenizer, options)
+
+
+def _saved_for_workers(tokenizer, folder: str) -> str | None:
+    """Save a transformers tokenizer to `folder` for the workers to load; None for any other object
+    (it then travels as a start argument)."""
+    if type(tokenizer).__module__.split(".")[0] != "transformers" or not hasattr(tokenizer, "save_pretrained"):
+        return None
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _tokenize_chunk(chunk: list[list[dict] | None]) -> list[Example | SkipRow | None]:
@@ -240,30 +252,27 @@ def _tokenized(rows, tokenizer, options: _TokenizeOptions, workers: int, inline_
         while chunk := list(itertools.islice(stream, _CHUNK_ROWS)):
             yield chunk
 
-    import pickle
     import tempfile
 
     # spawn, not fork: the parent holds JAX's threads (and maybe tokenizers' pool), which fork copies
-    # in an undefined state. The tokenizer goes to the workers as a file, not as an init argument:
-    # the pool starts its workers one by one, and a start writes the arguments into the new process's
-    # pipe, which blocks until that process has read them, i.e. has imported specjax and transformers
-    # (SmolLM2's 1.6 MB tokenizer does not fit the pipe): 2.6 s per worker on the 2-core CPU machine,
-    # so the workers started one after another. The full SmolLM2 recipe spent 111 s here with 16
-    # workers on the H200 host (2026-12-03). A small argument lets the starts return at once.
+    # in an undefined state. A transformers tokenizer goes to the workers as a saved folder, not as a
+    # start argument: the pool starts its workers one by one, and a start writes the arguments into
+    # the new process's pipe, which blocks until that process has read them, i.e. has imported
+    # specjax and transformers (SmolLM2's tokenizer pickles to 1.6 MB, far over a pipe's 64 KiB):
+    # 2.6 s per worker on the 2-core CPU machine, so the workers started one after another. The full
+    # SmolLM2 recipe spent 111 s here with 16 workers on the H200 host (2026-12-03).
     ctx = multiprocessing.get_context("spawn")
     log.info("data: templating and tokenizing in %d worker processes (data.prepare_workers)", workers)
     with tempfile.TemporaryDirectory(prefix="specjax_prepare_") as tmp:
-        tok_path = os.path.join(tmp, "tokenizer.pkl")
-        with open(tok_path, "wb") as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        yield from _tokenized_in_workers(chunks(), ctx, workers, tok_path, options)
+        sent = _saved_for_workers(tokenizer, tmp) or tokenizer
+        yield from _tokenized_in_workers(chunks(), ctx, workers, sent, options)
 
 
-def _tokenized_in_workers(chunks, ctx, workers: int, tok_path: str, options: _TokenizeOptions):
+def _tokenized_in_workers(chunks, ctx, workers: int, tokenizer, options: _TokenizeOptions):
     import concurrent.futures
 
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(tok_path, options)) as pool:
+                                                initargs=(tokenizer, options)) as pool:
         pending = []  # (rows, future), oldest first; at most 2 chunks per worker in flight
         for chunk in chunks:
             pending.append((chunk, pool.submit(_tokenize_chunk, [r.messages if r.error is None else None
