@@ -88,7 +88,7 @@ def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE
     overrides = (variants or METHODS)[name]
     run_dir = _run_dir(name)
     # the checkpoint cadence is the config's: a timeout's SIGTERM checkpoints anyway, and a save every
-    # 100 steps cost ~0.85 s each, ~12% of the full recipe's training wall (H200, 2026-12-03)
+    # 100 steps cost ~0.8 s each, ~12% of the full recipe's training wall (H200, 2026-12-03)
     cmd = [sys.executable, "-m", "specjax.launch", "--config", config, f"run.name=methods_{name}",
            f"run.output_dir={run_dir}", f"train.steps={steps}", "train.log_every=25", f"train.eval_every={steps}",
            "decode_eval.at_end=false", "export.dtype=bfloat16", *sets, *overrides]
