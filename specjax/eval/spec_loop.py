@@ -1,5 +1,5 @@
-"""Speculative decoding as one device program: a whole generation per row inside one jitted
-`lax.while_loop`, and a batch of prompts as `jax.vmap` of that row program.
+"""Speculative decoding as one device program: a whole generation inside one jitted `lax.while_loop`,
+each step a `jax.vmap` over the batch's rows of one row's draft + verify step.
 
 `SpecDecoder.generate` (spec_decode.py) drives each step from Python: one jitted draft call, one
 jitted verification, and one device -> host read of the accepted count per step. At batch 1 on a
@@ -21,9 +21,11 @@ PRNG keys are fold_in(root, 0) for the first token, 2*step for the draft and 2*s
 verification, as in SpecDecoder, so a row draws the same samples as `SpecDecoder.generate` with
 the same seed.
 
-Batching: `jax.vmap` over rows (params shared). A while_loop under vmap runs until every row has
-stopped; a stopped row's state is held, so each row gets its own acceptance and its own stop. The
-prompts share one static prompt bucket and cache length (the longest row's).
+Batching: the prefill and the step are `jax.vmap`ped over rows (params shared); the `while_loop`
+runs outside vmap until every row has stopped. A stopped row's tokens, counts and positions are held,
+so each row gets its own acceptance and its own stop; its caches are not held (they are never read
+again), which spares a select and a copy of every row's whole KV cache per iteration. The prompts
+share one static prompt bucket and cache length (the longest row's).
 """
 from __future__ import annotations
 
@@ -76,8 +78,8 @@ def _emit(new_k1, a, count, max_new, eos_e):
     return kept, s + 1, stop
 
 
-def _row(params, dp, embed, d2t, draft_ids, ids_p, length, root, temperature, eos_e, max_new, *, st: _Static):
-    """One prompt's whole speculative generation (the program vmapped over rows)."""
+def _row_start(params, dp, embed, d2t, draft_ids, ids_p, length, root, temperature, eos_e, max_new, *, st: _Static):
+    """One prompt's prefill and the state before its first draft + verify step (vmapped over rows)."""
     tkw = dict(target_cls=st.target_cls, config=st.config)
     k = st.k
     ids = ids_p[None]
@@ -96,58 +98,76 @@ def _row(params, dp, embed, d2t, draft_ids, ids_p, length, root, temperature, eo
                  pend_count=length.astype(jnp.int32), step=jnp.int32(0), count=jnp.where(first_eos, 0, 1).astype(jnp.int32),
                  stop=first_eos, out=out, acc_len=jnp.zeros((st.n_out + 1,), jnp.int32),
                  acc_pos=jnp.zeros((k,), jnp.int32))
+    return state, pend_tok, aux
 
-    def step(s, pend_tok, pend_aux):
-        stepno = s["step"] + 1
-        kd, kv = jax.random.fold_in(root, 2 * stepno), jax.random.fold_in(root, 2 * stepno + 1)
-        if st.block:
-            drafts, q, dcache = _draft_block(dp, embed, d2t, s["dcache"], pend_aux, s["pend_count"], s["dstart"],
-                                             s["last"], kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
-        elif st.mode == "chain":
-            propose = _draft_parallel if st.parallel else _draft_chain
-            drafts, q, dcache = propose(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"], s["dstart"],
-                                        kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
-        else:
-            nodes, parents, dcache = _draft_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
-                                                 s["dstart"], dcfg=st.dcfg, widths=st.widths, top_k=st.top_k)
-        if st.mode == "chain":
-            a, _, pend_dev, aux, tcache = _verify_chain(params, s["tcache"], s["last"], drafts, s["n"] - 1, q, draft_ids,
-                                                        kv, temperature, aux_ids=st.aux_ids, sample=st.sample, **tkw)
-        else:
-            a, _, pend_dev, aux, tcache = _verify_tree(params, s["tcache"], s["last"], nodes, parents, s["n"] - 1,
-                                                       aux_ids=st.aux_ids, depth=k, **tkw)
-        new = pend_dev[0]
-        kept, processed, stop = _emit(new, a, s["count"], max_new, eos_e)
-        i = jnp.arange(k + 1, dtype=jnp.int32)
-        out = s["out"].at[jnp.where(i < kept, s["count"] + i, st.n_out + k + 1)].set(new, mode="drop")
-        acc_len = s["acc_len"].at[s["step"]].set(processed, mode="drop")
-        acc_pos = s["acc_pos"] + (jnp.arange(k) < a).astype(jnp.int32)
-        nxt = dict(tcache=tcache, dcache=dcache, last=new[a], n=s["n"] + a + 1, dstart=s["n"] - 1,
-                   pend_count=(a + 1).astype(jnp.int32), step=stepno, count=s["count"] + kept, stop=stop, out=out,
-                   acc_len=acc_len, acc_pos=acc_pos)
-        return nxt, pend_dev, aux
 
-    def active(s):
-        return ~s["stop"] & (s["count"] < max_new)
+def _row_step(params, dp, embed, d2t, draft_ids, root, temperature, eos_e, max_new, s, pend_tok, pend_aux, *,
+              st: _Static):
+    """One draft + verify step of one row (vmapped over rows)."""
+    tkw = dict(target_cls=st.target_cls, config=st.config)
+    k = st.k
+    stepno = s["step"] + 1
+    kd, kv = jax.random.fold_in(root, 2 * stepno), jax.random.fold_in(root, 2 * stepno + 1)
+    if st.block:
+        drafts, q, dcache = _draft_block(dp, embed, d2t, s["dcache"], pend_aux, s["pend_count"], s["dstart"],
+                                         s["last"], kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+    elif st.mode == "chain":
+        propose = _draft_parallel if st.parallel else _draft_chain
+        drafts, q, dcache = propose(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"], s["dstart"],
+                                    kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+    else:
+        nodes, parents, dcache = _draft_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
+                                             s["dstart"], dcfg=st.dcfg, widths=st.widths, top_k=st.top_k)
+    if st.mode == "chain":
+        a, _, pend_dev, aux, tcache = _verify_chain(params, s["tcache"], s["last"], drafts, s["n"] - 1, q, draft_ids,
+                                                    kv, temperature, aux_ids=st.aux_ids, sample=st.sample, **tkw)
+    else:
+        a, _, pend_dev, aux, tcache = _verify_tree(params, s["tcache"], s["last"], nodes, parents, s["n"] - 1,
+                                                   aux_ids=st.aux_ids, depth=k, **tkw)
+    new = pend_dev[0]
+    kept, processed, stop = _emit(new, a, s["count"], max_new, eos_e)
+    i = jnp.arange(k + 1, dtype=jnp.int32)
+    out = s["out"].at[jnp.where(i < kept, s["count"] + i, st.n_out + k + 1)].set(new, mode="drop")
+    acc_len = s["acc_len"].at[s["step"]].set(processed, mode="drop")
+    acc_pos = s["acc_pos"] + (jnp.arange(k) < a).astype(jnp.int32)
+    nxt = dict(tcache=tcache, dcache=dcache, last=new[a], n=s["n"] + a + 1, dstart=s["n"] - 1,
+               pend_count=(a + 1).astype(jnp.int32), step=stepno, count=s["count"] + kept, stop=stop, out=out,
+               acc_len=acc_len, acc_pos=acc_pos)
+    return nxt, pend_dev, aux
 
-    # the first step reads the prompt-shaped pending rows; skipped (state kept) when the row ended
-    nxt, pend_tok, pend_aux = step(state, pend_tok, aux)
-    go = active(state)
-    state = jax.tree.map(lambda new, old: jnp.where(go, new, old), nxt, state)
-    carry = (state, pend_tok, pend_aux)
 
-    def body(c):
-        return step(*c)
+def _active(s, max_new):
+    return ~s["stop"] & (s["count"] < max_new)
 
-    state, _, _ = jax.lax.while_loop(lambda c: active(c[0]), body, carry)
-    return state["out"][: st.n_out], state["count"], state["acc_len"][: st.n_out], state["step"], state["acc_pos"]
+
+# A stopped row's caches are never read again, so they take the step's writes instead of being held:
+# holding them would select (and copy) every row's whole KV cache on every iteration.
+_NOT_HELD = ("tcache", "dcache")
+
+
+def _hold_stopped(go, nxt, old):
+    """The batch's state after a step: rows with go[b] False keep their old state (all but caches)."""
+    def pick(new, prev):
+        return jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)), new, prev)
+    return {key: nxt[key] if key in _NOT_HELD else jax.tree.map(pick, nxt[key], old[key]) for key in nxt}
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temperature, eos_e, max_new, *, st):
-    row = functools.partial(_row, st=st)
-    return jax.vmap(row, in_axes=(None, None, None, None, None, 0, 0, 0, None, None, None))(
-        params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temperature, eos_e, max_new)
+    shared = (params, dp, embed, d2t, draft_ids)
+    start = jax.vmap(functools.partial(_row_start, st=st), in_axes=(None,) * 5 + (0, 0, 0) + (None,) * 3)
+    row_step = jax.vmap(functools.partial(_row_step, st=st), in_axes=(None,) * 5 + (0,) + (None,) * 3 + (0, 0, 0))
+
+    def advance(c):
+        s, pend_tok, pend_aux = c
+        nxt, pend_tok, pend_aux = row_step(*shared, roots_b, temperature, eos_e, max_new, s, pend_tok, pend_aux)
+        return _hold_stopped(_active(s, max_new), nxt, s), pend_tok, pend_aux
+
+    # the loop runs while any row is active, outside vmap, so its predicate is one scalar; the first
+    # step reads the prompt-shaped pending rows and is traced apart from the loop
+    carry = advance(start(*shared, ids_bp, lens_b, roots_b, temperature, eos_e, max_new))
+    state, _, _ = jax.lax.while_loop(lambda c: jnp.any(_active(c[0], max_new)), advance, carry)
+    return state["out"][:, : st.n_out], state["count"], state["acc_len"][:, : st.n_out], state["step"], state["acc_pos"]
 
 
 class SpecLoop:
