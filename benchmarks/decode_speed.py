@@ -194,9 +194,14 @@ def main(argv=None) -> int:
                               ("spec", lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens,
                                                              eos_token_ids=eos, batch_size=b))):
                 where = os.path.join(a.profile, f"b{b}_{arm}")
-                with dec._precision(), jax.profiler.trace(where):
-                    call()
-                row["profile"][arm] = summarize(where, top=30)
+                try:  # a profiler problem must not cost the timings above
+                    with dec._precision(), jax.profiler.trace(where):
+                        call()
+                    row["profile"][arm] = summarize(where, top=30)
+                except Exception as e:  # noqa: BLE001 -- reported in the results, not raised
+                    row["profile"][arm] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"batch {b}, {arm}: profile failed: {type(e).__name__}: {e}", flush=True)
+                    continue
                 print(f"batch {b}, {arm}:\n{format_summary(row['profile'][arm])}", flush=True)
         rows.append(row)
         print(f"batch {b}: greedy {row['greedy_tok_s']:.1f} tok/s, speculative {row['spec_tok_s']:.1f} tok/s "
