@@ -3,6 +3,9 @@ XLA baselines.
 
     JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --T 2048,8192,32768 --out results.json
     JAX_PLATFORMS=cpu PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --small --ops moe --T 512
+    # packed rows (segment ids), where pallas_gpu skips the tiles of other documents:
+    JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --ops ttt_attention --T 4096 \
+        --ttt-doc-lens 0,1024 --ttt-impls triton,pallas_gpu,xla
 
 Shapes (issue "Kernels", Llama-3.1-8B draft): B=1, 32 query heads, 8 KV heads, D=128, Vd=32000,
 H=4096, bf16; TTT step k=6 (the last of K=7 steps, the most keys: k0 plus 6 diagonal keys).
@@ -111,25 +114,36 @@ def run_case(rows, op, impl, T, mode, f, args, flops, deadline, extra=None):
         traceback.print_exc(limit=3)
 
 
-def bench_ttt(rows, T, impls, deadline):
+def bench_ttt(rows, T, impls, deadline, doc_len=0):
+    """doc_len > 0: each row packs T / doc_len documents (segment ids), as training rows do; the FLOPs
+    are then the documents' own triangles (what a kernel that skips other documents' tiles must do)."""
     from specjax_kernels.ttt_attention import ttt_attention
     ks = jax.random.split(jax.random.key(T), 6)
     n = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)
     q, k0, v0 = n(ks[0], (B, T, HQ, D)), n(ks[1], (B, T, HKV, D)), n(ks[2], (B, T, HKV, D))
     kd, vd = n(ks[3], (K_STEP, B, T, HKV, D)), n(ks[4], (K_STEP, B, T, HKV, D))
     do = n(ks[5], (B, T, HQ, D))
+    seg = None
     fl = 4 * B * HQ * D * (T * T / 2 + K_STEP * T)
+    extra = None
+    if doc_len:
+        seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // doc_len + 1, (B, T))
+        docs = [min(doc_len, T - s) for s in range(0, T, doc_len)]
+        fl = 4 * B * HQ * D * (sum(d * d / 2 for d in docs) + K_STEP * T)
+        extra = {"doc_len": doc_len}
     for impl in impls:
         if impl == "masked":
+            if seg is not None:
+                continue  # the naive form has no segment ids
             f = masked_ttt
         else:
-            f = (lambda impl: lambda *a: ttt_attention(*a, implementation=impl))(impl)
-        run_case(rows, "ttt_attention", impl, T, "fwd", f, (q, k0, v0, kd, vd), fl, deadline)
+            f = (lambda impl: lambda *a: ttt_attention(*a, seg, implementation=impl))(impl)
+        run_case(rows, "ttt_attention", impl, T, "fwd", f, (q, k0, v0, kd, vd), fl, deadline, extra)
 
         def fb(q, k0, v0, kd, vd, f=f):
             out, vjp = jax.vjp(f, q, k0, v0, kd, vd)
             return vjp(do)
-        run_case(rows, "ttt_attention", impl, T, "fwd+bwd", fb, (q, k0, v0, kd, vd), 3.5 * fl, deadline)
+        run_case(rows, "ttt_attention", impl, T, "fwd+bwd", fb, (q, k0, v0, kd, vd), 3.5 * fl, deadline, extra)
 
 
 def bench_ce(rows, N, impls, deadline, teachers):
@@ -208,6 +222,8 @@ def main():
     ap.add_argument("--ops", default="ttt_attention,soft_ce")
     # fast paths first, the O(T^2) baselines last (at T=32768 they spend minutes failing to compile)
     ap.add_argument("--ttt-impls", default="triton,pallas_gpu,xla,reference,masked")
+    ap.add_argument("--ttt-doc-lens", default="0", help="comma list: 0 = one document a row; L > 0 = rows "
+                    "packed with documents of L tokens (segment ids), e.g. 0,1024 for a 4096-token row")
     ap.add_argument("--quadratic-max-T", type=int, default=8192,
                     help="skip the O(T^2) baselines (masked, reference) above this T")
     ap.add_argument("--ce-impls", default="triton,pallas_gpu,xla_saved,xla,reference")
@@ -231,7 +247,8 @@ def main():
     for T in [int(x) for x in a.T.split(",")]:
         if "ttt_attention" in a.ops:
             impls = [i for i in a.ttt_impls.split(",") if T <= a.quadratic_max_T or i not in ("masked", "reference")]
-            bench_ttt(rows, T, impls, deadline)
+            for doc_len in [int(x) for x in a.ttt_doc_lens.split(",")]:
+                bench_ttt(rows, T, impls, deadline, doc_len)
         if "soft_ce" in a.ops:
             bench_ce(rows, T, a.ce_impls.split(","), deadline, a.ce_teachers.split(","))
         if "moe" in a.ops:

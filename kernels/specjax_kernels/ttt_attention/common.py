@@ -56,6 +56,34 @@ def check_inputs(q, k0, v0, kd, vd, seg):
         raise ValueError(f"segment_ids must be [B,T] = {(B, T)}; got {seg.shape}.")
 
 
+def segment_block_bounds(seg, q_block: int, k_block: int):
+    """Which tiles of block 0 can hold a same-segment pair, for kernels that walk key blocks in a loop.
+
+    seg [B, T] int32 (T a multiple of both blocks; any ids, equal ids need not be contiguous) ->
+      kv_lo [B, T/q_block]: the first key block that shares a segment id with query block i
+             (every earlier key block is masked for all of its rows, so a forward or dq loop may start there);
+      q_hi  [B, T/k_block]: one past the last query block that shares a segment id with key block j
+             (every later query block is masked for it, so a dk/dv loop may stop there).
+    Exact for any id layout: a row's first (last) same-id position comes from a stable sort by id.
+    Packed rows of short documents skip most of the causal triangle this way."""
+    B, T = seg.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    order = jnp.argsort(seg, axis=1, stable=True).astype(jnp.int32)  # positions grouped by id, ascending
+    sseg = jnp.take_along_axis(seg, order, axis=1)
+    differs = sseg[:, 1:] != sseg[:, :-1]
+    true = jnp.ones((B, 1), bool)
+    starts = jnp.concatenate([true, differs], axis=1)  # sorted index opens a group of equal ids
+    ends = jnp.concatenate([differs, true], axis=1)
+    group_start = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
+    group_end = jax.lax.cummin(jnp.where(ends, pos, T - 1), axis=1, reverse=True)
+    rows = jnp.arange(B)[:, None]
+    first = jnp.zeros_like(seg).at[rows, order].set(jnp.take_along_axis(order, group_start, axis=1))
+    last = jnp.zeros_like(seg).at[rows, order].set(jnp.take_along_axis(order, group_end, axis=1))
+    kv_lo = first.reshape(B, T // q_block, q_block).min(-1) // k_block
+    q_hi = last.reshape(B, T // k_block, k_block).max(-1) // q_block + 1
+    return kv_lo.astype(jnp.int32), q_hi.astype(jnp.int32)
+
+
 def _pad_t(x, Tp, axis=1, value=0):
     T = x.shape[axis]
     if T == Tp:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax_triton as jt
 
 from specjax_kernels.ttt_attention import triton_kernels as K
-from specjax_kernels.ttt_attention.common import Backend, f32, ttt_attention_with
+from specjax_kernels.ttt_attention.common import Backend, f32, segment_block_bounds, ttt_attention_with
 
 # H100/H200 starting points (FlashAttention-2 Triton tutorial ranges); D=128, bf16
 FWD = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -39,12 +39,21 @@ def _blocks(cfg, T):
     return c
 
 
+def _bounds(seg, c, has_seg):
+    """(kv_lo, q_hi) for the kernel's tiles (`segment_block_bounds`); unread zeros without segment ids."""
+    B, T = seg.shape
+    if has_seg:
+        return segment_block_bounds(seg, c["BLOCK_M"], c["BLOCK_N"])
+    return jnp.zeros((B, T // c["BLOCK_M"]), jnp.int32), jnp.zeros((B, T // c["BLOCK_N"]), jnp.int32)
+
+
 def fwd0(q, k, v, seg, scale, *, has_seg):
     _check(q)
     B, T, HQ, D = q.shape
     c = _blocks(FWD, T)
+    lo, _ = _bounds(seg, c, has_seg)
     o, lse = jt.triton_call(
-        q, k, v, seg, kernel=K.fwd_kernel,
+        q, k, v, seg, lo, kernel=K.fwd_kernel,
         out_shape=[jax.ShapeDtypeStruct((B, T, HQ, D), f32), jax.ShapeDtypeStruct((B, T, HQ), f32)],
         grid=(T // c["BLOCK_M"], B * HQ), **_meta(q, k, scale, has_seg), **c)
     return o, lse
@@ -56,11 +65,13 @@ def bwd0(q, k, v, seg, do, lse, delta, scale, *, has_seg):
     do = do.astype(q.dtype)
     meta = _meta(q, k, scale, has_seg)
     c = _blocks(DQ, T)
-    dq = jt.triton_call(q, k, v, seg, do, lse, delta, kernel=K.dq_kernel,
+    lo, _ = _bounds(seg, c, has_seg)
+    dq = jt.triton_call(q, k, v, seg, lo, do, lse, delta, kernel=K.dq_kernel,
                         out_shape=jax.ShapeDtypeStruct((B, T, HQ, D), f32),
                         grid=(T // c["BLOCK_M"], B * HQ), **meta, **c)
     c = _blocks(DKDV, T)
-    dk, dv = jt.triton_call(q, k, v, seg, do, lse, delta, kernel=K.dkdv_kernel,
+    _, hi = _bounds(seg, c, has_seg)
+    dk, dv = jt.triton_call(q, k, v, seg, hi, do, lse, delta, kernel=K.dkdv_kernel,
                             out_shape=[jax.ShapeDtypeStruct((B, T, HKV, D), f32)] * 2,
                             grid=(T // c["BLOCK_N"], B * HKV), **meta, **c)
     return dq, dk, dv

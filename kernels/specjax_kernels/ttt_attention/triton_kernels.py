@@ -9,7 +9,11 @@ tutorial): the forward walks key blocks strictly below the diagonal without a ca
 diagonal blocks with it. Masked scores are a large finite negative (not -inf): a row whose first
 key blocks are all masked (another segment) accumulates junk that the first real block wipes out
 (its rescale factor exp2(MASK - m) is 0), and every row reaches a real key at its own position.
-Scores run in base 2 (exp2 with scale*log2(e) folded in).
+Scores run in base 2 (exp2 with scale*log2(e) folded in). With segment ids, the forward and dq loops
+start at the first key block that shares a segment with the query block (lo_ptr [B, T/BLOCK_M], in key
+blocks) and the dk/dv loop stops after the last query block that shares one with the key block
+(hi_ptr [B, T/BLOCK_N], in query blocks): `common.segment_block_bounds`. The skipped tiles hold only
+masked pairs.
 """
 import triton
 import triton.language as tl
@@ -51,7 +55,7 @@ def _fwd_inner(acc, m_i, l_i, q, qseg, k_base, v_base, seg_base, offs_m, lo, hi,
 
 
 @triton.jit
-def fwd_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, o_ptr, lse_ptr,
+def fwd_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, lo_ptr, o_ptr, lse_ptr,
                T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
                HAS_SEG: tl.constexpr, IEEE: tl.constexpr):
@@ -70,12 +74,15 @@ def fwd_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, o_ptr, lse_ptr,
     qseg = offs_m
     if HAS_SEG:
         qseg = tl.load(seg_base + offs_m)
+    lo = 0
+    if HAS_SEG:  # the first key block that shares a segment with this query block (segment_block_bounds)
+        lo = tl.load(lo_ptr + b * (T // BLOCK_M) + pid_m) * BLOCK_N
     m_i = tl.zeros([BLOCK_M], tl.float32) + MASK
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qk_scale: tl.constexpr = SCALE * LOG2E
     # keys strictly before this query block: no causal mask needed
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qseg, k_base, v_base, seg_base, offs_m, 0, pid_m * BLOCK_M,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qseg, k_base, v_base, seg_base, offs_m, lo, pid_m * BLOCK_M,
                                T, HKV, D, BLOCK_N, qk_scale, False, HAS_SEG, IEEE)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, qseg, k_base, v_base, seg_base, offs_m, pid_m * BLOCK_M,
                                (pid_m + 1) * BLOCK_M, T, HKV, D, BLOCK_N, qk_scale, True, HAS_SEG, IEEE)
@@ -107,7 +114,7 @@ def _dq_inner(dq, q, do, lse2, delta, qseg, k_base, v_base, seg_base, offs_m, lo
 
 
 @triton.jit
-def dq_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def dq_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, lo_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
               T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
               HAS_SEG: tl.constexpr, IEEE: tl.constexpr):
@@ -129,9 +136,12 @@ def dq_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     qseg = offs_m
     if HAS_SEG:
         qseg = tl.load(seg_base + offs_m)
+    lo = 0
+    if HAS_SEG:
+        lo = tl.load(lo_ptr + b * (T // BLOCK_M) + pid_m) * BLOCK_N
     qk_scale: tl.constexpr = SCALE * LOG2E
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, qseg, k_base, v_base, seg_base, offs_m, 0, pid_m * BLOCK_M,
+    dq = _dq_inner(dq, q, do, lse2, delta, qseg, k_base, v_base, seg_base, offs_m, lo, pid_m * BLOCK_M,
                    HKV, D, BLOCK_N, qk_scale, False, HAS_SEG, IEEE)
     dq = _dq_inner(dq, q, do, lse2, delta, qseg, k_base, v_base, seg_base, offs_m, pid_m * BLOCK_M,
                    (pid_m + 1) * BLOCK_M, HKV, D, BLOCK_N, qk_scale, True, HAS_SEG, IEEE)
@@ -164,7 +174,7 @@ def _dkdv_inner(dk, dv, k, v, kseg, q_base, do_base, lse_base, delta_base, seg_b
 
 
 @triton.jit
-def dkdv_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def dkdv_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, hi_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                 T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
                 HAS_SEG: tl.constexpr, IEEE: tl.constexpr):
@@ -188,6 +198,9 @@ def dkdv_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     diag_lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # first query block that reaches this key block
     diag_hi = tl.minimum(((pid_n + 1) * BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    end = T
+    if HAS_SEG:  # one past the last query block that shares a segment with this key block
+        end = tl.minimum(tl.maximum(tl.load(hi_ptr + b * (T // BLOCK_N) + pid_n) * BLOCK_M, diag_hi), T)
     for g in range(G):
         h = hk * G + g
         q_base = q_ptr + b * T * HQ * D + h * D
@@ -198,6 +211,6 @@ def dkdv_kernel(q_ptr, k_ptr, v_ptr, seg_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr
         dk, dv = _dkdv_inner(dk, dv, k, v, kseg, q_base, do_base, lse_base, delta_base, seg_base, offs_n,
                              diag_lo, diag_hi, HQ, D, BLOCK_M, qk_scale, True, HAS_SEG, IEEE)
         dk, dv = _dkdv_inner(dk, dv, k, v, kseg, q_base, do_base, lse_base, delta_base, seg_base, offs_n,
-                             diag_hi, T, HQ, D, BLOCK_M, qk_scale, False, HAS_SEG, IEEE)
+                             diag_hi, end, HQ, D, BLOCK_M, qk_scale, False, HAS_SEG, IEEE)
     tl.store(dk_ptr + kv_row, dk * SCALE)
     tl.store(dv_ptr + kv_row, dv)
