@@ -24,9 +24,13 @@ def test_segment_block_bounds_match_brute_force(seed):
     for _ in range(25):
         bm, bn = (int(x) for x in rng.choice([4, 8, 16], 2))
         T = int(np.lcm(bm, bn)) * int(rng.integers(1, 6))
-        # sorted ids (how packing lays out documents, padding included) and scattered ids (equal ids
-        # far apart: the bounds must stay exact for any layout)
-        seg = np.sort(rng.integers(0, 5, (3, T)), 1) if rng.random() < 0.5 else rng.integers(-1, 4, (3, T))
+        # packed rows (ids 1..n in order, then padding 0) and scattered ids (equal ids far apart): the
+        # bounds must be exact for any layout
+        if rng.random() < 0.5:
+            seg = np.sort(rng.integers(1, 5, (3, T)), 1)
+            seg[:, T - int(rng.integers(0, T // 2 + 1)):] = 0
+        else:
+            seg = rng.integers(-1, 4, (3, T))
         lo, hi = (np.asarray(x) for x in segment_block_bounds(jnp.asarray(seg, jnp.int32), bm, bn))
         for b in range(3):
             qb = [seg[b, i * bm:(i + 1) * bm] for i in range(T // bm)]
@@ -35,6 +39,21 @@ def test_segment_block_bounds_match_brute_force(seed):
                 assert lo[b, i] == min(j for j, k in enumerate(kb) if np.isin(k, q).any())
             for j, k in enumerate(kb):
                 assert hi[b, j] == 1 + max(i for i, q in enumerate(qb) if np.isin(q, k).any())
+
+
+def test_packed_row_with_padding_skips_most_tiles():
+    """A 4,096-token row as the packer lays it out: four documents of 960 tokens (ids 1..4), then 256
+    padding tokens (id 0); 64-wide tiles. Each query tile starts at its first row's document, each key
+    tile stops at its last row's document end: 490 of the triangle's 2,080 tiles, forward and dk/dv."""
+    seg = np.zeros(4096, np.int32)
+    seg[:3840] = np.repeat(np.arange(1, 5), 960)
+    lo, hi = (np.asarray(x)[0] for x in segment_block_bounds(jnp.asarray(seg[None]), 64, 64))
+    first = np.flatnonzero(np.diff(seg, prepend=-1))  # where each run of equal ids starts
+    run_of = np.searchsorted(first, np.arange(4096), side="right") - 1
+    np.testing.assert_array_equal(lo, [first[run_of[i * 64]] // 64 for i in range(64)])
+    last = np.append(first[1:], 4096) - 1
+    np.testing.assert_array_equal(hi, [last[run_of[j * 64 + 63]] // 64 + 1 for j in range(64)])
+    assert sum(i - lo[i] + 1 for i in range(64)) == sum(hi[j] - j for j in range(64)) == 490
 
 
 def _inputs(T, seed=0):
