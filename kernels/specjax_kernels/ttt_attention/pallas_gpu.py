@@ -5,8 +5,8 @@ jax 0.11 still ships the Pallas Triton lowering (deprecated in 0.11.0 in favour 
 `interpret=True` (that is how the CPU tests check them). The algorithm of triton_kernels.py:
 the forward walks the key blocks below the diagonal unmasked, then the diagonal blocks masked;
 the backward is a dq kernel (per query block) and a dk/dv kernel (per key block and query head;
-the G heads of a group are summed afterwards, O(T*Hq*D) f32 extra). Unlike triton_kernels.py, with
-segment ids each tile's walk starts (forward, dq) or stops (dk/dv) at the first (last) tile that
+the G heads of a group are summed afterwards, O(T*Hq*D) f32 extra). As there, with segment ids
+each tile's walk starts (forward, dq) or stops (dk/dv) at the first (last) tile that
 shares a segment with it (`common.segment_block_bounds`), so a packed row of short documents costs
 about the sum of its documents' triangles, not the whole row's.
 """
