@@ -3,7 +3,7 @@ XLA baselines.
 
     JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --T 2048,8192,32768 --out results.json
     JAX_PLATFORMS=cpu PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --small --ops moe --T 512
-    # packed rows (segment ids), where pallas_gpu skips the tiles of other documents:
+    # packed rows (segment ids), where pallas_gpu and triton skip the tiles of other documents:
     JAX_PLATFORMS=cuda PYTHONPATH=kernels:. python benchmarks/kernel_speed.py --ops ttt_attention --T 4096 \
         --ttt-doc-lens 0,1024 --ttt-impls triton,pallas_gpu,xla
 
