@@ -218,3 +218,34 @@ def test_cpu_benchmark_case_matches_dense_loop(impl):
     if impl == "xla":
         ref = moe_experts(x, ids, w, up_edf=up, down_efd=down, gate_edf=gate, implementation="reference")
         assert rel(out, ref) <= 1e-5
+
+
+def test_bench_layer_variants_compute_the_same_layer():
+    """`python -m specjax_kernels.moe.bench --layer-variants` times alternatives for the layer's non-GEMM
+    parts (counts by compare-and-sum, rows gathered as uint32 pairs, combine by multiply + sum or by a
+    scatter of the rows back). Each must be the function it stands in for: the same sort order and counts
+    exactly, the same gathered rows bit for bit (bf16), and a combine equal to `common.combine` within
+    1e-6 relative (fp32 sums in another order)."""
+    from specjax_kernels.moe import bench, common
+
+    rs = np.random.RandomState(3)
+    ids = rs.randint(0, 8, size=(300, 2)).astype(np.int32)
+    ids[:40] = 5  # one expert much larger than the others, and expert 7 possibly empty
+    order, sizes = jax.jit(common.sort_by_expert, static_argnums=1)(ids, 9)
+    order2, sizes2 = jax.jit(bench._sort_compare_counts, static_argnums=1)(ids, 9)
+    np.testing.assert_array_equal(order2, order)
+    np.testing.assert_array_equal(sizes2, sizes)
+
+    x = jnp.asarray(rs.randn(300, 24), jnp.bfloat16)
+    rows = order // 2
+    ref_rows = np.asarray(x.astype(jnp.float32))[np.asarray(rows)]
+    for mode in ("fill", "promise_in_bounds", "u32"):
+        got = jax.jit(lambda x, r, mode=mode: bench._gather_rows(x, r, mode))(x, rows)
+        assert got.dtype == jnp.bfloat16 and got.shape == (600, 24)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), ref_rows)
+
+    ys = jnp.asarray(rs.randn(600, 24), jnp.float32)
+    w = jnp.asarray(rs.rand(300, 2), jnp.float32)
+    want = common.combine(ys, order, w, jnp.float32)
+    for fn in (bench._combine_mulsum, bench._combine_scatter):
+        assert rel(jax.jit(fn, static_argnums=3)(ys, order, w, jnp.float32), want) <= 1e-6

@@ -2,7 +2,8 @@
 
     python -m specjax_kernels.moe.bench [--tokens 8192] [--k 8] [--experts 128] [--hidden 2048]
         [--inter 768] [--dtype bfloat16] [--blocks 128,512] [--mgpu-sweep] [--gmm-sweep] [--breakdown]
-        [--pallas-gpu-sweep] [--grad]
+        [--pallas-gpu-sweep] [--gmm-sweep-set wide_k] [--gmm-sweep-only down] [--adopt-best]
+        [--layer-variants] [--grad]
 
 Defaults are one Qwen3-30B-A3B MoE layer on 8192 tokens. Prints ms per call and the max relative
 difference of each implementation against the first one timed (`reference` unless --skip-reference).
@@ -12,6 +13,8 @@ forward + backward (d x and the three weight gradients) for the differentiable o
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
 import jax
@@ -49,19 +52,33 @@ SWEEP = ([(128, 128, 64, s, g) for s in (4, 5, 6) for g in (1, 2, 4, 8)]
          + [(128, 256, 64, 3, g) for g in (1, 2)])
 
 
-def _gmm_sweep(x, ids, gate_up, up, down, iters, budget_s):
-    """Each grouped GEMM of the layer alone over SWEEP; prints ms per config and the best per shape."""
+# Wider contraction tiles (half the pipeline steps per output tile; the down projection's K is only 768):
+# stages x (block_m + block_n) x 128 x 2 B + the output tile stays under 227 KiB.
+SWEEP_WIDE_K = ([(128, 128, 128, s, g) for s in (2, 3) for g in (4, 8)]
+                + [(64, 256, 128, 2, g) for g in (2, 4)]
+                + [(128, 192, 128, 2, g) for g in (2, 4)])
+
+
+def _gmm_sweep(x, ids, gate_up, up, down, iters, budget_s, configs=SWEEP, only=None, adopt=False):
+    """Each grouped GEMM of the layer alone over ``configs``; prints ms per config and the best per shape.
+    ``only``: the labels to sweep (gate/up, gate_up, down). ``adopt``: a config faster than the current
+    choice (``mgpu.blocks_for``, timed first) becomes that shape's ``mgpu.TUNED`` entry for the rest of the run."""
     from specjax_kernels.moe import mgpu
 
     xs, sizes, _ = _sorted_rows(x, ids, up.shape[0])
-    h = jnp.ones((xs.shape[0], down.shape[1]), x.dtype)
+    # random activations, not ones: a product of constants can run faster than real data (METHOD.md)
+    h = jax.random.normal(jax.random.key(7), (xs.shape[0], down.shape[1]), x.dtype)
     t_end = time.perf_counter() + budget_s
-    for label, lhs, rhs in (("gate/up", xs, up), ("gate_up fused", xs, gate_up), ("down", h, down)):
+    for label, lhs, rhs in (("gate/up", xs, up), ("gate_up", xs, gate_up), ("down", h, down)):
+        if only and label not in only:
+            continue
         k, n = rhs.shape[1], rhs.shape[2]
+        current = mgpu.blocks_for(k, n)
         best = None
-        for cfg in SWEEP:
-            b = mgpu.Blocks(*cfg)
-            if not b.fits(n) or time.perf_counter() > t_end:
+        for cfg in [None] + list(configs):
+            b = current if cfg is None else mgpu.Blocks(*cfg)
+            cfg = cfg or ("current",) + dataclasses.astuple(b)
+            if not b.fits(n) or k % b.block_k or time.perf_counter() > t_end:
                 continue
             try:
                 f = jax.jit(lambda lhs, rhs, sizes, b=b: mgpu.gmm(lhs, rhs, sizes, blocks=b))
@@ -72,9 +89,103 @@ def _gmm_sweep(x, ids, gate_up, up, down, iters, budget_s):
             tf = 2 * xs.shape[0] * k * n / ms / 1e9
             print(f"gmm {label:14s} K={k:5d} N={n:5d} {cfg}: {ms:7.3f} ms {tf:6.1f} TFLOP/s", flush=True)
             if best is None or ms < best[0]:
-                best = (ms, cfg)
+                best = (ms, cfg, b)
         if best:
             print(f"BEST gmm {label} K={k} N={n}: {best[1]} {best[0]:.3f} ms", flush=True)
+            if adopt and best[1][0] != "current":
+                mgpu.TUNED[(k, n)] = best[2]
+                print(f"ADOPTED for K={k} N={n}: {best[2]}", flush=True)
+
+
+def _sort_compare_counts(expert_ids_tk, n_experts: int):
+    """``common.sort_by_expert`` with the group sizes counted by one [E, M] compare-and-sum (a fused
+    reduction) in place of ``bincount`` (a scatter-add of M ones into E bins: atomics on 128 addresses)."""
+    flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
+    rows = flat.shape[0]
+    sizes = jnp.sum(flat[None, :] == jnp.arange(n_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    return jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32)) % rows, sizes
+
+
+def _combine_mulsum(ys_sorted, order, weights_tk, dtype):
+    """``common.combine`` with an in-bounds gather and the weighted sum as multiply + reduce (one fused
+    reduction over the gathered rows) rather than an einsum."""
+    t, k = weights_tk.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                   unique_indices=True, mode="promise_in_bounds")
+    ys = ys_sorted.at[inverse].get(mode="promise_in_bounds").reshape(t, k, -1)
+    return jnp.sum(ys.astype(jnp.float32) * weights_tk.astype(jnp.float32)[..., None], axis=1).astype(dtype)
+
+
+def _combine_scatter(ys_sorted, order, weights_tk, dtype):
+    """``common.combine`` writing each sorted row back to its assignment's place (a scatter of unique rows,
+    no inverse permutation), then multiply + reduce."""
+    t, k = weights_tk.shape
+    ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted, unique_indices=True, mode="promise_in_bounds")
+    ys = ys.reshape(t, k, -1)
+    return jnp.sum(ys.astype(jnp.float32) * weights_tk.astype(jnp.float32)[..., None], axis=1).astype(dtype)
+
+
+def _gather_rows(x, rows, mode):
+    """x[rows] by one of the gathers --layer-variants compares: jnp's ``fill`` / ``promise_in_bounds``
+    gathers of bf16 rows, or ``u32``: the rows seen as uint32 pairs (twice the bytes per element moved)."""
+    if mode != "u32":
+        return x.at[rows].get(mode=mode)
+    t, d = x.shape
+    pairs = jax.lax.bitcast_convert_type(x.reshape(t, d // 2, 2), jnp.uint32)
+    got = pairs.at[rows].get(mode="promise_in_bounds")
+    return jax.lax.bitcast_convert_type(got, x.dtype).reshape(rows.shape[0], d)
+
+
+def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
+    """The whole mgpu layer (separate and fused gate/up) with each alternative for the non-GEMM parts:
+    how the group sizes are counted, how rows are gathered, how the outputs are combined. Each variant is
+    timed ``repeats`` times (``iters`` calls each) in turn, interleaved, and reported by its median and min.
+    The weights are arguments, not constants of the jitted function: 400 MB of constants made each
+    compile take minutes (2026-12-04)."""
+    from specjax_kernels.moe import common, mgpu
+
+    # mgpu on a Hopper GPU; elsewhere (a CPU smoke run) the reference grouped GEMM stands in for it
+    gmm = mgpu.gmm if mgpu.available() is None else (lambda lhs, rhs, sizes: jax.lax.ragged_dot(lhs, rhs, sizes))
+    print(f"layer variants through {'mgpu' if mgpu.available() is None else 'ragged_dot (no Hopper GPU)'}")
+
+    def layer(counts, gather_mode, comb, fused):
+        sort = {"bincount": common.sort_by_expert, "compare": _sort_compare_counts}[counts]
+        combine = {"einsum": common.combine, "mulsum": _combine_mulsum, "scatter": _combine_scatter}[comb]
+
+        def fn(x, ids, w, gate, up, gate_up, down):
+            act = jax.nn.silu
+            order, sizes = sort(ids, up.shape[0])
+            xs = _gather_rows(x, order // ids.shape[1], gather_mode)
+            proj = lambda wt: gmm(xs, wt, sizes)  # noqa: E731
+            hh = (common.expert_hidden(proj, gate_up, down, None, act) if fused
+                  else common.expert_hidden(proj, up, down, gate, act))
+            return combine(gmm(hh.astype(x.dtype), down, sizes), order, w, x.dtype)
+        return jax.jit(fn)
+
+    args = (x, ids, w, gate, up, gate_up, down)
+    variants = {}
+    for fused in (True, False):
+        for counts, gather_mode, comb in (("bincount", "fill", "einsum"), ("compare", "fill", "einsum"),
+                                          ("bincount", "promise_in_bounds", "einsum"), ("bincount", "u32", "einsum"),
+                                          ("bincount", "fill", "mulsum"), ("bincount", "fill", "scatter"),
+                                          ("compare", "u32", "mulsum"), ("compare", "u32", "scatter")):
+            name = f"{'fused' if fused else 'separate'} counts={counts} gather={gather_mode} combine={comb}"
+            variants[name] = layer(counts, gather_mode, comb, fused)
+    first = None
+    for name, fn in variants.items():  # compile and check every variant before any timing
+        out = jax.block_until_ready(fn(*args)).astype(jnp.float32)
+        first = out if first is None else first
+        err = float(jnp.abs(out - first).max() / jnp.abs(first).max())
+        print(f"variant {name}: rel diff vs the first {err:.1e}", flush=True)
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name].append(_time(fn, *args, iters=iters)[0])
+    flops = 2 * ids.size * x.shape[1] * down.shape[1] * 3
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"LAYER {name:70s} median {med:6.3f} ms  min {min(ts):6.3f} ms  "
+              f"{flops / med / 1e9:6.1f} TFLOP/s (median)  [{', '.join(f'{t:.3f}' for t in ts)}]", flush=True)
 
 
 def _breakdown(x, ids, w, gate_up, down, iters):
@@ -85,6 +196,19 @@ def _breakdown(x, ids, w, gate_up, down, iters):
     n_experts, f = down.shape[0], down.shape[1]
     sort = jax.jit(lambda x, ids: _sorted_rows(x, ids, n_experts))
     _time(sort, x, ids, iters=iters, name="part: sort + gather")
+    from specjax_kernels.moe.common import sort_by_expert
+
+    _time(jax.jit(lambda ids: sort_by_expert(ids, n_experts)), ids, iters=iters, name="part: sort + bincount")
+    _time(jax.jit(lambda ids: _sort_compare_counts(ids, n_experts)), ids, iters=iters,
+          name="part: sort + compare counts")
+    flat = ids.reshape(-1).astype(jnp.int32)
+    _time(jax.jit(lambda f: jnp.bincount(f, length=n_experts)), flat, iters=iters, name="part: bincount alone")
+    _time(jax.jit(lambda f: jnp.sort(f * f.shape[0] + jnp.arange(f.shape[0], dtype=jnp.int32))), flat,
+          iters=iters, name="part: packed sort alone")
+    order = jax.jit(lambda ids: sort_by_expert(ids, n_experts)[0])(ids)
+    for mode in ("fill", "promise_in_bounds", "u32"):
+        _time(jax.jit(lambda x, o, mode=mode: _gather_rows(x, o // ids.shape[1], mode)), x, order,
+              iters=iters, name=f"part: gather alone ({mode})")
     xs, sizes, order = sort(x, ids)
     g1 = jax.jit(mgpu.gmm)
     _time(g1, xs, gate_up, sizes, iters=iters, name="part: gmm gate_up")
@@ -119,6 +243,14 @@ def main(argv=None):
     ap.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop --gmm-sweep after this long")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the mgpu layer's parts alone: sort + gather, each grouped GEMM, activation, combine")
+    ap.add_argument("--gmm-sweep-set", choices=("default", "wide_k"), default="default",
+                    help="the configurations --gmm-sweep tries: SWEEP, or SWEEP_WIDE_K (block_k 128)")
+    ap.add_argument("--gmm-sweep-only", default="", help="comma-separated: gate/up, gate_up, down (default: all)")
+    ap.add_argument("--adopt-best", action="store_true",
+                    help="--gmm-sweep's fastest config per shape, if faster than the current, is used for the rest of the run")
+    ap.add_argument("--layer-variants", action="store_true",
+                    help="time the whole mgpu layer with each alternative for its non-GEMM parts (counts, gather, combine)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats per variant for --layer-variants")
     ap.add_argument("--grad", action="store_true", help="also time forward + backward of xla and pallas_gpu")
     ap.add_argument("--interpret", action="store_true", help="run pallas_gpu in interpret mode (a CPU smoke run)")
     a = ap.parse_args(argv)
@@ -151,10 +283,12 @@ def main(argv=None):
         gate_up = jnp.concatenate([gate, up], axis=-1)
         f = jax.jit(lambda x, ids, w: mgpu.moe_experts(x, ids, w, gate_up, down, None, "silu"))
         results["mgpu fused gate_up"] = _time(f, x, ids, w, iters=a.iters, name="mgpu fused gate_up")
+        if a.gmm_sweep:
+            _gmm_sweep(x, ids, gate_up, up, down, a.iters, a.sweep_budget_s,
+                       configs=SWEEP_WIDE_K if a.gmm_sweep_set == "wide_k" else SWEEP,
+                       only=[v for v in a.gmm_sweep_only.split(",") if v], adopt=a.adopt_best)
         if a.breakdown:
             _breakdown(x, ids, w, gate_up, down, a.iters)
-        if a.gmm_sweep:
-            _gmm_sweep(x, ids, gate_up, up, down, a.iters, a.sweep_budget_s)
         default = mgpu.DEFAULT
         # configurations that fit the H200's 227 KiB of shared memory in bf16 (stages x (lhs + rhs tile) + out tile)
         for cfg in ([(64, 128, 64, 6), (128, 128, 64, 2), (128, 128, 64, 6), (128, 256, 64, 3), (192, 128, 64, 4)]
@@ -168,6 +302,8 @@ def main(argv=None):
         mgpu.DEFAULT = default
     else:
         print("mgpu skipped:", mgpu.available() or mgpu.supports(x, up, down))
+    if a.layer_variants:
+        _layer_variants(x, ids, w, gate, up, jnp.concatenate([gate, up], axis=-1), down, a.iters, a.repeats)
     from specjax_kernels.moe import pallas_gpu
 
     pg_ok = pallas_gpu.available() is None or a.interpret
