@@ -3,7 +3,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
 
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
-        [--repeats 3] [--out results.json] [--profile TRACE_DIR]
+        [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--unroll-layers]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -116,7 +116,20 @@ def main(argv=None) -> int:
                     help="after the timed calls of each batch size, trace one greedy and one speculative call "
                          "(jax.profiler, into DIR/b<batch>_<greedy|spec>) and store where the device time went "
                          "(trace_ops.summarize) in the row")
+    ap.add_argument("--profile-batches", default=None,
+                    help="comma list: trace only these batch sizes (default: every --batch); a traced call takes "
+                         "minutes at batch 1 on the H200")
+    ap.add_argument("--unroll-layers", action="store_true",
+                    help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
+                         "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
     a = ap.parse_args(argv)
+    from specjax.targets.layers.scan import unrolled_layer_scans
+
+    with unrolled_layer_scans(a.unroll_layers):  # around every trace of this process
+        return _run(a)
+
+
+def _run(a) -> int:
 
     import jax
     import jax.numpy as jnp
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
                "speedup": statistics.median(s_rate) / statistics.median(g_rate),
                "tau": 1.0 + float(accepted.sum()) / max(steps, 1), "accepted_per_position": accepted.tolist(),
                "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
-        if a.profile:
+        if a.profile and (a.profile_batches is None or b in [int(x) for x in a.profile_batches.split(",")]):
             row["profile"] = {}
             for arm, call in (("greedy", lambda: generate(target, ps, max_new_tokens=a.max_new_tokens,
                                                            eos_token_ids=eos, batch_size=b)),

@@ -359,3 +359,45 @@ def test_rejection_sampling_keeps_the_target_distribution(target):
     from eval._sampling import assert_second_token_follows_target
 
     assert_second_token_follows_target(target, lambda seqs: target(jnp.asarray(seqs)).logits)
+
+
+def _scan_unrolls(jaxpr):
+    """(length, unroll) of the outermost scans of a jaxpr (closed or open): the layer scans; scans inside
+    a layer (the MoE's blocks) are not looked into."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for eqn in inner.eqns:
+        if eqn.primitive.name == "scan":
+            found.append((eqn.params["length"], eqn.params["unroll"]))
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):  # a sub-jaxpr: scan/while body, cond branch
+                    found += _scan_unrolls(sub)
+    return found
+
+
+def test_unrolled_layer_scans_decode_the_same(target):
+    """`scan.unrolled_layer_scans()` (the decoding experiment of decode_speed.md, run 5) traces every
+    layer scan of a cached decode fully unrolled, and the decode's logits, aux states and cache equal the
+    scanned decode's (fp32, 1e-6: the same ops in the same order, only the loop is gone)."""
+    from specjax.targets.layers.scan import unrolled_layer_scans
+
+    aux_ids = target.default_aux_layer_ids()
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, VOCAB, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    start = jnp.zeros((2,), jnp.int32)
+    args = (target.init_cache(2, 16), ids, pos, start)
+
+    def run(unrolled):
+        with unrolled_layer_scans(unrolled):
+            decode = _decoder(target, aux_ids)  # a new jit: the setting is read when it traces
+            scans = _scan_unrolls(jax.make_jaxpr(decode)(*args))
+            return decode(*args), scans
+
+    (ref, scans_ref), (got, scans_got) = run(False), run(True)
+    assert [n for n, _ in scans_got if n > 1], "the decode has no layer scan to unroll"
+    assert all(u == 1 for n, u in scans_ref if n > 1)
+    assert all(u == n for n, u in scans_got if n > 1), scans_got
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

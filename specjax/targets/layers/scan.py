@@ -7,10 +7,20 @@ The scans run over layer *indices* (static per-layer inputs ``xs``) and read eac
 from the whole stacked tree with :func:`index_layer`, rather than scanning over a static slice
 ``layers[a:b]``: a static slice of the stack fed to a loop makes XLA materialise a copy of those
 weights, while a per-step dynamic index reads one layer in place.
+
+:func:`unrolled_layer_scans` traces the scans fully unrolled instead (each layer's index a constant).
+It is a decoding experiment: in the H200 trace of a speculative step (a 6-token verification), each
+layer's weights were copied out of the stack by ~9 separate dynamic-slice kernels, 277 of the step's 966
+kernels and a quarter of its device time, where a 1-token greedy step fuses the same reads into its
+matrix-vector kernels (benchmarks/results/decode_speed.md, run 5). Unrolled, the indices are constants
+and XLA may fuse or hoist the slices; whether that is faster on the GPU is not measured yet, so the
+default stays the scan.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +44,30 @@ def index_layer(tree: Any, i) -> Any:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
 
 
+_UNROLL = contextvars.ContextVar("specjax_unrolled_layer_scans", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_layer_scans(on: bool = True) -> Iterator[None]:
+    """Within this context, :func:`layer_scan` traces its scan fully unrolled. The setting is read when
+    a function is traced, and jit caches traces by their arguments only: enter it before the first call
+    of the jitted functions it should change (e.g. for a whole benchmark process)."""
+    token = _UNROLL.set(bool(on))
+    try:
+        yield
+    finally:
+        _UNROLL.reset(token)
+
+
 def layer_scan(step: Callable[[Any, Any], Any], carry: Any, xs: Any) -> Any:
     """``carry`` after ``step(carry, x)`` for each row x of the static per-layer inputs ``xs`` (a
-    numpy array or a tuple of them, leading axis = layers), as one ``lax.scan``."""
-    if len(jax.tree.leaves(xs)[0]) == 0:
+    numpy array or a tuple of them, leading axis = layers), as one ``lax.scan`` (fully unrolled inside
+    :func:`unrolled_layer_scans`)."""
+    n = len(jax.tree.leaves(xs)[0])
+    if n == 0:
         return carry
-    carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, jax.tree.map(jnp.asarray, xs))
+    carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, jax.tree.map(jnp.asarray, xs),
+                            unroll=n if _UNROLL.get() else 1)
     return carry
 
 
