@@ -3,7 +3,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
 
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
-        [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--unroll-layers]
+        [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--refill] [--unroll-layers]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -119,6 +119,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-batches", default=None,
                     help="comma list: trace only these batch sizes (default: every --batch); a traced call takes "
                          "minutes at batch 1 on the H200")
+    ap.add_argument("--refill", action="store_true",
+                    help="continuous batching on both arms: `--batch` rows, each taking the next prompt as soon as its "
+                         "answer ends (greedy: eval.continuous.ContinuousGenerator; speculative: SpecLoop refill=True), "
+                         "instead of static batches that wait for their slowest row")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
                          "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
@@ -183,11 +187,21 @@ def _run(a) -> int:
         if n == 0:
             raise SystemExit(f"--batch {b} needs at least {b} prompts; raise --limit")
         ps = prompts[:n]
+        def greedy_call():
+            if not a.refill:
+                return generate(target, ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b)
+            from specjax.eval.continuous import ContinuousGenerator, Request
+
+            answers = {}
+            ContinuousGenerator(target, batch_size=b, max_prompt_tokens=max(len(p) for p in ps),
+                                max_new_tokens=a.max_new_tokens, eos_token_ids=eos).run(
+                [Request(i, tuple(p)) for i, p in enumerate(ps)], lambda key, toks: answers.__setitem__(key, toks))
+            return [answers[i] for i in range(len(ps))]
+
         with dec._precision():
-            greedy, g_walls = _timed(lambda: generate(target, ps, max_new_tokens=a.max_new_tokens,
-                                                      eos_token_ids=eos, batch_size=b), a.repeats)
+            greedy, g_walls = _timed(greedy_call, a.repeats)
         spec, s_walls = _timed(lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos,
-                                                     batch_size=b), a.repeats)
+                                                     batch_size=b, refill=a.refill), a.repeats)
         g_tokens = sum(len(t) for t in greedy)
         s_tokens = sum(len(r.tokens) for r in spec)
         steps = sum(r.num_steps for r in spec)
@@ -202,10 +216,9 @@ def _run(a) -> int:
                "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
         if a.profile and (a.profile_batches is None or b in [int(x) for x in a.profile_batches.split(",")]):
             row["profile"] = {}
-            for arm, call in (("greedy", lambda: generate(target, ps, max_new_tokens=a.max_new_tokens,
-                                                           eos_token_ids=eos, batch_size=b)),
+            for arm, call in (("greedy", greedy_call),
                               ("spec", lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens,
-                                                             eos_token_ids=eos, batch_size=b))):
+                                                             eos_token_ids=eos, batch_size=b, refill=a.refill))):
                 where = os.path.join(a.profile, f"b{b}_{arm}")
                 try:  # a profiler problem must not cost the timings above
                     with dec._precision(), jax.profiler.trace(where):

@@ -170,6 +170,74 @@ def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temp
     return state["out"][:, : st.n_out], state["count"], state["acc_len"][:, : st.n_out], state["step"], state["acc_pos"]
 
 
+def _take_row(tree, i):
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _put_row(tree, i, row):
+    return jax.tree.map(lambda a, r: a.at[i].set(r), tree, row)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "slots"))
+def _spec_stream(params, dp, embed, d2t, draft_ids, ids_np, lens_n, roots_n, temperature, eos_e, max_new, *, st,
+                 slots):
+    """All N prompts through `slots` rows in one device program: a row whose request has stopped hands
+    its results to the request's output row and takes the next waiting prompt (its prefill and first
+    step run for that row alone, inside the loop), so no row idles while prompts wait. Each request's
+    steps are `_spec_batch`'s, with its own caches and key: the results equal SpecDecoder's."""
+    shared = (params, dp, embed, d2t, draft_ids)
+    n = ids_np.shape[0]
+    start_one = functools.partial(_row_start, st=st)
+    step_one = functools.partial(_row_step, st=st)
+    row_step = jax.vmap(step_one, in_axes=(None,) * 5 + (0,) + (None,) * 3 + (0, 0, 0))
+
+    def first_step(q):
+        """Request q's prefill and first draft + verify step (one row)."""
+        s0, tok0, aux0 = start_one(*shared, ids_np[q], lens_n[q], roots_n[q], temperature, eos_e, max_new)
+        nxt = step_one(*shared, roots_n[q], temperature, eos_e, max_new, s0, tok0, aux0)
+        return _hold_stopped(_active(s0, max_new), nxt[0], s0), nxt[1], nxt[2]
+
+    # the slots start on the first `slots` requests, as a batch
+    first = jax.vmap(first_step)(jnp.arange(slots, dtype=jnp.int32))
+    outs = dict(out=jnp.zeros((n, st.n_out), jnp.int32), count=jnp.zeros((n,), jnp.int32),
+                acc_len=jnp.zeros((n, st.n_out), jnp.int32), step=jnp.zeros((n,), jnp.int32),
+                acc_pos=jnp.zeros((n, st.k), jnp.int32))
+
+    def hand_back_and_refill(c):
+        (s, pend_tok, pend_aux), req, roots, nxt_req, outs = c
+        done = ~_active(s, max_new) & (req >= 0)
+        at = jnp.where(done, req, n)  # n: out of range, dropped
+        outs = dict(out=outs["out"].at[at].set(s["out"][:, : st.n_out], mode="drop"),
+                    count=outs["count"].at[at].set(s["count"], mode="drop"),
+                    acc_len=outs["acc_len"].at[at].set(s["acc_len"][:, : st.n_out], mode="drop"),
+                    step=outs["step"].at[at].set(s["step"], mode="drop"),
+                    acc_pos=outs["acc_pos"].at[at].set(s["acc_pos"], mode="drop"))
+        req = jnp.where(done, -1, req)
+
+        def refill(rc):
+            row, req, roots, q = rc
+            r = jnp.argmax(req < 0)
+            row = _put_row(row, r, first_step(q))
+            return row, req.at[r].set(q), roots.at[r].set(roots_n[q]), q + 1
+
+        row, req, roots, nxt_req = jax.lax.while_loop(lambda rc: jnp.any(rc[1] < 0) & (rc[3] < n), refill,
+                                                      ((s, pend_tok, pend_aux), req, roots, nxt_req))
+        return row, req, roots, nxt_req, outs
+
+    def advance(c):
+        (s, pend_tok, pend_aux), req, roots, nxt_req, outs = c
+        nxt, pend_tok, pend_aux = row_step(*shared, roots, temperature, eos_e, max_new, s, pend_tok, pend_aux)
+        return hand_back_and_refill(((_hold_stopped(_active(s, max_new), nxt, s), pend_tok, pend_aux),
+                                     req, roots, nxt_req, outs))
+
+    carry = hand_back_and_refill((first, jnp.arange(slots, dtype=jnp.int32), roots_n[:slots], jnp.int32(slots), outs))
+    # while any row holds a request: running, or stopped and not yet handed back (a request can stop
+    # in its first step, right after its refill)
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[1] >= 0), advance, carry)
+    outs = carry[-1]
+    return outs["out"], outs["count"], outs["acc_len"], outs["step"], outs["acc_pos"]
+
+
 class SpecLoop:
     """Batched speculative generation with a SpecDecoder's target, head and settings, each batch one
     device program (see the module docstring). Results are SpecDecoder's: a row's tokens, accept
@@ -180,10 +248,15 @@ class SpecLoop:
         self.dec = decoder
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 eos_token_ids: Sequence[int] = (), seed: int = 0, batch_size: int | None = None) -> list[SpecResult]:
+                 eos_token_ids: Sequence[int] = (), seed: int = 0, batch_size: int | None = None,
+                 refill: bool = False) -> list[SpecResult]:
         """One SpecResult per prompt, in order. Row r of the whole call uses seed `seed + r`. Rows are
         run `batch_size` at a time (default: all); every result's wall_s is its batch's wall time,
-        so a batch's tokens / wall_s is the batch throughput."""
+        so a batch's tokens / wall_s is the batch throughput.
+
+        refill: all prompts in one device program of `batch_size` rows, each row taking the next prompt
+        as soon as its request stops (a static batch waits for its slowest row: 19% of the row-steps of
+        decode_speed.md's run 4 at batch 8). Same results; every wall_s is the whole call's."""
         dec = self.dec
         check_sampling(max_new_tokens, temperature, 1.0)
         sample = float(temperature) > 0.0
@@ -200,6 +273,8 @@ class SpecLoop:
         eos_arr = eos_array(eos)
         n_out = _round_up(max_new, _OUT_MULTIPLE)
         b = len(prompts) if batch_size is None else max(1, min(int(batch_size), len(prompts)))
+        if refill:
+            return self._stream(prompts, b, max_new, float(temperature), eos_arr, seed, n_out, sample)
         for lo in range(0, len(prompts), b):
             rows = prompts[lo: lo + b]
             seeds = list(range(seed + lo, seed + lo + len(rows)))
@@ -209,11 +284,7 @@ class SpecLoop:
             ids = np.zeros((b, bucket), np.int32)
             for r, pr in enumerate(rows_p):
                 ids[r, : len(pr)] = pr
-            # as SpecDecoder._setup: > bucket, and room for the last verification chunk
-            cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
-            st = _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
-                         dec.widths, dec.top_k, dec.block_drafter, bool(getattr(dec.draft.config, "parallel_drafting", False)),
-                         sample, cache_len, n_out)
+            st = self._static(bucket, n_out, sample)
             roots = jnp.stack([jax.random.PRNGKey(s) for s in seeds_p])
             t0 = time.perf_counter()
             with dec._precision():
@@ -228,6 +299,32 @@ class SpecLoop:
                 results.append(SpecResult(out[r, : int(count[r])].tolist(), acc_len[r, :n].tolist(),
                                           acc_pos[r].tolist(), n, 0.0, 0.0, wall))
         return results
+
+    def _static(self, bucket: int, n_out: int, sample: bool) -> _Static:
+        dec = self.dec
+        # as SpecDecoder._setup: > bucket, and room for the last verification chunk
+        cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
+        return _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
+                       dec.widths, dec.top_k, dec.block_drafter, bool(getattr(dec.draft.config, "parallel_drafting", False)),
+                       sample, cache_len, n_out)
+
+    def _stream(self, prompts, slots, max_new, temperature, eos_arr, seed, n_out, sample) -> list[SpecResult]:
+        dec = self.dec
+        bucket = prompt_bucket(max(len(r) for r in prompts))
+        ids = np.zeros((len(prompts), bucket), np.int32)
+        for r, pr in enumerate(prompts):
+            ids[r, : len(pr)] = pr
+        roots = jnp.stack([jax.random.PRNGKey(seed + r) for r in range(len(prompts))])
+        t0 = time.perf_counter()
+        with dec._precision():
+            got = _spec_stream(dec.target.params, dec.draft_params, dec.embed, dec.d2t, dec.draft_ids, jnp.asarray(ids),
+                               jnp.asarray([len(r) for r in prompts], jnp.int32), roots,
+                               jnp.float32(max(temperature, 1e-6)), jnp.asarray(eos_arr), jnp.int32(max_new),
+                               st=self._static(bucket, n_out, sample), slots=slots)
+            out, count, acc_len, steps, acc_pos = (np.asarray(x) for x in jax.device_get(got))
+        wall = time.perf_counter() - t0
+        return [SpecResult(out[r, : int(count[r])].tolist(), acc_len[r, : int(steps[r])].tolist(), acc_pos[r].tolist(),
+                           int(steps[r]), 0.0, 0.0, wall) for r in range(len(prompts))]
 
 
 class DeviceLoopDecoder:

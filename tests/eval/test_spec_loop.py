@@ -97,3 +97,38 @@ def test_loop_limits_eos_and_batching(target):
                                                                                     temperature=1.0)
     with pytest.raises(ValueError, match="outside the target vocab"):
         loop.generate([[V]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind,mode,slots", [("eagle3", "chain", 2), ("eagle3", "tree", 3), ("dflash", "chain", 1)])
+def test_refill_stream_equals_host_decoder(target, kind, mode, slots):
+    """refill=True: every prompt through `slots` rows of one device program, a row taking the next prompt
+    as soon as its request stops. Each result equals SpecDecoder.generate on its prompt alone (tokens,
+    accept lengths, per-position counts, steps), with requests that stop at their first token (EOS) and
+    at the length limit, and more prompts than rows."""
+    dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode)
+    prompts = PROMPTS + [[2, 4], [0, 5, 5, 1], [3, 1]]  # more requests than rows, short ones among them
+    got = SpecLoop(dec).generate(prompts, max_new_tokens=MAX_NEW, eos_token_ids=EOS, batch_size=slots, refill=True)
+    assert len(got) == len(prompts)
+    for row, prompt in zip(got, prompts):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=EOS))
+    lengths = [len(row.tokens) for row in got]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths  # rows stop at different steps
+    assert sum(sum(row.accepted_per_position) for row in got) > 0
+
+
+def test_refill_stream_sampled_and_first_token_eos(target):
+    """Sampled rows draw with their own seed (seed + index), whatever row they run in; a request whose
+    first token is an EOS (or max_new_tokens 1) is handed back right after its refill."""
+    dec = SpecDecoder(target, _head(target, "eagle3"), num_spec_tokens=3)
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, eos_token_ids=EOS, seed=5,
+                                 batch_size=2, refill=True)
+    for r, (row, prompt) in enumerate(zip(got, PROMPTS)):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, temperature=1.0, eos_token_ids=EOS, seed=5 + r))
+    first = generate(target, PROMPTS, max_new_tokens=1)
+    eos_now = [[t[0]] for t in first]  # each prompt's own first token as its EOS: every request stops at once
+    for eos in eos_now[:2]:
+        got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=eos, batch_size=2, refill=True)
+        for row, prompt in zip(got, PROMPTS):
+            _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos))
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=1, batch_size=3, refill=True)
+    assert [len(r.tokens) for r in got] == [1] * len(PROMPTS)
