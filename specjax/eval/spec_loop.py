@@ -26,6 +26,12 @@ runs outside vmap until every row has stopped. A stopped row's tokens, counts an
 so each row gets its own acceptance and its own stop; its caches are not held (they are never read
 again), which spares a select and a copy of every row's whole KV cache per iteration. The prompts
 share one static prompt bucket and cache length (the longest row's).
+
+Refill (`generate(..., refill=True)`, `_spec_stream`): every prompt in one program of `batch_size`
+rows. After each step, the rows whose request stopped write its results to that request's output row
+and take the next waiting prompt; its prefill and first step run for that row alone (an inner
+`while_loop` fills every free row), with fresh caches and the request's own key. The loop runs while
+any row holds a request.
 """
 from __future__ import annotations
 
