@@ -99,12 +99,14 @@ def test_loop_limits_eos_and_batching(target):
         loop.generate([[V]], max_new_tokens=4)
 
 
-@pytest.mark.parametrize("kind,mode,slots", [("eagle3", "chain", 2), ("eagle3", "tree", 3), ("dflash", "chain", 1)])
+# the stream's hand-back and refill are the same for every drafter; tree mode and P-EAGLE change only the
+# step, which test_loop_equals_host_decoder_greedy covers (CI time)
+@pytest.mark.parametrize("kind,mode,slots", [("eagle3", "chain", 2), ("dflash", "chain", 1)])
 def test_refill_stream_equals_host_decoder(target, kind, mode, slots):
     """refill=True: every prompt through `slots` rows of one device program, a row taking the next prompt
     as soon as its request stops. Each result equals SpecDecoder.generate on its prompt alone (tokens,
-    accept lengths, per-position counts, steps), with requests that stop at their first token (EOS) and
-    at the length limit, and more prompts than rows."""
+    accept lengths, per-position counts, steps), with requests that stop early (EOS) and at the length
+    limit, and more prompts than rows."""
     dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode)
     prompts = PROMPTS + [[2, 4], [0, 5, 5, 1], [3, 1]]  # more requests than rows, short ones among them
     got = SpecLoop(dec).generate(prompts, max_new_tokens=MAX_NEW, eos_token_ids=EOS, batch_size=slots, refill=True)
