@@ -63,24 +63,27 @@ def run_regenerate_stage(cfg):
         return cfg
     import jax
 
-    from specjax.regenerate import run_from_config
+    from specjax.regenerate import output_dir, run_from_config
 
     if jax.process_count() > 1:
         raise ValueError(
             "regenerate.enabled runs in one process; with several processes run "
             "`python -m specjax.regenerate --config X` once first, then train with regenerate.enabled=false"
         )
+    # checked before regenerating: a run that would regenerate data it then does not train on is refused
+    # at once, not after the regeneration (all of ShareGPT is ~11 minutes on an H200)
+    planned = output_dir(cfg)
+    if cfg.data.train_files and os.path.abspath(planned) not in {os.path.abspath(p) for p in cfg.data.train_files}:
+        raise ValueError(
+            f"regenerate.enabled would write {planned}, which data.train_files {list(cfg.data.train_files)} does "
+            "not list, so training would not use it: add it to data.train_files, or set regenerate.enabled=false "
+            "to train on the listed files only")
     out = run_from_config(cfg)
     log = logging.getLogger("specjax.launch")
     if not cfg.data.train_files:
         log.info("regenerated data in %s; training on it (data.train_files was empty)", out)
         return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=(out,)))
-    listed = {os.path.abspath(p) for p in cfg.data.train_files}
-    if os.path.abspath(out) in listed:
-        log.info("regenerated data in %s (listed in data.train_files)", out)
-    else:
-        log.warning("regenerated data in %s is NOT in data.train_files %s; add it to train on it",
-                    out, list(cfg.data.train_files))
+    log.info("regenerated data in %s (listed in data.train_files)", out)
     return cfg
 
 

@@ -361,11 +361,16 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
     )
 
 
+def output_dir(cfg) -> str:
+    """Where the regeneration stage of `cfg` writes: `regenerate.out_dir`, else `<run.output_dir>/regenerated`."""
+    return cfg.regenerate.out_dir or os.path.join(cfg.run.output_dir, "regenerated")
+
+
 def run_from_config(cfg) -> str:
     """Run the `regenerate.*` section of a `specjax.config.Config` (always resumable: a rerun
     continues, a changed setting is refused). Returns the output directory."""
     r = cfg.regenerate
-    out_dir = r.out_dir or os.path.join(cfg.run.output_dir, "regenerated")
+    out_dir = output_dir(cfg)
     if r.backend == "jax" and cfg.target.build_demo and cfg.target.path:
         from specjax.demo import ensure_demo_target
 

@@ -182,12 +182,13 @@ def test_run_from_config_and_launch_stage(tiny_target, source, tmp_path, monkeyp
 
     calls = Runs
     monkeypatch.setattr(cont.ContinuousGenerator, "run", Runs())
-    cfg = config_from_dict({
+    cfg_dict = {
         "run": {"output_dir": str(tmp_path / "run")},
         "target": {"path": tiny_target, "dtype": "float32"},
         "regenerate": {"enabled": True, "source": source, "limit": 4, "shard_size": 4, "batch_size": 4,
                        "max_new_tokens": 8, "max_prompt_tokens": 100},
-    })
+    }
+    cfg = config_from_dict(cfg_dict)
     out = run_from_config(cfg)
     assert out == os.path.abspath(tmp_path / "run" / "regenerated") and calls.calls == 1
     assert os.listdir(out) and "shard-000000.parquet" in os.listdir(out)
@@ -195,6 +196,12 @@ def test_run_from_config_and_launch_stage(tiny_target, source, tmp_path, monkeyp
     cfg2 = run_regenerate_stage(cfg)
     assert calls.calls == 1 and cfg2.data.train_files == (out,)
     assert run_regenerate_stage(config_from_dict({})) == config_from_dict({})  # disabled: unchanged
+    # training files that do not list the regeneration's output: refused before any regeneration
+    other = config_from_dict({**cfg_dict, "regenerate": {**cfg_dict["regenerate"], "out_dir": str(tmp_path / "r2")},
+                              "data": {"train_files": [out]}})
+    with pytest.raises(ValueError, match="does not list, so training would not use it"):
+        run_regenerate_stage(other)
+    assert calls.calls == 1 and not os.path.exists(tmp_path / "r2")
     shutil.rmtree(out)
 
 
