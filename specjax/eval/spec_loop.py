@@ -176,10 +176,6 @@ def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temp
     return state["out"][:, : st.n_out], state["count"], state["acc_len"][:, : st.n_out], state["step"], state["acc_pos"]
 
 
-def _take_row(tree, i):
-    return jax.tree.map(lambda a: a[i], tree)
-
-
 def _put_row(tree, i, row):
     return jax.tree.map(lambda a, r: a.at[i].set(r), tree, row)
 

@@ -105,14 +105,16 @@ def test_loop_limits_eos_and_batching(target):
 def test_refill_stream_equals_host_decoder(target, kind, mode, slots):
     """refill=True: every prompt through `slots` rows of one device program, a row taking the next prompt
     as soon as its request stops. Each result equals SpecDecoder.generate on its prompt alone (tokens,
-    accept lengths, per-position counts, steps), with requests that stop early (EOS) and at the length
-    limit, and more prompts than rows."""
+    accept lengths, per-position counts, steps) and the target's own greedy output, with requests that stop
+    early (EOS) and at the length limit, and more prompts than rows."""
     dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode)
     prompts = PROMPTS + [[2, 4], [0, 5, 5, 1], [3, 1]]  # more requests than rows, short ones among them
     got = SpecLoop(dec).generate(prompts, max_new_tokens=MAX_NEW, eos_token_ids=EOS, batch_size=slots, refill=True)
+    naive = generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_ids=EOS)  # the target's own greedy
     assert len(got) == len(prompts)
-    for row, prompt in zip(got, prompts):
+    for row, prompt, want in zip(got, prompts, naive):
         _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=EOS))
+        assert row.tokens == want  # lossless
     lengths = [len(row.tokens) for row in got]
     assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths  # rows stop at different steps
     assert sum(sum(row.accepted_per_position) for row in got) > 0

@@ -379,8 +379,9 @@ def _scan_unrolls(jaxpr):
 
 def test_unrolled_layer_scans_decode_the_same(target):
     """`scan.unrolled_layer_scans()` (the decoding experiment of decode_speed.md, run 5) traces every
-    layer scan of a cached decode fully unrolled, and the decode's logits, aux states and cache equal the
-    scanned decode's (fp32, 1e-6: the same ops in the same order, only the loop is gone)."""
+    layer scan of a cached decode fully unrolled; the unrolled decode's logits and final states equal the
+    uncached forward's (1e-5, as test_cached_decoding_equals_forward), and all its outputs and cache equal
+    the scanned decode's (fp32, 1e-6: the same ops in the same order, only the loop is gone)."""
     from specjax.targets.layers.scan import unrolled_layer_scans
 
     aux_ids = target.default_aux_layer_ids()
@@ -396,6 +397,9 @@ def test_unrolled_layer_scans_decode_the_same(target):
             return decode(*args), scans
 
     (ref, scans_ref), (got, scans_got) = run(False), run(True)
+    full = target(ids, aux_layer_ids=aux_ids)  # the uncached forward, traced outside the context
+    np.testing.assert_allclose(np.asarray(got[0]), full.logits, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(got[2]), full.final_hidden, rtol=RTOL, atol=ATOL)
     assert [n for n, _ in scans_got if n > 1], "the decode has no layer scan to unroll"
     assert all(u == 1 for n, u in scans_ref if n > 1)
     assert all(u == n for n, u in scans_got if n > 1), scans_got
