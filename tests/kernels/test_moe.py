@@ -222,7 +222,7 @@ def test_cpu_benchmark_case_matches_dense_loop(impl):
 
 def test_bench_layer_variants_compute_the_same_layer():
     """`python -m specjax_kernels.moe.bench --layer-variants` times alternatives for the layer's non-GEMM
-    parts (counts by compare-and-sum, rows gathered as uint32 pairs, combine by multiply + sum or by a
+    parts (counts by compare-and-sum, placement by a one-hot running count with no sort, rows gathered as uint32 pairs, combine by multiply + sum or by a
     scatter of the rows back). Each is checked against numpy written here: the stable argsort and the
     bincount exactly, the gathered rows bit for bit (bf16), and the combine against a float64 loop over
     tokens and choices within 1e-6 relative."""
@@ -234,6 +234,10 @@ def test_bench_layer_variants_compute_the_same_layer():
     order, sizes = jax.jit(bench._sort_compare_counts, static_argnums=1)(ids, 9)
     np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
     np.testing.assert_array_equal(sizes, np.bincount(ids.reshape(-1), minlength=9))
+    order1, sizes1, inverse1 = jax.jit(bench._sort_onehot, static_argnums=1)(ids, 9)
+    np.testing.assert_array_equal(order1, np.argsort(ids.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(sizes1, np.bincount(ids.reshape(-1), minlength=9))
+    np.testing.assert_array_equal(np.asarray(order1)[np.asarray(inverse1)], np.arange(600))
 
     x = jnp.asarray(rs.randn(300, 24), jnp.bfloat16)
     rows = order // 2
@@ -253,3 +257,29 @@ def test_bench_layer_variants_compute_the_same_layer():
     for fn in (bench._combine_mulsum, bench._combine_scatter):
         got = jax.jit(fn, static_argnums=3)(jnp.asarray(ys), order, jnp.asarray(w), jnp.float32)
         assert rel(got, want) <= 1e-6
+    got = jax.jit(bench._combine_inverse, static_argnums=3)(jnp.asarray(ys), inverse1, jnp.asarray(w), jnp.float32)
+    assert rel(got, want) <= 1e-6
+
+
+def test_gather_rows_moves_the_same_bits_and_has_the_take_gradient():
+    """`common.gather_rows` moves 16-bit rows as uint32 pairs (a custom VJP, since a bitcast has no
+    gradient): same bits as numpy indexing for bf16 and fp16, the plain path for fp32 and odd widths, and
+    the gradient of ``jnp.take`` (a scatter-add; repeated rows add up), exactly."""
+    from specjax_kernels.moe.common import gather_rows
+
+    rs = np.random.RandomState(5)
+    rows = jnp.asarray(rs.randint(0, 40, size=130), jnp.int32)
+    for dtype, width in ((jnp.bfloat16, 24), (jnp.float16, 24), (jnp.float32, 24), (jnp.bfloat16, 7)):
+        x = jnp.asarray(rs.randn(40, width), dtype)
+        got = jax.jit(gather_rows)(x, rows)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(x.astype(jnp.float32))[np.asarray(rows)])
+        ct = jnp.asarray(rs.randn(130, width), dtype)
+        grad = jax.grad(lambda x: jnp.sum((gather_rows(x, rows) * ct).astype(jnp.float32)))(x)
+        want = np.zeros((40, width))
+        np.add.at(want, np.asarray(rows), np.asarray(ct.astype(jnp.float32), np.float64))
+        tol = 1e-6 if dtype == jnp.float32 else 2e-2  # the cotangent sums in the input dtype, as jnp.take's does
+        np.testing.assert_allclose(np.asarray(grad.astype(jnp.float32)), want, rtol=tol, atol=tol)
+        ref = jax.grad(lambda x: jnp.sum((jnp.take(x, rows, axis=0) * ct).astype(jnp.float32)))(x)
+        np.testing.assert_array_equal(np.asarray(grad.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))

@@ -97,6 +97,22 @@ def _gmm_sweep(x, ids, gate_up, up, down, iters, budget_s, configs=SWEEP, only=N
                 print(f"ADOPTED for K={k} N={n}: {best[2]}", flush=True)
 
 
+def _sort_bincount(expert_ids_tk, n_experts: int):
+    """The layer's sort before 2026-12-04 (session 13): the packed-key sort with ``bincount`` for the sizes."""
+    flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
+    rows = flat.shape[0]
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    return jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32)) % rows, sizes
+
+
+def _combine_einsum(ys_sorted, order, weights_tk, dtype):
+    """The layer's combine before 2026-12-04 (session 13): inverse by a plain scatter, ``take``, an einsum."""
+    t, k = weights_tk.shape
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    ys = jnp.take(ys_sorted, inverse, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights_tk.astype(jnp.float32)).astype(dtype)
+
+
 def _sort_compare_counts(expert_ids_tk, n_experts: int):
     """``common.sort_by_expert`` with the group sizes counted by one [E, M] compare-and-sum (a fused
     reduction) in place of ``bincount`` (a scatter-add of M ones into E bins: atomics on 128 addresses)."""
@@ -104,6 +120,30 @@ def _sort_compare_counts(expert_ids_tk, n_experts: int):
     rows = flat.shape[0]
     sizes = jnp.sum(flat[None, :] == jnp.arange(n_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     return jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32)) % rows, sizes
+
+
+def _sort_onehot(expert_ids_tk, n_experts: int):
+    """(order, group_sizes, inverse) with no sort: each assignment's place in expert order is its expert's
+    offset plus its rank among that expert's assignments, the rank from a cumulative sum of the [M, E]
+    one-hot down the rows. ``inverse`` (assignment -> sorted row) comes out first; ``order`` is its
+    scatter. Same (stable) order as ``common.sort_by_expert``."""
+    flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
+    rows = flat.shape[0]
+    running = jnp.cumsum((flat[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32), axis=0)
+    sizes = running[-1]
+    offsets = jnp.cumsum(sizes) - sizes
+    inverse = offsets[flat] + jnp.take_along_axis(running, flat[:, None], axis=1)[:, 0] - 1
+    order = jnp.zeros_like(flat).at[inverse].set(jnp.arange(rows, dtype=jnp.int32), unique_indices=True,
+                                                  mode="promise_in_bounds")
+    return order, sizes, inverse
+
+
+def _combine_inverse(ys_sorted, inverse, weights_tk, dtype):
+    """``common.combine`` given the inverse permutation (``_sort_onehot`` has it): one gather of the
+    sorted rows back into assignment order, then multiply + reduce."""
+    t, k = weights_tk.shape
+    ys = ys_sorted.at[inverse].get(mode="promise_in_bounds").reshape(t, k, -1)
+    return jnp.sum(ys.astype(jnp.float32) * weights_tk.astype(jnp.float32)[..., None], axis=1).astype(dtype)
 
 
 def _combine_mulsum(ys_sorted, order, weights_tk, dtype):
@@ -149,17 +189,24 @@ def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
     print(f"layer variants through {'mgpu' if mgpu.available() is None else 'ragged_dot (no Hopper GPU)'}")
 
     def layer(counts, gather_mode, comb, fused):
-        sort = {"bincount": common.sort_by_expert, "compare": _sort_compare_counts}[counts]
-        combine = {"einsum": common.combine, "mulsum": _combine_mulsum, "scatter": _combine_scatter}[comb]
+        sort = {"bincount": _sort_bincount, "compare": _sort_compare_counts,
+                "onehot": lambda ids, e: _sort_onehot(ids, e)[:2]}[counts]
+        combine = {"einsum": _combine_einsum, "mulsum": _combine_mulsum, "scatter": _combine_scatter,
+                   "inverse": None}[comb]
 
         def fn(x, ids, w, gate, up, gate_up, down):
             act = jax.nn.silu
-            order, sizes = sort(ids, up.shape[0])
+            if comb == "inverse":  # the one-hot placement's inverse permutation, no scatter to rebuild it
+                order, sizes, inverse = _sort_onehot(ids, up.shape[0])
+                unsort = lambda ys, order, w, dtype: _combine_inverse(ys, inverse, w, dtype)  # noqa: E731
+            else:
+                order, sizes = sort(ids, up.shape[0])
+                unsort = combine
             xs = _gather_rows(x, order // ids.shape[1], gather_mode)
             proj = lambda wt: gmm(xs, wt, sizes)  # noqa: E731
             hh = (common.expert_hidden(proj, gate_up, down, None, act) if fused
                   else common.expert_hidden(proj, up, down, gate, act))
-            return combine(gmm(hh.astype(x.dtype), down, sizes), order, w, x.dtype)
+            return unsort(gmm(hh.astype(x.dtype), down, sizes), order, w, x.dtype)
         return jax.jit(fn)
 
     args = (x, ids, w, gate, up, gate_up, down)
@@ -168,7 +215,9 @@ def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
         for counts, gather_mode, comb in (("bincount", "fill", "einsum"), ("compare", "fill", "einsum"),
                                           ("bincount", "promise_in_bounds", "einsum"), ("bincount", "u32", "einsum"),
                                           ("bincount", "fill", "mulsum"), ("bincount", "fill", "scatter"),
-                                          ("compare", "u32", "mulsum"), ("compare", "u32", "scatter")):
+                                          ("compare", "u32", "mulsum"), ("compare", "u32", "scatter"),
+                                          ("onehot", "fill", "einsum"), ("onehot", "fill", "inverse"),
+                                          ("onehot", "u32", "inverse")):
             name = f"{'fused' if fused else 'separate'} counts={counts} gather={gather_mode} combine={comb}"
             variants[name] = layer(counts, gather_mode, comb, fused)
     first = None
@@ -198,9 +247,11 @@ def _breakdown(x, ids, w, gate_up, down, iters):
     _time(sort, x, ids, iters=iters, name="part: sort + gather")
     from specjax_kernels.moe.common import sort_by_expert
 
-    _time(jax.jit(lambda ids: sort_by_expert(ids, n_experts)), ids, iters=iters, name="part: sort + bincount")
+    _time(jax.jit(lambda ids: _sort_bincount(ids, n_experts)), ids, iters=iters, name="part: sort + bincount")
     _time(jax.jit(lambda ids: _sort_compare_counts(ids, n_experts)), ids, iters=iters,
           name="part: sort + compare counts")
+    _time(jax.jit(lambda ids: _sort_onehot(ids, n_experts)), ids, iters=iters,
+          name="part: one-hot placement (no sort) + counts + inverse")
     flat = ids.reshape(-1).astype(jnp.int32)
     _time(jax.jit(lambda f: jnp.bincount(f, length=n_experts)), flat, iters=iters, name="part: bincount alone")
     _time(jax.jit(lambda f: jnp.sort(f * f.shape[0] + jnp.arange(f.shape[0], dtype=jnp.int32))), flat,

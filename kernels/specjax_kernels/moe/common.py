@@ -47,25 +47,62 @@ def sort_by_expert(expert_ids_tk, n_experts: int):
 
     When expert * rows + row fits in int32 the sort is one sort of those packed keys: a one-operand
     integer sort, which XLA:GPU runs as a radix sort, where ``argsort`` sorts (key, index) pairs with
-    its generic comparison sort. Same order either way (the row breaks ties, as a stable sort)."""
+    its generic comparison sort. Same order either way (the row breaks ties, as a stable sort).
+    The sizes are one [E, M] compare-and-sum (a fused reduction) rather than ``bincount``, a scatter-add
+    of M ones into E bins (benchmarks/results/kernels.md, "MoE: the non-GEMM variants")."""
     flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
     rows = flat.shape[0]
-    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    group_sizes = jnp.sum(flat[None, :] == jnp.arange(n_experts, dtype=jnp.int32)[:, None], axis=1,
+                          dtype=jnp.int32)
     if n_experts * rows < 2**31:
         packed = jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32))
         return packed % rows, group_sizes
     return jnp.argsort(flat, stable=True), group_sizes
 
 
+def _gather_rows_u32(x, rows):
+    t, d = x.shape
+    pairs = jax.lax.bitcast_convert_type(x.reshape(t, d // 2, 2), jnp.uint32)
+    got = pairs.at[rows].get(mode="promise_in_bounds")
+    return jax.lax.bitcast_convert_type(got, x.dtype).reshape(rows.shape[0], d)
+
+
+@jax.custom_vjp
+def _gather_rows_paired(x, rows):
+    return _gather_rows_u32(x, rows)
+
+
+def _gather_rows_paired_fwd(x, rows):
+    return _gather_rows_u32(x, rows), (rows, x.shape[0])
+
+
+def _gather_rows_paired_bwd(res, ct):
+    rows, t = res
+    return jnp.zeros((t, ct.shape[1]), ct.dtype).at[rows].add(ct), None
+
+
+_gather_rows_paired.defvjp(_gather_rows_paired_fwd, _gather_rows_paired_bwd)
+
+
+def gather_rows(x_td, rows):
+    """``x_td[rows]`` for in-bounds ``rows``. 16-bit rows of even width move as uint32 pairs: the same bytes
+    in half as many elements, which XLA:GPU's gather copies faster (same bits out; the gradient is the
+    usual scatter-add)."""
+    if x_td.dtype.itemsize == 2 and x_td.shape[1] % 2 == 0:
+        return _gather_rows_paired(x_td, rows)
+    return x_td.at[rows].get(mode="promise_in_bounds")
+
+
 def combine(ys_sorted, order, weights_tk, dtype):
     """Undo the sort, weight each assignment and sum the k choices of every token (fp32 sum; fp64
-    when the outputs or weights are fp64)."""
+    when the outputs or weights are fp64). Multiply + sum rather than an einsum: one fused reduction
+    over the gathered rows (kernels.md, "MoE: the non-GEMM variants")."""
     t, k = weights_tk.shape
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    ys = jnp.take(ys_sorted, inverse, axis=0).reshape(t, k, -1)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                   unique_indices=True, mode="promise_in_bounds")
+    ys = ys_sorted.at[inverse].get(mode="promise_in_bounds").reshape(t, k, -1)
     acc = accum_dtype(ys, weights_tk)
-    out = jnp.einsum("tkd,tk->td", ys.astype(acc), weights_tk.astype(acc))
-    return out.astype(dtype)
+    return jnp.sum(ys.astype(acc) * weights_tk.astype(acc)[..., None], axis=1).astype(dtype)
 
 
 def is_fused_gate_up(up_edf, down_efd, gate_edf) -> bool:
@@ -94,7 +131,7 @@ def grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf,
     n_experts = up_edf.shape[0]
     order, group_sizes = sort_by_expert(expert_ids_tk, n_experts)
     k = expert_ids_tk.shape[1]
-    xs = jnp.take(x_td, order // k, axis=0)  # row r = the token of the r-th assignment in expert order
+    xs = gather_rows(x_td, order // k)  # row r = the token of the r-th assignment in expert order
     h = expert_hidden(lambda w: gmm(xs, w, group_sizes), up_edf, down_efd, gate_edf, act)
     ys = gmm(h.astype(x_td.dtype), down_efd, group_sizes)
     return combine(ys, order, weights_tk, x_td.dtype)
