@@ -221,22 +221,26 @@ def test_cpu_benchmark_case_matches_dense_loop(impl):
 
 
 def test_bench_layer_variants_compute_the_same_layer():
-    """`python -m specjax_kernels.moe.bench --layer-variants` times alternatives for the layer's non-GEMM
-    parts (counts by compare-and-sum, placement by a one-hot running count with no sort, rows gathered as uint32 pairs, combine by multiply + sum or by a
-    scatter of the rows back). Each is checked against numpy written here: the stable argsort and the
-    bincount exactly, the gathered rows bit for bit (bf16), and the combine against a float64 loop over
-    tokens and choices within 1e-6 relative."""
-    from specjax_kernels.moe import bench
+    """`python -m specjax_kernels.moe.bench --layer-variants` times the layer's non-GEMM parts
+    (`moe.common`: counts by compare-and-sum, rows as uint32 pairs, multiply + sum combine) against
+    alternatives (the old bincount sort and einsum combine, a sort-free one-hot placement, a scatter
+    combine). Each is checked against numpy written here: the stable argsort and the bincount exactly,
+    the gathered rows bit for bit (bf16), and the combine against a float64 loop over tokens and
+    choices within 1e-6 relative."""
+    from specjax_kernels.moe import bench, common
 
     rs = np.random.RandomState(3)
     ids = rs.randint(0, 8, size=(300, 2)).astype(np.int32)
     ids[:40] = 5  # one expert much larger than the others; expert 8 of 9 gets no row
-    order, sizes = jax.jit(bench._sort_compare_counts, static_argnums=1)(ids, 9)
+    order, sizes = jax.jit(common.sort_by_expert, static_argnums=1)(ids, 9)
     np.testing.assert_array_equal(order, np.argsort(ids.reshape(-1), kind="stable"))
     np.testing.assert_array_equal(sizes, np.bincount(ids.reshape(-1), minlength=9))
     order1, sizes1, inverse1 = jax.jit(bench._sort_onehot, static_argnums=1)(ids, 9)
     np.testing.assert_array_equal(order1, np.argsort(ids.reshape(-1), kind="stable"))
     np.testing.assert_array_equal(sizes1, np.bincount(ids.reshape(-1), minlength=9))
+    order0, sizes0 = jax.jit(bench._sort_bincount, static_argnums=1)(ids, 9)
+    np.testing.assert_array_equal(order0, np.argsort(ids.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(sizes0, np.bincount(ids.reshape(-1), minlength=9))
     np.testing.assert_array_equal(np.asarray(order1)[np.asarray(inverse1)], np.arange(600))
 
     x = jnp.asarray(rs.randn(300, 24), jnp.bfloat16)
@@ -254,7 +258,7 @@ def test_bench_layer_variants_compute_the_same_layer():
     for r in range(600):  # sorted row r is assignment order[r] = (token, choice)
         t, j = divmod(int(order_np[r]), 2)
         want[t] += float(w[t, j]) * ys[r].astype(np.float64)
-    for fn in (bench._combine_mulsum, bench._combine_scatter):
+    for fn in (common.combine, bench._combine_scatter, bench._combine_einsum):
         got = jax.jit(fn, static_argnums=3)(jnp.asarray(ys), order, jnp.asarray(w), jnp.float32)
         assert rel(got, want) <= 1e-6
     got = jax.jit(bench._combine_inverse, static_argnums=3)(jnp.asarray(ys), inverse1, jnp.asarray(w), jnp.float32)

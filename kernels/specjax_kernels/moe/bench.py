@@ -113,15 +113,6 @@ def _combine_einsum(ys_sorted, order, weights_tk, dtype):
     return jnp.einsum("tkd,tk->td", ys.astype(jnp.float32), weights_tk.astype(jnp.float32)).astype(dtype)
 
 
-def _sort_compare_counts(expert_ids_tk, n_experts: int):
-    """``common.sort_by_expert`` with the group sizes counted by one [E, M] compare-and-sum (a fused
-    reduction) in place of ``bincount`` (a scatter-add of M ones into E bins: atomics on 128 addresses)."""
-    flat = expert_ids_tk.reshape(-1).astype(jnp.int32)
-    rows = flat.shape[0]
-    sizes = jnp.sum(flat[None, :] == jnp.arange(n_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-    return jnp.sort(flat * rows + jnp.arange(rows, dtype=jnp.int32)) % rows, sizes
-
-
 def _sort_onehot(expert_ids_tk, n_experts: int):
     """(order, group_sizes, inverse) with no sort: each assignment's place in expert order is its expert's
     offset plus its rank among that expert's assignments, the rank from a cumulative sum of the [M, E]
@@ -146,16 +137,6 @@ def _combine_inverse(ys_sorted, inverse, weights_tk, dtype):
     return jnp.sum(ys.astype(jnp.float32) * weights_tk.astype(jnp.float32)[..., None], axis=1).astype(dtype)
 
 
-def _combine_mulsum(ys_sorted, order, weights_tk, dtype):
-    """``common.combine`` with an in-bounds gather and the weighted sum as multiply + reduce (one fused
-    reduction over the gathered rows) rather than an einsum."""
-    t, k = weights_tk.shape
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                   unique_indices=True, mode="promise_in_bounds")
-    ys = ys_sorted.at[inverse].get(mode="promise_in_bounds").reshape(t, k, -1)
-    return jnp.sum(ys.astype(jnp.float32) * weights_tk.astype(jnp.float32)[..., None], axis=1).astype(dtype)
-
-
 def _combine_scatter(ys_sorted, order, weights_tk, dtype):
     """``common.combine`` writing each sorted row back to its assignment's place (a scatter of unique rows,
     no inverse permutation), then multiply + reduce."""
@@ -167,13 +148,10 @@ def _combine_scatter(ys_sorted, order, weights_tk, dtype):
 
 def _gather_rows(x, rows, mode):
     """x[rows] by one of the gathers --layer-variants compares: jnp's ``fill`` / ``promise_in_bounds``
-    gathers of bf16 rows, or ``u32``: the rows seen as uint32 pairs (twice the bytes per element moved)."""
-    if mode != "u32":
-        return x.at[rows].get(mode=mode)
-    t, d = x.shape
-    pairs = jax.lax.bitcast_convert_type(x.reshape(t, d // 2, 2), jnp.uint32)
-    got = pairs.at[rows].get(mode="promise_in_bounds")
-    return jax.lax.bitcast_convert_type(got, x.dtype).reshape(rows.shape[0], d)
+    gathers of bf16 rows, or ``u32``: the layer's own ``common.gather_rows`` (rows as uint32 pairs)."""
+    from specjax_kernels.moe import common
+
+    return common.gather_rows(x, rows) if mode == "u32" else x.at[rows].get(mode=mode)
 
 
 def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
@@ -189,9 +167,9 @@ def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
     print(f"layer variants through {'mgpu' if mgpu.available() is None else 'ragged_dot (no Hopper GPU)'}")
 
     def layer(counts, gather_mode, comb, fused):
-        sort = {"bincount": _sort_bincount, "compare": _sort_compare_counts,
+        sort = {"bincount": _sort_bincount, "compare": common.sort_by_expert,
                 "onehot": lambda ids, e: _sort_onehot(ids, e)[:2]}[counts]
-        combine = {"einsum": _combine_einsum, "mulsum": _combine_mulsum, "scatter": _combine_scatter,
+        combine = {"einsum": _combine_einsum, "mulsum": common.combine, "scatter": _combine_scatter,
                    "inverse": None}[comb]
 
         def fn(x, ids, w, gate, up, gate_up, down):
@@ -248,7 +226,7 @@ def _breakdown(x, ids, w, gate_up, down, iters):
     from specjax_kernels.moe.common import sort_by_expert
 
     _time(jax.jit(lambda ids: _sort_bincount(ids, n_experts)), ids, iters=iters, name="part: sort + bincount")
-    _time(jax.jit(lambda ids: _sort_compare_counts(ids, n_experts)), ids, iters=iters,
+    _time(jax.jit(lambda ids: sort_by_expert(ids, n_experts)), ids, iters=iters,
           name="part: sort + compare counts")
     _time(jax.jit(lambda ids: _sort_onehot(ids, n_experts)), ids, iters=iters,
           name="part: one-hot placement (no sort) + counts + inverse")
