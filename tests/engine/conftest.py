@@ -12,6 +12,22 @@ def engine_workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_target(request, tmp_path_factory):
+    """The tier's Llama demo target (_engine_models.LLAMA_TARGET: 200 pretraining steps), built once
+    per run: test_vllm_equality.py and test_decode_eval_vllm.py both use it, and under xdist they
+    run on different workers, which share the run's base temp folder (a file lock; the second finds
+    the finished build, which ensure_demo_target reuses)."""
+    import filelock
+
+    import _engine_models as M
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if hasattr(request.config, "workerinput") else base
+    with filelock.FileLock(str(root / ".engine_llama_target.lock")):
+        return M.build_llama_target(root / "engine_llama_target")
+
+
+@pytest.fixture(scope="session")
 def demo_target_and_head(tmp_path_factory):
     """A tiny target vLLM's CPU backend can run, and an EAGLE-3 head trained on it for 10 steps
     (float32 export), shared by the specjax.bench engine tests."""
@@ -35,6 +51,20 @@ def demo_target_and_head(tmp_path_factory):
     head = out / "export"
     assert (head / "model.safetensors").is_file()
     return str(target), str(head)
+
+
+def pytest_sessionfinish(session):
+    # under xdist (.ci/run runs this tier with -n 2) the rows are filled in a worker: send them to
+    # the controller, which prints the table
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["engine_table"] = [dict(r, key=list(r["key"])) for r in TABLE]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for r in getattr(node, "workeroutput", {}).get("engine_table", []):
+        TABLE.append(dict(r, key=tuple(r["key"])))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

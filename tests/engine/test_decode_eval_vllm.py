@@ -11,7 +11,6 @@ from importlib import resources
 
 import pytest
 
-import _engine_models as M
 from _engine_harness import engine_marks, vllm_env, vllm_python
 
 pytestmark = engine_marks()
@@ -30,10 +29,10 @@ def _cfg(target, out, prompts, *extra):
         "decode_eval.max_new_tokens=24", "decode_eval.num_spec_tokens=3", *extra])
 
 
-def test_decode_eval_through_vllm_equals_the_jax_decoder(engine_workdir, tmp_path, monkeypatch):
+def test_decode_eval_through_vllm_equals_the_jax_decoder(llama_target, tmp_path, monkeypatch):
     from specjax.train.loop import train
 
-    target = M.build_llama_target(os.path.join(engine_workdir, "llama_target"))
+    target = llama_target  # the tier's Llama target (conftest.py)
     rows = [json.loads(x) for x in resources.files("specjax").joinpath("assets/demo_chat.jsonl")
             .read_text(encoding="utf-8").splitlines() if x.strip()][-3:]
     prompts = tmp_path / "held_out.jsonl"
@@ -49,7 +48,9 @@ def test_decode_eval_through_vllm_equals_the_jax_decoder(engine_workdir, tmp_pat
         monkeypatch.setenv(k, v)
     vllm_run = train(_cfg(target, tmp_path / "vllm", prompts, "decode_eval.backend=vllm",
                           f"decode_eval.vllm_python={vllm_python()}",
-                          'decode_eval.vllm_args=["--dtype", "float32", "--max-model-len", "512"]'))
+                          # --enforce-eager: no torch.compile at the server's start (15-44 s of CPU
+                          # here); the tier's other engines run eager too
+                          'decode_eval.vllm_args=["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]'))
 
     (step_j, by_j), = jax_run.decode_eval.items()
     (step_v, by_v), = vllm_run.decode_eval.items()

@@ -118,8 +118,7 @@ def _family(worker, name, target, heads, prompts, ks=KS) -> Family:
     return Family(name, target, heads, prompts, eos, job, tuple(ks))
 
 
-def _llama(worker, root) -> Family:
-    target = M.build_llama_target(os.path.join(root, "target"))
+def _llama(worker, root, target) -> Family:
     heads = {"eagle3": M.train_llama_head(target, os.path.join(root, "run_eagle3"), eagle31=False),
              "eagle3.1": M.train_llama_head(target, os.path.join(root, "run_eagle31"), eagle31=True),
              "eagle3-2layer": M.train_llama_head(target, os.path.join(root, "run_2layer"), eagle31=False,
@@ -183,7 +182,7 @@ class Tier:
 
 
 @pytest.fixture(scope="session")
-def tier(engine_workdir):
+def tier(engine_workdir, request):
     t0 = time.perf_counter()
     worker = VllmWorker(engine_workdir)  # imports vLLM while the first targets build
     parts: dict = {}
@@ -195,7 +194,10 @@ def tier(engine_workdir):
             parts[name] = e
 
     try:
-        build("llama", lambda: _llama(worker, os.path.join(engine_workdir, "llama")))
+        # conftest.py's llama_target (shared with test_decode_eval_vllm.py), asked for here so that
+        # vLLM's import above overlaps its build and a failed build fails only the Llama tests
+        build("llama", lambda: _llama(worker, os.path.join(engine_workdir, "llama"),
+                                      request.getfixturevalue("llama_target")))
         if isinstance(parts["llama"], Family):
             build("server", lambda: _server(parts["llama"], engine_workdir))
         for kind in ("qwen3", "qwen3_moe"):
