@@ -72,6 +72,15 @@ def _built_once(config, tmp_path_factory, name):
 
 
 @pytest.fixture(scope="session")
+def built_once(request, tmp_path_factory):
+    """`with built_once(name) as folder:` build a session asset that every xdist worker of this run
+    shares (`_built_once`): for conftest files below this one, which cannot import from it."""
+    import functools
+
+    return functools.partial(_built_once, request.config, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_target(request, tmp_path_factory):
     """A tiny Llama target + tokenizer built locally from the shipped demo data (a few seconds, ~13 s
     on the 2-core CI machine); built once per run and shared by the xdist workers."""

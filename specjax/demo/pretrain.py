@@ -13,7 +13,7 @@ from specjax.config import OptimConfig
 from specjax.demo.tasks import DEMO_DATA_PATH, EOT, IM_END, read_demo_conversations, render_chatml
 from specjax.demo.tokenizer import save_tokenizer_portable
 
-# Defaults sized so a 2-core CPU builds the target in about a minute (74 s): 200 steps x 8 x 256 tokens
+# Defaults sized so a 2-core CPU builds the target in one to two minutes: 200 steps x 8 x 256 tokens
 # (~1.5 passes over the data). More steps give a markedly sharper target (e.g. 400 steps: held-out
 # assistant-token accuracy 0.85 vs 0.72) at proportionally more build time.
 DEMO_TARGET_DEFAULTS = dict(

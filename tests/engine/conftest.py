@@ -12,19 +12,15 @@ def engine_workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def llama_target(request, tmp_path_factory):
+def llama_target(built_once):
     """The tier's Llama demo target (_engine_models.LLAMA_TARGET: 200 pretraining steps), built once
     per run: test_vllm_equality.py and test_decode_eval_vllm.py both use it, and under xdist they
-    run on different workers, which share the run's base temp folder (a file lock; the second finds
-    the finished build, which ensure_demo_target reuses)."""
-    import filelock
-
+    run on different workers (tests/conftest.py's `built_once`: a file lock in the run's base temp
+    folder; the second worker finds the finished build, which ensure_demo_target reuses)."""
     import _engine_models as M
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if hasattr(request.config, "workerinput") else base
-    with filelock.FileLock(str(root / ".engine_llama_target.lock")):
-        return M.build_llama_target(root / "engine_llama_target")
+    with built_once("engine_llama_target") as path:
+        return M.build_llama_target(path)
 
 
 @pytest.fixture(scope="session")
