@@ -353,20 +353,33 @@ def _greedy_step(params, cache, tok, pos, *, target_cls, config):
     return jnp.argmax(logits[0, 0]).astype(jnp.int32), cache
 
 
+def chain_chunk(last_tok, drafts_k, start):
+    """One row's chain verification input: tokens [K+1] (the newest token, then the drafts) and their
+    RoPE positions [K+1] from `start` (the newest token's slot)."""
+    chunk = jnp.concatenate([jnp.reshape(last_tok, (1,)), drafts_k])
+    return chunk, start + jnp.arange(chunk.shape[0], dtype=jnp.int32)
+
+
+def accept_chain(logits_tv, drafts_k, q_kvd, draft_ids, key, temperature, *, sample):
+    """One row's acceptance of a verified chain from the target's fp32 logits [K+1, V]: (accepted
+    count a, bonus, pending rows [1, K+1])."""
+    if sample:
+        p = jax.nn.softmax(logits_tv / temperature, axis=-1)
+        q = jnp.zeros((drafts_k.shape[0], p.shape[-1]), jnp.float32).at[:, draft_ids].set(q_kvd)
+        a, bonus = speculative_sample(p, q, drafts_k, key)
+    else:
+        a, bonus = greedy_accept(logits_tv, drafts_k)
+    return a, bonus, _pending(drafts_k, a, bonus)
+
+
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
 def _verify_chain(params, cache, last_tok, drafts, start, q_kvd, draft_ids, key, temperature, *,
                   target_cls, config, aux_ids, sample):
-    chunk = jnp.concatenate([jnp.reshape(last_tok, (1,)), drafts])[None]  # [1, K+1]
-    pos = start + jnp.arange(chunk.shape[1], dtype=jnp.int32)[None]
+    chunk, pos = chain_chunk(last_tok, drafts, start)
     logits, aux, _, cache = target_cls.decode_fn(
-        params, config, cache, chunk, pos, jnp.reshape(start, (1,)), aux_layer_ids=aux_ids)
-    if sample:
-        p = jax.nn.softmax(logits[0] / temperature, axis=-1)
-        q = jnp.zeros((drafts.shape[0], p.shape[-1]), jnp.float32).at[:, draft_ids].set(q_kvd)
-        a, bonus = speculative_sample(p, q, drafts, key)
-    else:
-        a, bonus = greedy_accept(logits[0], drafts)
-    return a, bonus, _pending(drafts, a, bonus), aux, cache
+        params, config, cache, chunk[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids)
+    a, bonus, pending = accept_chain(logits[0], drafts, q_kvd, draft_ids, key, temperature, sample=sample)
+    return a, bonus, pending, aux, cache
 
 
 def _pending(path_toks_k, a, bonus):
@@ -385,23 +398,26 @@ def tree_ancestor_mask(parent_chunk: jax.Array, depth: int) -> jax.Array:
     return mask
 
 
-@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth"), donate_argnames=("cache",))
-def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth):
+def tree_chunk(last_tok, node_toks, node_parents, start, depth: int):
+    """One row's tree verification input: tokens [T] (row 0 = the root, the newest token, then the
+    nodes), each row's parent row [T] (the root's is itself), RoPE positions [T] (start + depth) and
+    the ancestor mask [T, T]."""
     n = node_toks.shape[0]
-    toks = jnp.concatenate([jnp.reshape(last_tok, (1,)), node_toks])  # chunk row 0 = root
-    parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), node_parents + 1])  # root's parent: itself
+    toks = jnp.concatenate([jnp.reshape(last_tok, (1,)), node_toks])
+    parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), node_parents + 1])
     node_depth = jnp.zeros((n + 1,), jnp.int32)
     cur = jnp.arange(n + 1)
     for _ in range(depth):  # depth = number of steps to reach the root
         node_depth = node_depth + (cur != 0)
         cur = parent[cur]
-    mask = tree_ancestor_mask(parent, depth)
-    pos = (start + node_depth)[None]
-    logits, aux, _, cache = target_cls.decode_fn(
-        params, config, cache, toks[None], pos, jnp.reshape(start, (1,)), aux_layer_ids=aux_ids,
-        chunk_mask_btt=mask[None])
-    tgt = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
-    rows = jnp.arange(n + 1)
+    return toks, parent, start + node_depth, tree_ancestor_mask(parent, depth)
+
+
+def accept_tree(logits_tv, toks, parent, depth: int):
+    """One row's walk down a verified tree: (accepted count a, bonus, path [depth+1] of the accepted
+    chunk rows (0 past the end), pending rows [1, depth+1])."""
+    tgt = jnp.argmax(logits_tv, axis=-1).astype(jnp.int32)
+    rows = jnp.arange(toks.shape[0])
     cur, a, alive, path = jnp.int32(0), jnp.int32(0), jnp.bool_(True), [jnp.int32(0)]
     for _ in range(depth):  # walk down the tree while a child carries the target's argmax
         cand = (parent == cur) & (rows > 0) & (toks == tgt[cur])
@@ -411,13 +427,23 @@ def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, tar
         a = a + found.astype(jnp.int32)
         alive = found
         path.append(jnp.where(found, nxt, 0))
-    path = jnp.stack(path)  # [depth+1] chunk rows of the accepted path (0 past the end)
+    path = jnp.stack(path)
     bonus = tgt[cur]
+    return a, bonus, path, _pending(toks[path[1:]], a, bonus)
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth"), donate_argnames=("cache",))
+def _verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth):
+    toks, parent, pos, mask = tree_chunk(last_tok, node_toks, node_parents, start, depth)
+    logits, aux, _, cache = target_cls.decode_fn(
+        params, config, cache, toks[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids,
+        chunk_mask_btt=mask[None])
+    a, bonus, path, pending = accept_tree(logits[0], toks, parent, depth)
     # Move the accepted nodes' K/V to the slots of a linear sequence (start+i); other slots are stale
     # (targets.base.commit_tree_path; a recurrent target also re-labels its per-node states).
     cache = target_cls.commit_path_fn(cache, start, path, a)
     aux_path = tuple(jnp.take(x, path, axis=1) for x in aux)
-    return a, bonus, _pending(toks[path[1:]], a, bonus), aux_path, cache
+    return a, bonus, pending, aux_path, cache
 
 
 # =============================================================================================

@@ -1,13 +1,15 @@
-"""Speculative decoding as one device program: a whole generation inside one jitted `lax.while_loop`,
-each step a `jax.vmap` over the batch's rows of one row's draft + verify step.
+"""Speculative decoding as one device program: a whole generation inside one jitted `lax.while_loop`;
+each step drafts per row (`jax.vmap`), verifies every row's chunk in one batched target call, and
+accepts and emits per row.
 
 `SpecDecoder.generate` (spec_decode.py) drives each step from Python: one jitted draft call, one
 jitted verification, and one device -> host read of the accepted count per step. At batch 1 on a
 small target that host round trip costs more than the math (H200, SmolLM2-135M: 7.01 ms per
 speculative step against 2.95 ms per greedy token, benchmarks/results/smollm2_eagle3.md). Here the
-same step functions (`_draft_chain`, `_draft_parallel`, `_draft_block`, `_draft_tree`,
-`_verify_chain`, `_verify_tree`) run inside the loop body, so nothing returns to the host until the
-generation ends; the greedy side of a speedup is `generate._generate_batch`, the same kind of loop.
+same pieces (the drafters `_draft_chain`, `_draft_parallel`, `_draft_block`, `_draft_tree`; the
+verification's `chain_chunk` / `accept_chain` and `tree_chunk` / `accept_tree` around the target's
+`decode_fn`) run inside the loop body, so nothing returns to the host until the generation ends;
+the greedy side of a speedup is `generate._generate_batch`, the same kind of loop.
 
 One row's program, in order:
   prefill -> the first token (its EOS or a length of 1 ends the row);
@@ -21,11 +23,16 @@ PRNG keys are fold_in(root, 0) for the first token, 2*step for the draft and 2*s
 verification, as in SpecDecoder, so a row draws the same samples as `SpecDecoder.generate` with
 the same seed.
 
-Batching: the prefill and the step are `jax.vmap`ped over rows (params shared); the `while_loop`
-runs outside vmap until every row has stopped. A stopped row's tokens, counts and positions are held,
-so each row gets its own acceptance and its own stop; its caches are not held (they are never read
-again), which spares a select and a copy of every row's whole KV cache per iteration. The prompts
-share one static prompt bucket and cache length (the longest row's).
+Batching: the drafters, acceptance and emission are written for one row and `jax.vmap`ped over rows
+(their caches and states are small); the target is not. The prefill and every verification are one
+`decode_fn` call over all rows, with the target cache in the target's own batched layout: each row's
+chunk goes to its own slots, as in a batched greedy step. (Vmapping the target call per row, as this
+loop first did, turned every layer's cache write into a scatter over the whole batched cache and
+the row indexing into gathers: decode_speed.md, run 6.) The `while_loop` runs until every row has
+stopped, on one scalar predicate. A stopped row's tokens, counts and positions are held, so each
+row gets its own acceptance and its own stop; its caches are not held (they are never read again),
+which spares a select and a copy of every row's whole cache per iteration. The prompts share one
+static prompt bucket and cache length (the longest row's).
 
 Refill (`generate(..., refill=True)`, `_spec_stream`): every prompt in one program of `batch_size`
 rows. After each step, the rows whose request stopped write its results to that request's output row
@@ -45,8 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.eval.generate import _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, eos_array, prompt_bucket
+from specjax.eval.continuous import cache_batch_axes
 from specjax.eval.spec_decode import (SpecDecoder, SpecResult, _draft_block, _draft_chain, _draft_parallel, _draft_tree,
-                                      _prefill, _verify_chain, _verify_tree, init_draft_cache)
+                                      _sample_first, accept_chain, accept_tree, chain_chunk, init_draft_cache,
+                                      tree_chunk)
 from specjax.drafts import dflash
 from specjax.targets.layers.attention import cache_size_for
 
@@ -84,100 +93,159 @@ def _emit(new_k1, a, count, max_new, eos_e):
     return kept, s + 1, stop
 
 
-def _row_start(params, dp, embed, d2t, draft_ids, ids_p, length, root, temperature, eos_e, max_new, *, st: _Static):
-    """One prompt's prefill and the state before its first draft + verify step (vmapped over rows)."""
-    tkw = dict(target_cls=st.target_cls, config=st.config)
+def _row_init(ids_p, length, first, eos_e, *, st: _Static):
+    """One row's state before its first draft + verify step, after the prefill drew `first` (vmapped
+    over rows). The pending rows are the prompt's: tokens x_1..x_P (x_P = first)."""
     k = st.k
     ids = ids_p[None]
-    tcache = st.target_cls.init_cache_fn(st.config, 1, st.cache_len, embed.dtype)
-    first, aux, tcache = _prefill(params, tcache, ids, length, jax.random.fold_in(root, 0), temperature,
-                                  aux_ids=st.aux_ids, sample=st.sample, **tkw)
-    p = ids.shape[1]
-    col = jnp.arange(p, dtype=jnp.int32)[None]
+    col = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
     pend_tok = jnp.where(col < length - 1, jnp.roll(ids, -1, axis=1), 0)
     pend_tok = jnp.where(col == length - 1, first, pend_tok)
     dcache = (dflash.init_context_cache(st.dcfg, 1, cache_size_for(st.cache_len)) if st.block
               else init_draft_cache(st.dcfg, st.cache_len))
     first_eos = jnp.any(first == eos_e)
     out = jnp.zeros((st.n_out + k + 1,), jnp.int32).at[0].set(jnp.where(first_eos, 0, first))
-    state = dict(tcache=tcache, dcache=dcache, last=first, n=length + 1, dstart=jnp.int32(0),
-                 pend_count=length.astype(jnp.int32), step=jnp.int32(0), count=jnp.where(first_eos, 0, 1).astype(jnp.int32),
-                 stop=first_eos, out=out, acc_len=jnp.zeros((st.n_out + 1,), jnp.int32),
-                 acc_pos=jnp.zeros((k,), jnp.int32))
-    return state, pend_tok, aux
+    state = dict(dcache=dcache, last=first, n=length + 1, dstart=jnp.int32(0), pend_count=length.astype(jnp.int32),
+                 step=jnp.int32(0), count=jnp.where(first_eos, 0, 1).astype(jnp.int32), stop=first_eos, out=out,
+                 acc_len=jnp.zeros((st.n_out + 1,), jnp.int32), acc_pos=jnp.zeros((k,), jnp.int32))
+    return state, pend_tok
 
 
-def _row_step(params, dp, embed, d2t, draft_ids, root, temperature, eos_e, max_new, s, pend_tok, pend_aux, *,
-              st: _Static):
-    """One draft + verify step of one row (vmapped over rows)."""
-    tkw = dict(target_cls=st.target_cls, config=st.config)
-    k = st.k
-    stepno = s["step"] + 1
-    kd, kv = jax.random.fold_in(root, 2 * stepno), jax.random.fold_in(root, 2 * stepno + 1)
+def _per_row(aux):
+    """The target's aux states [B, T, D] as the rows' pending aux ([B] x [1, T, D], the shape the
+    vmapped drafters read)."""
+    return tuple(x[:, None] for x in aux)
+
+
+def _start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, *, st: _Static):
+    """The batch's prefill (one target call over every row's padded prompt) and each row's first token
+    and state. Returns the loop's carry: (row states, target cache, pending tokens, pending aux)."""
+    b, p = ids_bp.shape
+    tcache = st.target_cls.init_cache_fn(st.config, b, st.cache_len, embed.dtype)
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, aux, _, tcache = st.target_cls.decode_fn(params, st.config, tcache, ids_bp, pos, jnp.zeros((b,), jnp.int32),
+                                                     aux_layer_ids=st.aux_ids, logits_index=(lens_b - 1)[:, None])
+    keys = jax.vmap(lambda r: jax.random.fold_in(r, 0))(roots_b)
+    first = jax.vmap(lambda lg, key: _sample_first(lg, key, temperature, st.sample))(logits[:, 0], keys)
+    state, pend_tok = jax.vmap(functools.partial(_row_init, st=st), in_axes=(0, 0, 0, None))(ids_bp, lens_b, first,
+                                                                                              eos_e)
+    return state, tcache, pend_tok, _per_row(aux)
+
+
+def _row_draft(dp, embed, d2t, root, temperature, s, pend_tok, pend_aux, *, st: _Static):
+    """One row's proposal for its next step (vmapped over rows): ((drafts [K], q) for a chain, (nodes,
+    parents) for a tree) and the row's new draft cache."""
+    kd = jax.random.fold_in(root, 2 * (s["step"] + 1))
     if st.block:
         drafts, q, dcache = _draft_block(dp, embed, d2t, s["dcache"], pend_aux, s["pend_count"], s["dstart"],
-                                         s["last"], kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+                                         s["last"], kd, temperature, dcfg=st.dcfg, k=st.k, sample=st.sample)
     elif st.mode == "chain":
         propose = _draft_parallel if st.parallel else _draft_chain
         drafts, q, dcache = propose(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"], s["dstart"],
-                                    kd, temperature, dcfg=st.dcfg, k=k, sample=st.sample)
+                                    kd, temperature, dcfg=st.dcfg, k=st.k, sample=st.sample)
     else:
         nodes, parents, dcache = _draft_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
                                              s["dstart"], dcfg=st.dcfg, widths=st.widths, top_k=st.top_k)
-    if st.mode == "chain":
-        a, _, pend_dev, aux, tcache = _verify_chain(params, s["tcache"], s["last"], drafts, s["n"] - 1, q, draft_ids,
-                                                    kv, temperature, aux_ids=st.aux_ids, sample=st.sample, **tkw)
-    else:
-        a, _, pend_dev, aux, tcache = _verify_tree(params, s["tcache"], s["last"], nodes, parents, s["n"] - 1,
-                                                   aux_ids=st.aux_ids, depth=k, **tkw)
-    new = pend_dev[0]
+        return (nodes, parents), dcache
+    return (drafts, q), dcache
+
+
+def _commit_rows(st: _Static, tcache, start_b, path_b, a_b):
+    """Tree verification's commit for every row: the target's commit_path_fn (written for one row,
+    batch row 0) run per row along each cache leaf's own batch axis."""
+    axes = cache_batch_axes(st.target_cls, st.config, jnp.float32)
+
+    def one(cache, start, path, a):
+        cache = jax.tree.map(jnp.expand_dims, cache, axes)
+        cache = st.target_cls.commit_path_fn(cache, start, path, a)
+        return jax.tree.map(jnp.squeeze, cache, axes)
+
+    return jax.vmap(one, in_axes=(axes, 0, 0, 0), out_axes=axes)(tcache, start_b, path_b, a_b)
+
+
+def _row_emit(s, dcache, a, pend, max_new, eos_e, *, st: _Static):
+    """One row's state after its step accepted `a` drafts (vmapped over rows); `pend` [1, K+1] holds the
+    accepted tokens then the bonus."""
+    k = st.k
+    new = pend[0]
     kept, processed, stop = _emit(new, a, s["count"], max_new, eos_e)
     i = jnp.arange(k + 1, dtype=jnp.int32)
     out = s["out"].at[jnp.where(i < kept, s["count"] + i, st.n_out + k + 1)].set(new, mode="drop")
     acc_len = s["acc_len"].at[s["step"]].set(processed, mode="drop")
     acc_pos = s["acc_pos"] + (jnp.arange(k) < a).astype(jnp.int32)
-    nxt = dict(tcache=tcache, dcache=dcache, last=new[a], n=s["n"] + a + 1, dstart=s["n"] - 1,
-               pend_count=(a + 1).astype(jnp.int32), step=stepno, count=s["count"] + kept, stop=stop, out=out,
-               acc_len=acc_len, acc_pos=acc_pos)
-    return nxt, pend_dev, aux
+    return dict(dcache=dcache, last=new[a], n=s["n"] + a + 1, dstart=s["n"] - 1, pend_count=(a + 1).astype(jnp.int32),
+                step=s["step"] + 1, count=s["count"] + kept, stop=stop, out=out, acc_len=acc_len, acc_pos=acc_pos)
+
+
+def _step(shared, roots_b, temperature, eos_e, max_new, carry, *, st: _Static):
+    """One draft + verify step of every row: the drafts per row (vmapped), ONE target call that
+    verifies every row's chunk (the cache stays in the target's own batched layout, so its writes are
+    the same per-row slot writes as a batched greedy step's), then acceptance and emission per row."""
+    params, dp, embed, d2t, draft_ids = shared
+    s, tcache, pend_tok, pend_aux = carry
+    proposal, dcache = jax.vmap(functools.partial(_row_draft, st=st), in_axes=(None, None, None, 0, None, 0, 0, 0))(
+        dp, embed, d2t, roots_b, temperature, s, pend_tok, pend_aux)
+    start = s["n"] - 1
+    kv = jax.vmap(lambda r, i: jax.random.fold_in(r, 2 * i + 1))(roots_b, s["step"] + 1)
+    decode = functools.partial(st.target_cls.decode_fn, params, st.config, aux_layer_ids=st.aux_ids)
+    if st.mode == "chain":
+        drafts, q = proposal
+        chunk, pos = jax.vmap(chain_chunk)(s["last"], drafts, start)
+        logits, aux, _, tcache = decode(tcache, chunk, pos, start)
+        a, _, pend = jax.vmap(functools.partial(accept_chain, sample=st.sample), in_axes=(0, 0, 0, None, 0, None))(
+            logits, drafts, q, draft_ids, kv, temperature)
+    else:
+        nodes, parents = proposal
+        toks, parent, pos, mask = jax.vmap(functools.partial(tree_chunk, depth=st.k))(s["last"], nodes, parents, start)
+        logits, aux, _, tcache = decode(tcache, toks, pos, start, chunk_mask_btt=mask)
+        a, _, path, pend = jax.vmap(functools.partial(accept_tree, depth=st.k))(logits, toks, parent)
+        tcache = _commit_rows(st, tcache, start, path, a)
+        aux = tuple(jnp.take_along_axis(x, path[:, :, None], axis=1) for x in aux)
+    nxt = jax.vmap(functools.partial(_row_emit, st=st), in_axes=(0, 0, 0, 0, None, None))(s, dcache, a, pend, max_new,
+                                                                                        eos_e)
+    return nxt, tcache, pend, _per_row(aux)
 
 
 def _active(s, max_new):
     return ~s["stop"] & (s["count"] < max_new)
 
 
-# A stopped row's caches are never read again, so they take the step's writes instead of being held:
-# holding them would select (and copy) every row's whole KV cache on every iteration.
-_NOT_HELD = ("tcache", "dcache")
-
-
 def _hold_stopped(go, nxt, old):
-    """The batch's state after a step: rows with go[b] False keep their old state (all but caches)."""
+    """The batch's state after a step: rows with go[b] False keep their old state, all but their draft
+    cache. A stopped row's caches are never read again, so they take the step's writes instead of being
+    held: holding them would select (and copy) every row's whole cache on every iteration. (The target
+    cache is carried apart from the row states and is never held.)"""
     def pick(new, prev):
         return jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)), new, prev)
-    return {key: nxt[key] if key in _NOT_HELD else jax.tree.map(pick, nxt[key], old[key]) for key in nxt}
+    return {key: nxt[key] if key == "dcache" else jax.tree.map(pick, nxt[key], old[key]) for key in nxt}
+
+
+def _advance(shared, roots_b, temperature, eos_e, max_new, carry, *, st: _Static):
+    """A step of every row, with stopped rows' states held."""
+    nxt, tcache, pend_tok, pend_aux = _step(shared, roots_b, temperature, eos_e, max_new, carry, st=st)
+    return _hold_stopped(_active(carry[0], max_new), nxt, carry[0]), tcache, pend_tok, pend_aux
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temperature, eos_e, max_new, *, st):
     shared = (params, dp, embed, d2t, draft_ids)
-    start = jax.vmap(functools.partial(_row_start, st=st), in_axes=(None,) * 5 + (0, 0, 0) + (None,) * 3)
-    row_step = jax.vmap(functools.partial(_row_step, st=st), in_axes=(None,) * 5 + (0,) + (None,) * 3 + (0, 0, 0))
-
-    def advance(c):
-        s, pend_tok, pend_aux = c
-        nxt, pend_tok, pend_aux = row_step(*shared, roots_b, temperature, eos_e, max_new, s, pend_tok, pend_aux)
-        return _hold_stopped(_active(s, max_new), nxt, s), pend_tok, pend_aux
-
-    # the loop runs while any row is active, outside vmap, so its predicate is one scalar; the first
-    # step reads the prompt-shaped pending rows and is traced apart from the loop
-    carry = advance(start(*shared, ids_bp, lens_b, roots_b, temperature, eos_e, max_new))
-    state, _, _ = jax.lax.while_loop(lambda c: jnp.any(_active(c[0], max_new)), advance, carry)
+    advance = functools.partial(_advance, shared, roots_b, temperature, eos_e, max_new, st=st)
+    # the loop's predicate is one scalar (any row active); the first step reads the prompt-shaped
+    # pending rows and is traced apart from the loop
+    carry = advance(_start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, st=st))
+    state = jax.lax.while_loop(lambda c: jnp.any(_active(c[0], max_new)), advance, carry)[0]
     return state["out"][:, : st.n_out], state["count"], state["acc_len"][:, : st.n_out], state["step"], state["acc_pos"]
 
 
-def _put_row(tree, i, row):
-    return jax.tree.map(lambda a, r: a.at[i].set(r), tree, row)
+def _put_row(rows, r, one, cache_axes):
+    """Row r of the batch's carry replaced by the one-row carry `one` (row states and pending rows on
+    axis 0, the target cache along each leaf's batch axis)."""
+    s, tcache, pend_tok, pend_aux = rows
+    s1, tcache1, pend_tok1, pend_aux1 = one
+    put = lambda a, x: a.at[r].set(x[0])  # noqa: E731
+    tcache = jax.tree.map(lambda a, x, ax: jax.lax.dynamic_update_slice_in_dim(a, x, r, axis=ax), tcache, tcache1,
+                          cache_axes)
+    return (jax.tree.map(put, s, s1), tcache, put(pend_tok, pend_tok1), jax.tree.map(put, pend_aux, pend_aux1))
 
 
 @functools.partial(jax.jit, static_argnames=("st", "slots"))
@@ -189,24 +257,22 @@ def _spec_stream(params, dp, embed, d2t, draft_ids, ids_np, lens_n, roots_n, tem
     steps are `_spec_batch`'s, with its own caches and key: the results equal SpecDecoder's."""
     shared = (params, dp, embed, d2t, draft_ids)
     n = ids_np.shape[0]
-    start_one = functools.partial(_row_start, st=st)
-    step_one = functools.partial(_row_step, st=st)
-    row_step = jax.vmap(step_one, in_axes=(None,) * 5 + (0,) + (None,) * 3 + (0, 0, 0))
+    cache_axes = cache_batch_axes(st.target_cls, st.config, jnp.float32)
 
-    def first_step(q):
-        """Request q's prefill and first draft + verify step (one row)."""
-        s0, tok0, aux0 = start_one(*shared, ids_np[q], lens_n[q], roots_n[q], temperature, eos_e, max_new)
-        nxt = step_one(*shared, roots_n[q], temperature, eos_e, max_new, s0, tok0, aux0)
-        return _hold_stopped(_active(s0, max_new), nxt[0], s0), nxt[1], nxt[2]
+    def first_steps(ids, lens, roots):
+        """Prefill and first draft + verify step of requests (a batch of rows)."""
+        carry = _start(params, embed, ids, lens, roots, temperature, eos_e, st=st)
+        return _advance(shared, roots, temperature, eos_e, max_new, carry, st=st)
 
     # the slots start on the first `slots` requests, as a batch
-    first = jax.vmap(first_step)(jnp.arange(slots, dtype=jnp.int32))
+    first = first_steps(ids_np[:slots], lens_n[:slots], roots_n[:slots])
     outs = dict(out=jnp.zeros((n, st.n_out), jnp.int32), count=jnp.zeros((n,), jnp.int32),
                 acc_len=jnp.zeros((n, st.n_out), jnp.int32), step=jnp.zeros((n,), jnp.int32),
                 acc_pos=jnp.zeros((n, st.k), jnp.int32))
 
     def hand_back_and_refill(c):
-        (s, pend_tok, pend_aux), req, roots, nxt_req, outs = c
+        rows, req, roots, nxt_req, outs = c
+        s = rows[0]
         done = ~_active(s, max_new) & (req >= 0)
         at = jnp.where(done, req, n)  # n: out of range, dropped
         outs = dict(out=outs["out"].at[at].set(s["out"][:, : st.n_out], mode="drop"),
@@ -217,20 +283,19 @@ def _spec_stream(params, dp, embed, d2t, draft_ids, ids_np, lens_n, roots_n, tem
         req = jnp.where(done, -1, req)
 
         def refill(rc):
-            row, req, roots, q = rc
+            rows, req, roots, q = rc
             r = jnp.argmax(req < 0)
-            row = _put_row(row, r, first_step(q))
-            return row, req.at[r].set(q), roots.at[r].set(roots_n[q]), q + 1
+            one = first_steps(ids_np[q][None], lens_n[q][None], roots_n[q][None])
+            return _put_row(rows, r, one, cache_axes), req.at[r].set(q), roots.at[r].set(roots_n[q]), q + 1
 
-        row, req, roots, nxt_req = jax.lax.while_loop(lambda rc: jnp.any(rc[1] < 0) & (rc[3] < n), refill,
-                                                      ((s, pend_tok, pend_aux), req, roots, nxt_req))
-        return row, req, roots, nxt_req, outs
+        rows, req, roots, nxt_req = jax.lax.while_loop(lambda rc: jnp.any(rc[1] < 0) & (rc[3] < n), refill,
+                                                       (rows, req, roots, nxt_req))
+        return rows, req, roots, nxt_req, outs
 
     def advance(c):
-        (s, pend_tok, pend_aux), req, roots, nxt_req, outs = c
-        nxt, pend_tok, pend_aux = row_step(*shared, roots, temperature, eos_e, max_new, s, pend_tok, pend_aux)
-        return hand_back_and_refill(((_hold_stopped(_active(s, max_new), nxt, s), pend_tok, pend_aux),
-                                     req, roots, nxt_req, outs))
+        rows, req, roots, nxt_req, outs = c
+        rows = _advance(shared, roots, temperature, eos_e, max_new, rows, st=st)
+        return hand_back_and_refill((rows, req, roots, nxt_req, outs))
 
     carry = hand_back_and_refill((first, jnp.arange(slots, dtype=jnp.int32), roots_n[:slots], jnp.int32(slots), outs))
     # while any row holds a request: running, or stopped and not yet handed back (a request can stop

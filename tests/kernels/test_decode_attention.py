@@ -6,7 +6,7 @@ tree-masked chunks, rows with different live lengths (its `limit` cut at and ins
 bf16 to 2e-2; under vmap with the cache batched, shared, and with a batched layer index; `takes`
 sends a prefill chunk and the xla choice to the slice-the-layer path. Then a target's cached decode
 with `decode_attention_implementation="pallas_gpu"` equals its xla decode (logits 1e-5), and a
-batched SpecLoop (vmapped rows) produces the same tokens and accept counts."""
+batched SpecLoop (one target call verifying every row) produces the same tokens and accept counts."""
 import dataclasses
 
 import jax
