@@ -337,13 +337,16 @@ def _sample_first(logits_v, key, temperature, sample):
 
 
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
-def _prefill(params, cache, ids_bt, length, key, temperature, *, target_cls, config, aux_ids, sample):
-    t = ids_bt.shape[1]
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
+def _prefill(params, cache, ids_bt, lens_b, keys_b, temperature, *, target_cls, config, aux_ids, sample):
+    """Prefill of B padded prompts from slot 0 in one target call: (each row's first token [B], drawn
+    with its own key, aux [B,T,D], cache). SpecDecoder passes one row; SpecLoop a batch."""
+    b, t = ids_bt.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, aux, _, cache = target_cls.decode_fn(
-        params, config, cache, ids_bt, pos, jnp.zeros((1,), jnp.int32), aux_layer_ids=aux_ids,
-        logits_index=jnp.reshape(length - 1, (1, 1)))
-    return _sample_first(logits[0, 0], key, temperature, sample), aux, cache
+        params, config, cache, ids_bt, pos, jnp.zeros((b,), jnp.int32), aux_layer_ids=aux_ids,
+        logits_index=(lens_b - 1)[:, None])
+    first = jax.vmap(lambda lg, key: _sample_first(lg, key, temperature, sample))(logits[:, 0], keys_b)
+    return first, aux, cache
 
 
 @functools.partial(jax.jit, static_argnames=("target_cls", "config"), donate_argnames=("cache",))
@@ -556,9 +559,10 @@ class SpecDecoder:
         steps = 0
         if max_new_tokens > 0:
             cache = self.target.init_cache(1, max_len)
-            tok, _, cache = _prefill(self.target.params, cache, ids, jnp.int32(len(prompt)), jax.random.PRNGKey(0),
-                                     jnp.float32(1.0), aux_ids=(), sample=False, **self._tkw())
-            tok = int(tok)
+            tok, _, cache = _prefill(self.target.params, cache, ids, jnp.asarray([len(prompt)], jnp.int32),
+                                     jax.random.PRNGKey(0)[None], jnp.float32(1.0), aux_ids=(), sample=False,
+                                     **self._tkw())
+            tok = int(tok[0])
             while True:
                 if tok in eos:
                     break
@@ -597,9 +601,10 @@ class SpecDecoder:
 
         tt = time.perf_counter()
         tcache = self.target.init_cache(1, max_len)
-        first, aux, tcache = _prefill(params, tcache, ids, jnp.int32(len(prompt)), jax.random.fold_in(root, 0), temp,
-                                      aux_ids=self.aux_ids, sample=sample, **self._tkw())
-        first = int(first)
+        first, aux, tcache = _prefill(params, tcache, ids, jnp.asarray([len(prompt)], jnp.int32),
+                                      jax.random.fold_in(root, 0)[None], temp, aux_ids=self.aux_ids, sample=sample,
+                                      **self._tkw())
+        first = int(first[0])
         res.target_time_s += time.perf_counter() - tt
         if first in eos:
             res.wall_s = time.perf_counter() - t0

@@ -27,8 +27,8 @@ Batching: the drafters, acceptance and emission are written for one row and `jax
 (their caches and states are small); the target is not. The prefill and every verification are one
 `decode_fn` call over all rows, with the target cache in the target's own batched layout: each row's
 chunk goes to its own slots, as in a batched greedy step. (Vmapping the target call per row, as this
-loop first did, turned every layer's cache write into a scatter over the whole batched cache and
-the row indexing into gathers: decode_speed.md, run 6.) The `while_loop` runs until every row has
+loop first did, also copied each layer's whole cache for all rows in the compiled program:
+decode_speed.md, "Changed since run 6".) The `while_loop` runs until every row has
 stopped, on one scalar predicate. A stopped row's tokens, counts and positions are held, so each
 row gets its own acceptance and its own stop; its caches are not held (they are never read again),
 which spares a select and a copy of every row's whole cache per iteration. The prompts share one
@@ -52,9 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.eval.generate import _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, eos_array, prompt_bucket
-from specjax.eval.continuous import cache_batch_axes
+from specjax.eval.continuous import _scatter_rows, cache_batch_axes
 from specjax.eval.spec_decode import (SpecDecoder, SpecResult, _draft_block, _draft_chain, _draft_parallel, _draft_tree,
-                                      _sample_first, accept_chain, accept_tree, chain_chunk, init_draft_cache,
+                                      _prefill, accept_chain, accept_tree, chain_chunk, init_draft_cache,
                                       tree_chunk)
 from specjax.drafts import dflash
 from specjax.targets.layers.attention import cache_size_for
@@ -120,13 +120,10 @@ def _per_row(aux):
 def _start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, *, st: _Static):
     """The batch's prefill (one target call over every row's padded prompt) and each row's first token
     and state. Returns the loop's carry: (row states, target cache, pending tokens, pending aux)."""
-    b, p = ids_bp.shape
-    tcache = st.target_cls.init_cache_fn(st.config, b, st.cache_len, embed.dtype)
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, aux, _, tcache = st.target_cls.decode_fn(params, st.config, tcache, ids_bp, pos, jnp.zeros((b,), jnp.int32),
-                                                     aux_layer_ids=st.aux_ids, logits_index=(lens_b - 1)[:, None])
+    tcache = st.target_cls.init_cache_fn(st.config, ids_bp.shape[0], st.cache_len, embed.dtype)
     keys = jax.vmap(lambda r: jax.random.fold_in(r, 0))(roots_b)
-    first = jax.vmap(lambda lg, key: _sample_first(lg, key, temperature, st.sample))(logits[:, 0], keys)
+    first, aux, tcache = _prefill(params, tcache, ids_bp, lens_b, keys, temperature, target_cls=st.target_cls,
+                                  config=st.config, aux_ids=st.aux_ids, sample=st.sample)
     state, pend_tok = jax.vmap(functools.partial(_row_init, st=st), in_axes=(0, 0, 0, None))(ids_bp, lens_b, first,
                                                                                               eos_e)
     return state, tcache, pend_tok, _per_row(aux)
@@ -239,12 +236,12 @@ def _spec_batch(params, dp, embed, d2t, draft_ids, ids_bp, lens_b, roots_b, temp
 
 def _put_row(rows, r, one, cache_axes):
     """Row r of the batch's carry replaced by the one-row carry `one` (row states and pending rows on
-    axis 0, the target cache along each leaf's batch axis)."""
+    axis 0, the target cache along each leaf's batch axis, every slot)."""
     s, tcache, pend_tok, pend_aux = rows
     s1, tcache1, pend_tok1, pend_aux1 = one
     put = lambda a, x: a.at[r].set(x[0])  # noqa: E731
-    tcache = jax.tree.map(lambda a, x, ax: jax.lax.dynamic_update_slice_in_dim(a, x, r, axis=ax), tcache, tcache1,
-                          cache_axes)
+    whole_rows = jax.tree.map(lambda _: -1, cache_axes)
+    tcache = _scatter_rows(tcache, tcache1, jnp.reshape(r, (1,)), cache_axes, whole_rows)
     return (jax.tree.map(put, s, s1), tcache, put(pend_tok, pend_tok1), jax.tree.map(put, pend_aux, pend_aux1))
 
 
