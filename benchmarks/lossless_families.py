@@ -5,7 +5,14 @@ wrong draft whose position moves every step, so every rollback position is exerc
 and tree mode (K = 3). A turn matches when the speculative output equals the target's greedy output
 (`specjax.eval.generate`) token for token.
 
-    python benchmarks/lossless_families.py [--prompts 20] [--max-new-tokens 12] [--out results.json]
+The device loop (`specjax.eval.spec_loop.SpecLoop`, what decode_speed.py times) is counted apart, on
+the same families rebuilt with a `--loop-vocab`-token vocabulary (default 6) and a random head over all
+of it, so that its random drafts are accepted at every position (accepted_per_position says how often):
+batches of `--loop-batch` ragged prompts in chain and tree mode, and the refill stream (`refill=True`,
+`--loop-batch` rows for all prompts) in chain mode.
+
+    python benchmarks/lossless_families.py [--prompts 20] [--max-new-tokens 12] [--loop-vocab 6]
+        [--loop-batch 4] [--out results.json]
 
 The targets and the near-oracle decoders are the test suite's (tests/parity/test_decoding_families.py,
 tests/parity/test_decoding_nemotron_h.py, tests/eval/_models.py), so this counts over many prompts what
@@ -27,24 +34,67 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "parity"), os.path.join(ROOT, 
                 os.path.join(ROOT, "kernels")]
 
 
-def _targets(tmp: str):
+def _targets(tmp: str, vocab: int | None = None):
     import test_decoding_families as fam
     import test_decoding_nemotron_h as nemo
     from _models import VOCAB, build_target
 
     from specjax.targets import load_target
 
+    assert VOCAB == fam.VOCAB == nemo.VOCAB
+    v = vocab or fam.VOCAB
     out = {}
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        path = build_target(pathlib.Path(tmp), arch, tied=False, vocab_size=fam.VOCAB)
+        path = build_target(pathlib.Path(tmp), arch, tied=False, vocab_size=v)
         out[arch] = load_target(path, dtype="float32")
     for name in fam.FAMILIES:
-        t = fam.build(name)
+        t = fam.build(name, vocab=v)
         out[t.config.architecture] = t
-    t = nemo.build()
+    t = nemo.build(vocab=v)
     out[t.config.architecture] = t
-    assert VOCAB == fam.VOCAB == nemo.VOCAB
     return out, fam
+
+
+def _loop_rows(a, prompt_rng) -> list[dict]:
+    """The device loop's rows: every family at a --loop-vocab vocabulary, a random head drafting over
+    all of it, chain and tree in batches of --loop-batch, and the chain refill stream."""
+    import jax
+
+    from specjax.drafts.eagle3 import config_from_target, init_draft_params
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import Draft, SpecDecoder
+    from specjax.eval.spec_loop import SpecLoop
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        targets, _ = _targets(tmp, vocab=a.loop_vocab)
+        for arch, target in targets.items():
+            v = int(target.config.vocab_size)
+            prompts = [prompt_rng.integers(0, v, size=int(prompt_rng.integers(3, 20))).tolist()
+                       for _ in range(a.prompts)]
+            refs = generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=len(prompts))
+            # each family compiles its own loops: drop the last family's executables first (one process
+            # holding every family's compiled loops runs out of memory maps for LLVM's JIT code)
+            jax.clear_caches()
+            dcfg = config_from_target(target.config, draft_vocab_size=v, aux_layer_ids=target.default_aux_layer_ids())
+            draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.identity(v))
+            for mode, refill in (("chain", False), ("tree", False), ("chain", True)):
+                t0 = time.time()
+                dec = SpecDecoder(target, draft, num_spec_tokens=a.k, mode=mode, tree_top_k=2)
+                got = SpecLoop(dec).generate(prompts, max_new_tokens=a.max_new_tokens, batch_size=a.loop_batch,
+                                             refill=refill)
+                matched = sum(r.tokens == ref for r, ref in zip(got, refs))
+                steps = sum(r.num_steps for r in got)
+                per_pos = [sum(r.accepted_per_position[i] for r in got) for i in range(a.k)]
+                row = {"architecture": arch, "head": f"random, vocab {v}", "mode": mode,
+                       "decoder": f"SpecLoop, {'refill' if refill else 'batches'} of {a.loop_batch}",
+                       "turns": len(prompts), "matched": matched, "tau": 1 + sum(per_pos) / max(steps, 1),
+                       "accepted_per_position": per_pos, "wall_s": round(time.time() - t0, 1)}
+                rows.append(row)
+                print(f"{arch:26s} loop {mode:5s} {'refill ' if refill else 'batched'} matched {matched}/{len(prompts)}"
+                      f"  tau {row['tau']:.2f}  accepted per position {per_pos}", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -52,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--loop-vocab", type=int, default=6, help="vocabulary of the device loop's targets")
+    ap.add_argument("--loop-batch", type=int, default=4, help="rows of the device loop's batches")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -70,6 +122,7 @@ def main(argv=None) -> int:
             prompts = [rng.integers(0, vocab, size=int(rng.integers(3, 20))).tolist() for _ in range(a.prompts)]
             # greedy references long enough for the near-oracle to look K tokens ahead
             refs = generate(target, prompts, max_new_tokens=a.max_new_tokens + a.k + 1, batch_size=len(prompts))
+            jax.clear_caches()  # as in _loop_rows
             draft = fam.random_draft(target)
             for head in ("random", "near-oracle"):
                 for mode in ("chain", "tree"):
@@ -86,11 +139,13 @@ def main(argv=None) -> int:
                         matched += res.tokens == ref[: a.max_new_tokens]
                         accepted += sum(res.accepted_per_position)
                         steps += res.num_steps
-                    row = {"architecture": arch, "head": head, "mode": mode, "turns": len(prompts), "matched": matched,
+                    row = {"architecture": arch, "head": head, "mode": mode, "decoder": "SpecDecoder",
+                           "turns": len(prompts), "matched": matched,
                            "tau": 1 + accepted / max(steps, 1), "wall_s": round(time.time() - t0, 1)}
                     rows.append(row)
                     print(f"{arch:26s} {head:11s} {mode:5s} matched {matched}/{len(prompts)}  tau {row['tau']:.2f}",
                           flush=True)
+    rows += _loop_rows(a, rng)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "jax": jax.__version__, "backend": jax.default_backend()},
