@@ -141,10 +141,8 @@ def _run(a) -> int:
 
     jnp_dtype = jnp.dtype
 
-    from specjax.drafts.eagle3 import config_from_target, init_draft_params
-    from specjax.drafts.vocab import DraftVocab
     from specjax.eval.generate import generate
-    from specjax.eval.spec_decode import Draft, SpecDecoder, load_draft
+    from specjax.eval.spec_decode import SpecDecoder, load_draft, random_draft
     from specjax.eval.spec_loop import SpecLoop
     from specjax.targets import load_target
 
@@ -169,9 +167,7 @@ def _run(a) -> int:
     if a.draft:
         draft = load_draft(a.draft)
     else:
-        v = target.config.vocab_size
-        dcfg = config_from_target(target.config, draft_vocab_size=v, aux_layer_ids=target.default_aux_layer_ids())
-        draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.identity(v))
+        draft = random_draft(target)
     precision = None if a.matmul_precision == "default" else a.matmul_precision
     dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision)
     loop = SpecLoop(dec)

@@ -25,19 +25,14 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
     import pathlib
 
-    import jax
-
     from eval._models import build_target  # the test suite's tiny-target builder (tests/ on PYTHONPATH)
-    from specjax.drafts.eagle3 import config_from_target, init_draft_params
-    from specjax.drafts.vocab import DraftVocab
-    from specjax.eval.spec_decode import Draft, SpecDecoder
+    from specjax.eval.spec_decode import SpecDecoder, random_draft
     from specjax.eval.spec_loop import SpecLoop
     from specjax.targets.loading import load_target
 
     target = load_target(build_target(pathlib.Path(tempfile.mkdtemp()), "LlamaForCausalLM", False, seed=1,
                                       vocab_size=64), dtype="float32")
-    cfg = config_from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.default_aux_layer_ids())
-    draft = Draft(init_draft_params(cfg, jax.random.key(0)), cfg, DraftVocab.identity(64))
+    draft = random_draft(target)
     prompts = [list(range(1, 9 + i)) for i in range(a.batch)]
     SpecLoop(SpecDecoder(target, draft, num_spec_tokens=5)).generate(prompts, max_new_tokens=32)
     found = sorted(glob.glob(f"{dump}/*jit__spec_batch*after_optimizations.txt"))

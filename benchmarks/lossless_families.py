@@ -60,10 +60,8 @@ def _loop_rows(a, prompt_rng) -> list[dict]:
     all of it, chain and tree in batches of --loop-batch, and the chain refill stream."""
     import jax
 
-    from specjax.drafts.eagle3 import config_from_target, init_draft_params
-    from specjax.drafts.vocab import DraftVocab
     from specjax.eval.generate import generate
-    from specjax.eval.spec_decode import Draft, SpecDecoder
+    from specjax.eval.spec_decode import SpecDecoder, random_draft
     from specjax.eval.spec_loop import SpecLoop
 
     rows = []
@@ -74,11 +72,10 @@ def _loop_rows(a, prompt_rng) -> list[dict]:
             prompts = [prompt_rng.integers(0, v, size=int(prompt_rng.integers(3, 20))).tolist()
                        for _ in range(a.prompts)]
             refs = generate(target, prompts, max_new_tokens=a.max_new_tokens, batch_size=len(prompts))
-            # each family compiles its own loops: drop the last family's executables first (one process
-            # holding every family's compiled loops runs out of memory maps for LLVM's JIT code)
+            # each family compiles its own loops: drop the earlier families' executables first (with all of
+            # them held, the last family's compile failed with LLVM "Cannot allocate memory")
             jax.clear_caches()
-            dcfg = config_from_target(target.config, draft_vocab_size=v, aux_layer_ids=target.default_aux_layer_ids())
-            draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.identity(v))
+            draft = random_draft(target)
             for mode, refill in (("chain", False), ("tree", False), ("chain", True)):
                 t0 = time.time()
                 dec = SpecDecoder(target, draft, num_spec_tokens=a.k, mode=mode, tree_top_k=2)

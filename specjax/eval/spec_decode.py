@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafts import dflash
-from specjax.drafts.eagle3 import (Eagle3Config, attention_qkv, draft_logits, layer_output, mask_hidden_projected,
-                                   next_step_hidden, project_aux)
+from specjax.drafts.eagle3 import (Eagle3Config, attention_qkv, config_from_target, draft_logits, init_draft_params,
+                                   layer_output, mask_hidden_projected, next_step_hidden, project_aux)
 from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import check_sampling, prompt_bucket
 from specjax.targets.base import validate_aux_layer_ids
@@ -81,6 +81,14 @@ def load_draft(draft_dir: str) -> Draft:
     head = read_dflash_head(draft_dir) if is_dflash_folder(draft_dir) else read_head(draft_dir)
     params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), head.params)
     return Draft(params=params, config=head.config, vocab=head.vocab)
+
+
+def random_draft(target, seed: int = 0) -> Draft:
+    """An untrained EAGLE-3 head (random init) drafting over the target's whole vocabulary, at the
+    target's default aux taps: what the decoding benchmarks time or check without a trained head."""
+    v = int(target.config.vocab_size)
+    cfg = config_from_target(target.config, draft_vocab_size=v, aux_layer_ids=target.default_aux_layer_ids())
+    return Draft(init_draft_params(cfg, jax.random.key(seed)), cfg, DraftVocab.identity(v))
 
 
 @dataclasses.dataclass
