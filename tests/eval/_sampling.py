@@ -10,9 +10,7 @@ target and 3 of the 4 families in test_decoding_families.py fail at N = 2000."""
 import jax
 import numpy as np
 
-from specjax.drafts.eagle3 import config_from_target, init_draft_params
-from specjax.drafts.vocab import DraftVocab
-from specjax.eval.spec_decode import Draft, SpecDecoder
+from specjax.eval.spec_decode import SpecDecoder, random_draft
 from specjax.eval.spec_loop import SpecLoop
 
 
@@ -24,10 +22,9 @@ def assert_second_token_follows_target(target, logits_fn, *, n=2000, temp=2.0, p
     """`logits_fn(seqs)`: uncached fp32 logits [len(seqs), T, V] of equal-length token lists."""
     prompt = list(prompt)
     V = target.config.vocab_size
-    dcfg = config_from_target(target.config, draft_vocab_size=V, aux_layer_ids=target.default_aux_layer_ids())
-    params = init_draft_params(dcfg, jax.random.key(1))
-    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 10.0  # peaked, and it disagrees with p
-    dec = SpecDecoder(target, Draft(params, dcfg, DraftVocab.identity(V)), num_spec_tokens=2)
+    draft = random_draft(target, seed=1)
+    draft.params["lm_head"]["kernel"] = draft.params["lm_head"]["kernel"] * 10.0  # peaked, and it disagrees with p
+    dec = SpecDecoder(target, draft, num_spec_tokens=2)
     p1 = np.asarray(jax.nn.softmax(np.asarray(logits_fn([prompt + [0]]))[0, len(prompt) - 1] / temp))
     nxt = np.asarray(logits_fn([prompt + [t] for t in range(V)]))[:, len(prompt)]
     marginal = p1 @ np.asarray(jax.nn.softmax(nxt / temp, axis=-1))
