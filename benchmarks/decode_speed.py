@@ -4,6 +4,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
         [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--refill] [--unroll-layers]
+        [--turns 2]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -11,12 +12,18 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
         decoder blocks at full width, see `cut_depth`, and the result's "target" says which)
 
 Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
-batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of draft +
-verify steps per row, vmapped over the batch). The prompts are the first user turns of the set,
+batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of steps: the
+drafts per row, vmapped, then one target call verifying every row). The prompts are the first user turns of the set,
 chat-templated; every batch is timed `--repeats` times after one untimed call (the compile), and
 tok/s is new tokens / wall time of the whole batch (host included). Both arms share the prompts,
 the target, dtype and matmul precision. The speculative arm's tokens are compared with the greedy
 arm's per row: in fp32 under `highest` they must be equal; in bf16 near-ties may flip (counted).
+
+--turns 2 also times each prompt's second turn (MT-bench has two), as `specjax.eval` measures τ: the
+conversation so far (first turn, the greedy arm's answer, second turn) is the prompt of both arms, so
+both decode the same tokens. Each batch size then has a row per turn and a row for both ("1+2": tokens
+over the summed walls). A generation's τ grows with its context (decode_speed.md, run 7), so the
+first turns alone are the hardest case.
 """
 from __future__ import annotations
 
@@ -35,7 +42,9 @@ from _results import write_results  # noqa: E402
 from trace_ops import format_summary, summarize  # noqa: E402
 
 
-def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], tuple[int, ...]]:
+def _prompts(target_dir: str, name: str, limit: int):
+    """First turns' prompt ids, the EOS ids, and `second_turns(answers)`: each prompt's second-turn ids
+    after its first turn answered with `answers[i]` (token ids)."""
     from transformers import AutoTokenizer
 
     from specjax.data.chat import resolve_chat_template
@@ -44,9 +53,19 @@ def _prompts(target_dir: str, name: str, limit: int) -> tuple[list[list[int]], t
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     template = resolve_chat_template(tok, None)
-    ids = [render_prompt(tok, template, [{"role": "user", "content": p.turns[0]}])
-           for p in load_eval_prompts(name, limit=limit)]
-    return ids, eos_token_ids(target_dir, tok)
+    evals = load_eval_prompts(name, limit=limit)
+    ids = [render_prompt(tok, template, [{"role": "user", "content": p.turns[0]}]) for p in evals]
+
+    def second_turns(answers):
+        one = [p.id for p in evals[: len(answers)] if len(p.turns) < 2]
+        if one:
+            raise SystemExit(f"--turns 2: {name} prompts {one[:5]} have one turn; use a two-turn set (mtbench)")
+        return [render_prompt(tok, template, [{"role": "user", "content": p.turns[0]},
+                                              {"role": "assistant", "content": tok.decode(ans, skip_special_tokens=True)},
+                                              {"role": "user", "content": p.turns[1]}])
+                for p, ans in zip(evals, answers)]
+
+    return ids, eos_token_ids(target_dir, tok), second_turns
 
 
 def cut_depth(hf: dict, n: int) -> tuple[dict, dict]:
@@ -82,6 +101,27 @@ def cut_depth(hf: dict, n: int) -> tuple[dict, dict]:
         out["mlp_only_layers"] = [keep.index(i) for i in hf["mlp_only_layers"] if i in keep]
     return out, {"num_hidden_layers": n, "of": total, "kept_layers": keep,
                  "blocks": out[pattern_key] if pattern_key else None}
+
+
+def _rates(row: dict) -> dict:
+    """The row's tok/s (median over repeats), speedup and τ, from its tokens, walls, steps and accepts."""
+    g_rate = [row["greedy_tokens"] / w for w in row["greedy_walls_s"]]
+    s_rate = [row["spec_tokens"] / w for w in row["spec_walls_s"]]
+    row.update(greedy_tok_s=statistics.median(g_rate), spec_tok_s=statistics.median(s_rate),
+               speedup=statistics.median(s_rate) / statistics.median(g_rate),
+               tau=1.0 + sum(row["accepted_per_position"]) / max(row["spec_steps"], 1))
+    return row
+
+
+def _both(r1: dict, r2: dict) -> dict:
+    """Both turns as one row: tokens, steps and accepts add up; repeat i's wall is the sum of both
+    turns' repeat i."""
+    add = lambda key: [x + y for x, y in zip(r1[key], r2[key])]  # noqa: E731
+    row = {"greedy_tokens": r1["greedy_tokens"] + r2["greedy_tokens"], "spec_tokens": r1["spec_tokens"] + r2["spec_tokens"],
+           "greedy_walls_s": add("greedy_walls_s"), "spec_walls_s": add("spec_walls_s"),
+           "spec_steps": r1["spec_steps"] + r2["spec_steps"], "accepted_per_position": add("accepted_per_position"),
+           "rows_equal_greedy": r1["rows_equal_greedy"] + r2["rows_equal_greedy"]}
+    return _rates(row)
 
 
 def _timed(fn, repeats: int):
@@ -126,7 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--unroll-layers", action="store_true",
                     help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
                          "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
+    ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                    help="2: also time the second turns, after the greedy arm's first answers (a row per turn and "
+                         "one for both)")
     a = ap.parse_args(argv)
+    if a.turns == 2 and a.random_target:
+        ap.error("--turns 2 needs --target (real prompts with a second turn), not --random-target")
     from specjax.targets.layers.scan import unrolled_layer_scans
 
     with unrolled_layer_scans(a.unroll_layers):  # around every trace of this process
@@ -174,15 +219,12 @@ def _run(a) -> int:
     if a.random_target:
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, target.config.vocab_size, size=(a.limit, a.prompt_len)).tolist()
-        eos = ()
+        eos, second_turns = (), None
     else:
-        prompts, eos = _prompts(a.target, a.prompts, a.limit)
-    rows = []
-    for b in [int(x) for x in a.batch.split(",")]:
-        n = (len(prompts) // b) * b
-        if n == 0:
-            raise SystemExit(f"--batch {b} needs at least {b} prompts; raise --limit")
-        ps = prompts[:n]
+        prompts, eos, second_turns = _prompts(a.target, a.prompts, a.limit)
+
+    def measure(ps, b, tag):
+        """Both arms on the prompts `ps` in batches of `b`: the timing row and the greedy answers."""
         def greedy_call():
             if not a.refill:
                 return generate(target, ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b)
@@ -194,41 +236,56 @@ def _run(a) -> int:
                 [Request(i, tuple(p)) for i, p in enumerate(ps)], lambda key, toks: answers.__setitem__(key, toks))
             return [answers[i] for i in range(len(ps))]
 
+        def spec_call():
+            return loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b, refill=a.refill)
+
         with dec._precision():
             greedy, g_walls = _timed(greedy_call, a.repeats)
-        spec, s_walls = _timed(lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos,
-                                                     batch_size=b, refill=a.refill), a.repeats)
+        spec, s_walls = _timed(spec_call, a.repeats)
         g_tokens = sum(len(t) for t in greedy)
         s_tokens = sum(len(r.tokens) for r in spec)
         steps = sum(r.num_steps for r in spec)
         accepted = np.sum([r.accepted_per_position for r in spec], axis=0)
-        g_rate = [g_tokens / w for w in g_walls]
-        s_rate = [s_tokens / w for w in s_walls]
-        row = {"batch": b, "prompts": n, "greedy_tokens": g_tokens, "spec_tokens": s_tokens,
-               "greedy_tok_s": statistics.median(g_rate), "spec_tok_s": statistics.median(s_rate),
-               "greedy_walls_s": g_walls, "spec_walls_s": s_walls,
-               "speedup": statistics.median(s_rate) / statistics.median(g_rate),
-               "tau": 1.0 + float(accepted.sum()) / max(steps, 1), "accepted_per_position": accepted.tolist(),
+        row = {"greedy_tokens": g_tokens, "spec_tokens": s_tokens, "greedy_walls_s": g_walls, "spec_walls_s": s_walls,
+               "spec_steps": steps, "accepted_per_position": accepted.tolist(),
                "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
+        _rates(row)
         if a.profile and (a.profile_batches is None or b in [int(x) for x in a.profile_batches.split(",")]):
             row["profile"] = {}
-            for arm, call in (("greedy", greedy_call),
-                              ("spec", lambda: loop.generate(ps, max_new_tokens=a.max_new_tokens,
-                                                             eos_token_ids=eos, batch_size=b, refill=a.refill))):
-                where = os.path.join(a.profile, f"b{b}_{arm}")
+            for arm, call in (("greedy", greedy_call), ("spec", spec_call)):
+                where = os.path.join(a.profile, f"b{b}{tag}_{arm}")
                 try:  # a profiler problem must not cost the timings above
                     with dec._precision(), jax.profiler.trace(where):
                         call()
                     row["profile"][arm] = summarize(where, top=30)
                 except Exception as e:  # noqa: BLE001 -- reported in the results, not raised
                     row["profile"][arm] = {"error": f"{type(e).__name__}: {e}"}
-                    print(f"batch {b}, {arm}: profile failed: {type(e).__name__}: {e}", flush=True)
+                    print(f"batch {b}{tag}, {arm}: profile failed: {type(e).__name__}: {e}", flush=True)
                     continue
-                print(f"batch {b}, {arm}:\n{format_summary(row['profile'][arm])}", flush=True)
-        rows.append(row)
-        print(f"batch {b}: greedy {row['greedy_tok_s']:.1f} tok/s, speculative {row['spec_tok_s']:.1f} tok/s "
-              f"({row['speedup']:.2f}x), tau {row['tau']:.3f}, rows equal to greedy {row['rows_equal_greedy']}/{n}",
-              flush=True)
+                print(f"batch {b}{tag}, {arm}:\n{format_summary(row['profile'][arm])}", flush=True)
+        return row, greedy
+
+    def turns(ps, b):
+        """(turn, row, greedy answers) of the first turns and, with --turns 2, the second and both."""
+        row1, greedy = measure(ps, b, "")
+        yield 1, row1
+        if a.turns == 2:
+            row2, _ = measure(second_turns(greedy), b, "_turn2")
+            yield 2, row2
+            yield "1+2", _both(row1, row2)
+
+    rows = []
+    for b in [int(x) for x in a.batch.split(",")]:
+        n = (len(prompts) // b) * b
+        if n == 0:
+            raise SystemExit(f"--batch {b} needs at least {b} prompts; raise --limit")
+        ps = prompts[:n]
+        for turn, row in turns(ps, b):
+            row = {"batch": b, "prompts": n, "turn": turn, **row}
+            rows.append(row)
+            print(f"batch {b}{'' if a.turns == 1 else f', turn {turn}'}: greedy {row['greedy_tok_s']:.1f} tok/s, "
+                  f"speculative {row['spec_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), tau {row['tau']:.3f}, "
+                  f"rows equal to greedy {row['rows_equal_greedy']}/{n * (2 if turn == '1+2' else 1)}", flush=True)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
                           "jax": jax.__version__},

@@ -3,6 +3,13 @@ device stream, its share of the stream's busy time, and how much of the traced s
 idle (launch gaps, host waits).
 
     python benchmarks/trace_ops.py TRACE_DIR [--top 25] [--out summary.json]
+    python benchmarks/trace_ops.py TRACE_DIR --steps-from decode_attention:30
+
+With --steps-from KIND:K the trace is read as one call of a loop: its step count is the number of
+KIND kernels over K (a kernel that runs K times a step, e.g. a 30-layer target's attention), and each
+kernel instance of the busiest XLA module is put in a group by how many times it ran a step (30 per step:
+once per layer; K per step: a K-long draft chain; 1: the step's own work; under 1: outside the loop),
+with its time per step. That shows what a step costs beyond another loop's step with the same layers.
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR)` wrote (the newest `*.trace.json.gz` under it is
 read; it is Chrome's trace-event JSON: "X" events with microsecond `ts`/`dur`, process names from "M"
@@ -77,6 +84,54 @@ def summarize(trace_dir: str, top: int = 25) -> dict:
     return out
 
 
+def per_step(trace_dir: str, steps_from: str) -> dict:
+    """Kernel time per loop step, grouped by launches per step (see the module docstring). The
+    instance names (gemm_fusion_dot_453) are unique within an XLA module, so an instance's count over
+    the step count says where in the step it runs."""
+    kind, _, per = steps_from.rpartition(":")
+    if not kind or not per.isdigit() or int(per) < 1:
+        raise SystemExit(f"--steps-from {steps_from!r}: want KIND:K, e.g. decode_attention:30 (K >= 1 kernels a step)")
+    path = newest_trace(trace_dir)
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    kernels = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("args", {}).get("hlo_module")]
+    if not kernels:
+        raise SystemExit(f"{path}: no kernel events with an hlo_module (a GPU trace has them; a CPU trace does not)")
+    module = collections.Counter(e["args"]["hlo_module"] for e in kernels).most_common(1)[0][0]
+    kernels = [e for e in kernels if e["args"]["hlo_module"] == module]
+    markers = sum(1 for e in kernels if _INSTANCE.sub("", e["name"]) == kind)
+    if markers == 0 or markers % int(per):
+        raise SystemExit(f"{path}: {markers} {kind!r} kernels in {module}, not a multiple of {per}: "
+                         f"pick a kind that runs exactly K times a step")
+    steps = markers // int(per)
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by[e["name"]][0] += 1
+        by[e["name"]][1] += float(e["dur"])
+    groups = collections.defaultdict(lambda: {"instances": 0, "launches": 0, "us": 0.0, "kinds": collections.Counter()})
+    for name, (count, us) in by.items():
+        g = groups[round(count / steps, 1)]
+        g["instances"] += 1
+        g["launches"] += count
+        g["us"] += us
+        g["kinds"][_INSTANCE.sub("", name)] += count
+    rows = [{"launches_per_step": m, "instances": g["instances"], "launches_a_step": g["launches"] / steps,
+             "us_a_step": g["us"] / steps, "kinds": dict(g["kinds"].most_common(4))}
+            for m, g in sorted(groups.items())]
+    return {"trace": path, "module": module, "steps": steps, "us_a_step": sum(r["us_a_step"] for r in rows),
+            "groups": rows}
+
+
+def format_per_step(p: dict) -> str:
+    lines = [f"trace: {p['trace']}", f"{p['module']}: {p['steps']} steps, {p['us_a_step']:.0f} us of kernels a step"]
+    for r in p["groups"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in r["kinds"].items())
+        lines.append(f"  x{r['launches_per_step']:<5} {r['instances']:4d} instances {r['launches_a_step']:7.1f} launches "
+                     f"{r['us_a_step']:8.1f} us a step  ({kinds})"[:160])
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"trace: {summary['trace']}"]
     for p in summary["processes"]:
@@ -93,7 +148,13 @@ def main(argv=None) -> int:
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--steps-from", default=None, metavar="KIND:K",
+                    help="group kernel time per loop step by launches a step; steps = #KIND kernels / K")
     a = ap.parse_args(argv)
+    if a.steps_from:
+        s = per_step(a.trace_dir, a.steps_from)
+        print(format_per_step(s))
+        return write_results(s, a.out)
     s = summarize(a.trace_dir, a.top)
     print(format_summary(s))
     return write_results(s, a.out)

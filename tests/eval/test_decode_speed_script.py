@@ -1,0 +1,49 @@
+"""benchmarks/decode_speed.py on the tiny target in fp32 under `highest`, where speculative decoding
+must equal greedy: with --turns 2 each batch size has a row per turn and one for both, the second
+turns' prompts hold the first turns' greedy answers, and the "1+2" row is the sum of the two."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+
+import decode_speed  # noqa: E402
+
+
+def test_two_turns_rows_and_lossless(tiny_target, tmp_path):
+    out = tmp_path / "speed.json"
+    rc = decode_speed.main(["--target", tiny_target, "--prompts", "mtbench", "--limit", "2", "--batch", "2",
+                            "--k", "3", "--max-new-tokens", "6", "--dtype", "float32", "--matmul-precision", "highest",
+                            "--repeats", "1", "--turns", "2", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["turn"] for r in rows] == [1, 2, "1+2"]
+    one, two, both = rows
+    # fp32 under `highest`: every turn of every prompt equals greedy
+    assert one["rows_equal_greedy"] == 2 and two["rows_equal_greedy"] == 2 and both["rows_equal_greedy"] == 4
+    for key in ("greedy_tokens", "spec_tokens", "spec_steps"):
+        assert both[key] == one[key] + two[key], key
+    assert both["accepted_per_position"] == [x + y for x, y in zip(one["accepted_per_position"],
+                                                                   two["accepted_per_position"])]
+    assert both["spec_walls_s"][0] == pytest.approx(one["spec_walls_s"][0] + two["spec_walls_s"][0])
+    assert both["speedup"] == pytest.approx(both["spec_tok_s"] / both["greedy_tok_s"])
+    assert both["tau"] == pytest.approx(1 + sum(both["accepted_per_position"]) / both["spec_steps"])
+
+
+def test_second_turn_prompts_hold_the_first_answers(tiny_target):
+    ids, eos, second_turns = decode_speed._prompts(tiny_target, "mtbench", 2)
+    answers = [ids[0][-5:], ids[1][-3:]]  # any token ids will do as "answers"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    for first, ans, second in zip(ids, answers, second_turns(answers)):
+        text = tok.decode(second)
+        assert len(second) > len(first)
+        assert tok.decode(ans, skip_special_tokens=True).strip() in text
+
+
+def test_two_turns_need_real_prompts():
+    with pytest.raises(SystemExit):
+        decode_speed.main(["--random-target", "configs/targets/smollm2_135m", "--turns", "2"])
