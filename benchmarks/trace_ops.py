@@ -45,15 +45,19 @@ def newest_trace(trace_dir: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
+def _events(path: str) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def summarize(trace_dir: str, top: int = 25) -> dict:
     """Per line (thread) of each device process (a name holding 'device' or 'GPU'/'TPU'; the host's
     when there is none): its busy time (union of its events), the traced span, and the ops with the
     most total time. A GPU's kernels sit on its stream lines; the profiler adds derived lines (XLA
     modules, XLA ops) that cover the same time, so lines are kept apart, never summed."""
     path = newest_trace(trace_dir)
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = _events(path)
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = [p for p, n in names.items() if re.search(r"device|GPU|TPU", n) and "host" not in n.lower()]
@@ -92,9 +96,7 @@ def per_step(trace_dir: str, steps_from: str) -> dict:
     if not kind or not per.isdigit() or int(per) < 1:
         raise SystemExit(f"--steps-from {steps_from!r}: want KIND:K, e.g. decode_attention:30 (K >= 1 kernels a step)")
     path = newest_trace(trace_dir)
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = _events(path)
     kernels = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("args", {}).get("hlo_module")]
     if not kernels:
         raise SystemExit(f"{path}: no kernel events with an hlo_module (a GPU trace has them; a CPU trace does not)")

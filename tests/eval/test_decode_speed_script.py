@@ -33,17 +33,25 @@ def test_two_turns_rows_and_lossless(tiny_target, tmp_path):
 
 
 def test_second_turn_prompts_hold_the_first_answers(tiny_target):
-    ids, eos, second_turns = decode_speed._prompts(tiny_target, "mtbench", 2)
-    answers = [ids[0][-5:], ids[1][-3:]]  # any token ids will do as "answers"
+    """Each second-turn prompt is the first user turn, then that prompt's own answer, then the second
+    user turn, in that order (answers that differ per prompt, so a mix-up or a missing answer fails)."""
     from transformers import AutoTokenizer
 
+    from specjax.data.presets import load_eval_prompts
+
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    for first, ans, second in zip(ids, answers, second_turns(answers)):
+    _, _, second_turns = decode_speed._prompts(tiny_target, "mtbench", 2)
+    texts = ["one red fox", "two blue hats"]
+    answers = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    evals = load_eval_prompts("mtbench", limit=2)
+    for p, own, other, second in zip(evals, texts, texts[::-1], second_turns(answers)):
         text = tok.decode(second)
-        assert len(second) > len(first)
-        assert tok.decode(ans, skip_special_tokens=True).strip() in text
+        at_user1, at_answer, at_user2 = text.find(p.turns[0]), text.find(own), text.find(p.turns[1])
+        assert -1 < at_user1 < at_answer < at_user2, (at_user1, at_answer, at_user2, text)
+        assert other not in text
 
 
-def test_two_turns_need_real_prompts():
-    with pytest.raises(SystemExit):
+def test_two_turns_need_real_prompts(capsys):
+    with pytest.raises(SystemExit) as e:
         decode_speed.main(["--random-target", "configs/targets/smollm2_135m", "--turns", "2"])
+    assert e.value.code == 2 and "--turns 2 needs --target" in capsys.readouterr().err
