@@ -25,19 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _results import write_results  # noqa: E402
 
 from specjax.eval.measure import _with_totals  # noqa: E402
-from specjax.eval.report import RESULTS_FORMAT, RESULTS_VERSION, summarize_dataset  # noqa: E402
+from specjax.eval.report import check_results, summarize_dataset  # noqa: E402
 
 
 def _load(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         res = json.load(f)
-    if not isinstance(res, dict) or res.get("format") != RESULTS_FORMAT or "prompts" not in res:
-        raise SystemExit(f"{path}: not a specjax.eval results file; give one written by `python -m specjax.eval --out`")
-    if res.get("format_version") != RESULTS_VERSION:
-        raise SystemExit(f"{path}: results format version {res.get('format_version')}, this specjax reads "
-                         f"{RESULTS_VERSION}; re-run the evaluation with this version")
-    return res
+    try:
+        return check_results(res, path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def first_tokens(accept_lengths: list[int], n: int) -> tuple[int, int]:

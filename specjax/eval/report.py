@@ -115,10 +115,15 @@ def load_results(path: str) -> dict:
         raise ValueError(f"--compare {path}: no such file; give a JSON written by `python -m specjax.eval --out`.") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--compare {path}: not valid JSON ({e}).") from None
+    return check_results(res, f"--compare {path}")
+
+
+def check_results(res: Any, where: str) -> dict:
+    """`res` if it is a specjax.eval results file of this version, else a ValueError naming `where`."""
     if not isinstance(res, dict) or res.get("format") != RESULTS_FORMAT or "prompts" not in res:
-        raise ValueError(f"--compare {path}: not a specjax.eval results file (written by `python -m specjax.eval --out`).")
+        raise ValueError(f"{where}: not a specjax.eval results file (written by `python -m specjax.eval --out`).")
     if res.get("format_version") != RESULTS_VERSION:
-        raise ValueError(f"--compare {path}: results format version {res.get('format_version')}, this specjax "
+        raise ValueError(f"{where}: results format version {res.get('format_version')}, this specjax "
                          f"reads {RESULTS_VERSION}; re-run the saved evaluation with this version.")
     return res
 
