@@ -18,6 +18,9 @@ chat-templated; every batch is timed `--repeats` times after one untimed call (t
 tok/s is new tokens / wall time of the whole batch (host included). Both arms share the prompts,
 the target, dtype and matmul precision. The speculative arm's tokens are compared with the greedy
 arm's per row: in fp32 under `highest` they must be equal; in bf16 near-ties may flip (counted).
+With static batches a row also has each arm's loop iterations (`_loop_steps`), its tokens per
+iteration and the share of speculative row-steps that idle behind the batch's longest row: counts, not
+times, so the CPU gives them too (decode_speed.md, run 8).
 
 --turns 2 also times each prompt's second turn (MT-bench has two), as `specjax.eval` measures τ: the
 conversation so far (first turn, the greedy arm's answer, second turn) is the prompt of both arms, so
@@ -103,6 +106,13 @@ def cut_depth(hf: dict, n: int) -> tuple[dict, dict]:
                  "blocks": out[pattern_key] if pattern_key else None}
 
 
+def _loop_steps(row_steps: list[int], b: int) -> int:
+    """Iterations of the static batches' loops: a batch of `b` rows (in order) runs until its longest
+    row ends, so a row that ends early idles. `row_steps`: a greedy row's tokens (one target call
+    each, the first in the prefill), a speculative row's steps."""
+    return sum(max(row_steps[i:i + b]) for i in range(0, len(row_steps), b))
+
+
 def _rates(row: dict) -> dict:
     """The row's tok/s (median over repeats), speedup and τ, from its tokens, walls, steps and accepts."""
     g_rate = [row["greedy_tokens"] / w for w in row["greedy_walls_s"]]
@@ -110,6 +120,10 @@ def _rates(row: dict) -> dict:
     row.update(greedy_tok_s=statistics.median(g_rate), spec_tok_s=statistics.median(s_rate),
                speedup=statistics.median(s_rate) / statistics.median(g_rate),
                tau=1.0 + sum(row["accepted_per_position"]) / max(row["spec_steps"], 1))
+    if "spec_loop_steps" in row:  # static batches: tokens per loop iteration, the speedup at equal step cost
+        row.update(greedy_tokens_per_loop_step=row["greedy_tokens"] / max(row["greedy_loop_steps"], 1),
+                   spec_tokens_per_loop_step=row["spec_tokens"] / max(row["spec_loop_steps"], 1),
+                   spec_idle_row_steps=1.0 - row["spec_steps"] / max(row["batch_rows"] * row["spec_loop_steps"], 1))
     return row
 
 
@@ -121,6 +135,9 @@ def _both(r1: dict, r2: dict) -> dict:
            "greedy_walls_s": add("greedy_walls_s"), "spec_walls_s": add("spec_walls_s"),
            "spec_steps": r1["spec_steps"] + r2["spec_steps"], "accepted_per_position": add("accepted_per_position"),
            "rows_equal_greedy": r1["rows_equal_greedy"] + r2["rows_equal_greedy"]}
+    if "spec_loop_steps" in r1:
+        row.update(batch_rows=r1["batch_rows"], greedy_loop_steps=r1["greedy_loop_steps"] + r2["greedy_loop_steps"],
+                   spec_loop_steps=r1["spec_loop_steps"] + r2["spec_loop_steps"])
     return _rates(row)
 
 
@@ -249,6 +266,9 @@ def _run(a) -> int:
         row = {"greedy_tokens": g_tokens, "spec_tokens": s_tokens, "greedy_walls_s": g_walls, "spec_walls_s": s_walls,
                "spec_steps": steps, "accepted_per_position": accepted.tolist(),
                "rows_equal_greedy": sum(r.tokens == g for r, g in zip(spec, greedy))}
+        if not a.refill:
+            row.update(batch_rows=b, greedy_loop_steps=_loop_steps([len(t) for t in greedy], b),
+                       spec_loop_steps=_loop_steps([r.num_steps for r in spec], b))
         _rates(row)
         if a.profile and (a.profile_batches is None or b in [int(x) for x in a.profile_batches.split(",")]):
             row["profile"] = {}
@@ -285,7 +305,10 @@ def _run(a) -> int:
             rows.append(row)
             print(f"batch {b}{'' if a.turns == 1 else f', turn {turn}'}: greedy {row['greedy_tok_s']:.1f} tok/s, "
                   f"speculative {row['spec_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), tau {row['tau']:.3f}, "
-                  f"rows equal to greedy {row['rows_equal_greedy']}/{n * (2 if turn == '1+2' else 1)}", flush=True)
+                  f"rows equal to greedy {row['rows_equal_greedy']}/{n * (2 if turn == '1+2' else 1)}"
+                  + (f", tokens per loop step greedy {row['greedy_tokens_per_loop_step']:.2f} / speculative "
+                     f"{row['spec_tokens_per_loop_step']:.2f} ({row['spec_idle_row_steps']:.0%} of row-steps idle)"
+                     if "spec_loop_steps" in row else ""), flush=True)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
                           "jax": jax.__version__},

@@ -30,6 +30,19 @@ def test_two_turns_rows_and_lossless(tiny_target, tmp_path):
     assert both["spec_walls_s"][0] == pytest.approx(one["spec_walls_s"][0] + two["spec_walls_s"][0])
     assert both["speedup"] == pytest.approx(both["spec_tok_s"] / both["greedy_tok_s"])
     assert both["tau"] == pytest.approx(1 + sum(both["accepted_per_position"]) / both["spec_steps"])
+    for key in ("greedy_loop_steps", "spec_loop_steps"):
+        assert both[key] == one[key] + two[key], key
+    for r in rows:  # one batch of 2 rows a turn: the loop runs as long as its longer row
+        assert r["batch_rows"] == 2
+        assert r["spec_steps"] / 2 <= r["spec_loop_steps"] <= r["spec_steps"]
+        assert r["greedy_tokens"] / 2 <= r["greedy_loop_steps"] <= r["greedy_tokens"]
+        assert r["spec_idle_row_steps"] == pytest.approx(1 - r["spec_steps"] / (2 * r["spec_loop_steps"]))
+        assert r["spec_tokens_per_loop_step"] == pytest.approx(r["spec_tokens"] / r["spec_loop_steps"])
+
+
+def test_loop_steps_are_each_static_batch_longest_row():
+    assert decode_speed._loop_steps([3, 5, 2, 2, 7], 2) == 5 + 2 + 7
+    assert decode_speed._loop_steps([4, 1, 6], 1) == 11
 
 
 def test_second_turn_prompts_hold_the_first_answers(tiny_target):
