@@ -40,6 +40,28 @@ def test_two_turns_rows_and_lossless(tiny_target, tmp_path):
         assert r["spec_tokens_per_loop_step"] == pytest.approx(r["spec_tokens"] / r["spec_loop_steps"])
 
 
+def test_first_turn_loop_steps_equal_the_per_prompt_decoders(tiny_target, tmp_path):
+    """The loop counts of a batch of 2 against each prompt decoded alone: the host-driven SpecDecoder's
+    steps and `generate`'s tokens, the longer row of each setting the batch's iterations."""
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import SpecDecoder, random_draft
+    from specjax.targets import load_target
+
+    out = tmp_path / "speed.json"
+    assert decode_speed.main(["--target", tiny_target, "--prompts", "mtbench", "--limit", "2", "--batch", "2",
+                              "--k", "3", "--max-new-tokens", "6", "--dtype", "float32", "--matmul-precision",
+                              "highest", "--repeats", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    prompts, eos, _ = decode_speed._prompts(tiny_target, "mtbench", 2)
+    target = load_target(tiny_target, dtype="float32")
+    dec = SpecDecoder(target, random_draft(target), num_spec_tokens=3, matmul_precision="highest")
+    steps = [dec.generate(p, max_new_tokens=6, eos_token_ids=eos).num_steps for p in prompts]
+    with dec._precision():
+        tokens = [len(generate(target, [p], max_new_tokens=6, eos_token_ids=eos)[0]) for p in prompts]
+    assert (row["spec_loop_steps"], row["greedy_loop_steps"]) == (max(steps), max(tokens))
+    assert row["spec_steps"] == sum(steps) and row["greedy_tokens"] == sum(tokens)
+
+
 def test_loop_steps_are_each_static_batch_longest_row():
     assert decode_speed._loop_steps([3, 5, 2, 2, 7], 2) == 5 + 2 + 7
     assert decode_speed._loop_steps([4, 1, 6], 1) == 11
