@@ -3,13 +3,14 @@ device stream, its share of the stream's busy time, and how much of the traced s
 idle (launch gaps, host waits).
 
     python benchmarks/trace_ops.py TRACE_DIR [--top 25] [--out summary.json]
-    python benchmarks/trace_ops.py TRACE_DIR --steps-from decode_attention:30
+    python benchmarks/trace_ops.py TRACE_DIR --steps-from decode_attention:30 [--top 40]
 
 With --steps-from KIND:K the trace is read as one call of a loop: its step count is the number of
 KIND kernels over K (a kernel that runs K times a step, e.g. a 30-layer target's attention), and each
 kernel instance of the busiest XLA module is put in a group by how many times it ran a step (30 per step:
 once per layer; K per step: a K-long draft chain; 1: the step's own work; under 1: outside the loop),
 with its time per step. That shows what a step costs beyond another loop's step with the same layers.
+The `--top` instances with the most time a step are listed by name too (launches a step, mean time).
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR)` wrote (the newest `*.trace.json.gz` under it is
 read; it is Chrome's trace-event JSON: "X" events with microsecond `ts`/`dur`, process names from "M"
@@ -88,10 +89,10 @@ def summarize(trace_dir: str, top: int = 25) -> dict:
     return out
 
 
-def per_step(trace_dir: str, steps_from: str) -> dict:
-    """Kernel time per loop step, grouped by launches per step (see the module docstring). The
-    instance names (gemm_fusion_dot_453) are unique within an XLA module, so an instance's count over
-    the step count says where in the step it runs."""
+def per_step(trace_dir: str, steps_from: str, top: int = 25) -> dict:
+    """Kernel time per loop step, grouped by launches per step (see the module docstring), and the
+    `top` kernel instances by time a step. The instance names (gemm_fusion_dot_453) are unique within
+    an XLA module, so an instance's count over the step count says where in the step it runs."""
     kind, _, per = steps_from.rpartition(":")
     if not kind or not per.isdigit() or int(per) < 1:
         raise SystemExit(f"--steps-from {steps_from!r}: want KIND:K, e.g. decode_attention:30 (K >= 1 kernels a step)")
@@ -121,8 +122,11 @@ def per_step(trace_dir: str, steps_from: str) -> dict:
     rows = [{"launches_per_step": m, "instances": g["instances"], "launches_a_step": g["launches"] / steps,
              "us_a_step": g["us"] / steps, "kinds": dict(g["kinds"].most_common(4))}
             for m, g in sorted(groups.items())]
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    instances = [{"name": name, "launches_a_step": count / steps, "mean_us": us / count, "us_a_step": us / steps}
+                 for name, (count, us) in ranked]
     return {"trace": path, "module": module, "steps": steps, "us_a_step": sum(r["us_a_step"] for r in rows),
-            "groups": rows}
+            "groups": rows, "top_instances": instances}
 
 
 def format_per_step(p: dict) -> str:
@@ -131,6 +135,10 @@ def format_per_step(p: dict) -> str:
         kinds = ", ".join(f"{k} {v}" for k, v in r["kinds"].items())
         lines.append(f"  x{r['launches_per_step']:<5} {r['instances']:4d} instances {r['launches_a_step']:7.1f} launches "
                      f"{r['us_a_step']:8.1f} us a step  ({kinds})"[:160])
+    lines.append("kernel instances by time a step:")
+    for r in p.get("top_instances", []):
+        lines.append(f"  {r['name'][:48]:48s} {r['launches_a_step']:6.2f} a step x {r['mean_us']:7.2f} us = "
+                     f"{r['us_a_step']:7.1f} us a step")
     return "\n".join(lines)
 
 
@@ -154,7 +162,7 @@ def main(argv=None) -> int:
                     help="group kernel time per loop step by launches a step; steps = #KIND kernels / K")
     a = ap.parse_args(argv)
     if a.steps_from:
-        s = per_step(a.trace_dir, a.steps_from)
+        s = per_step(a.trace_dir, a.steps_from, a.top)
         print(format_per_step(s))
         return write_results(s, a.out)
     s = summarize(a.trace_dir, a.top)

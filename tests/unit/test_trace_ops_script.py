@@ -63,6 +63,11 @@ def test_per_step_groups_kernel_instances_by_launches_a_step(tmp_path):
     got = {g["launches_per_step"]: (g["instances"], g["launches_a_step"], g["us_a_step"]) for g in p["groups"]}
     assert got == {0.3: (1, 1 / 3, 10.0), 1.0: (1, 1.0, 1.0), 2.0: (3, 6.0, 25.0)}, got
     assert abs(p["us_a_step"] - 36.0) < 1e-9
+    assert [(r["name"], r["launches_a_step"], r["mean_us"], r["us_a_step"]) for r in p["top_instances"]] == [
+        ("decode_attention_1", 2.0, 6.0, 12.0), ("prefill_5", 1 / 3, 30.0, 10.0), ("gemm_fusion_dot_2", 2.0, 4.0, 8.0),
+        ("draft_3", 2.0, 2.5, 5.0), ("accept_4", 1.0, 1.0, 1.0)]
+    assert [r["name"] for r in trace_ops.per_step(str(tmp_path), "decode_attention:2", top=2)["top_instances"]] == [
+        "decode_attention_1", "prefill_5"]
     assert "3 steps" in trace_ops.format_per_step(p)
     with pytest.raises(SystemExit, match="not a multiple of 4"):
         trace_ops.per_step(str(tmp_path), "decode_attention:4")
