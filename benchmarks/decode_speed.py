@@ -4,7 +4,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
         [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--refill] [--unroll-layers]
-        [--turns 2]
+        [--turns 2] [--draft-dtype bfloat16]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -183,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--unroll-layers", action="store_true",
                     help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
                          "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
+    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the dtype the EAGLE-3 draft computes in (SpecDecoder draft_dtype); bfloat16 is how a "
+                         "serving engine runs a head beside a bf16 target")
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also time the second turns, after the greedy arm's first answers (a row per turn and "
                          "one for both)")
@@ -231,7 +234,7 @@ def _run(a) -> int:
     else:
         draft = random_draft(target)
     precision = None if a.matmul_precision == "default" else a.matmul_precision
-    dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision)
+    dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision, draft_dtype=a.draft_dtype)
     loop = SpecLoop(dec)
     if a.random_target:
         rng = np.random.default_rng(0)

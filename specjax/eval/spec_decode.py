@@ -125,10 +125,10 @@ class SpecResult:
 # =============================================================================================
 # Draft layer with a KV cache (the same math as drafts.eagle3.decoder_layer)
 # =============================================================================================
-def init_draft_cache(cfg: Eagle3Config, max_len: int) -> dict:
-    """One KV cache per draft layer: k / v [num_layers, 1, slots, nKV, hd]."""
+def init_draft_cache(cfg: Eagle3Config, max_len: int, dtype=jnp.float32) -> dict:
+    """One KV cache per draft layer: k / v [num_layers, 1, slots, nKV, hd], in the draft's compute dtype."""
     shape = (cfg.num_layers, 1, cache_size_for(max_len), cfg.num_key_value_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def _num_slots(dcache) -> int:
@@ -157,9 +157,10 @@ def _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, star
     pending row's pre-norm hidden [1,1,H] and the cache."""
     tp = pend_tok.shape[1]
     num_slots = _num_slots(dcache)
+    dt = _dtype_of(dp)
     pos = start + jnp.arange(tp, dtype=jnp.int32)[None, :]
-    emb = jnp.take(embed, pend_tok, axis=0).astype(jnp.float32)
-    h0 = project_aux(dp, pend_aux, dcfg, jnp.float32)
+    emb = jnp.take(embed, pend_tok, axis=0).astype(dt)
+    h0 = project_aux(dp, pend_aux, dcfg, dt)
     causal = jnp.tril(jnp.ones((tp, tp), bool))[None]
     mask = cache_attention_mask(jnp.reshape(start, (1,)), num_slots, causal)
     h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, h0, pos, pos, mask)
@@ -170,11 +171,27 @@ def _f32(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
+# The dtype an EAGLE-3 draft computes in: float32, or bfloat16 as a serving engine runs a head beside
+# a bf16 target (SpecDecoder's draft_dtype). Its logits are accumulated in fp32 either way.
+DRAFT_DTYPES = ("float32", "bfloat16")
+
+
+def _dtype_of(dp):
+    return jax.tree.leaves(dp)[0].dtype
+
+
+def _uniform(dp):
+    """The draft params all in one compute dtype, that of their first leaf (SpecDecoder casts them
+    once, to its draft_dtype)."""
+    dt = _dtype_of(dp)
+    return jax.tree.map(lambda a: a.astype(dt), dp)
+
+
 @functools.partial(jax.jit, static_argnames=("dcfg", "k", "sample"), donate_argnames=("dcache",))
 def _draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, key, temperature, *, dcfg, k, sample):
     """Chain drafting: returns (K target ids [K], draft probs over the draft vocab [K, Vd] (sampling)
     or [K, 1] zeros (greedy), cache)."""
-    dp = _f32(dp)
+    dp = _uniform(dp)
     num_slots = _num_slots(dcache)
     h, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
     toks, qs = [], []
@@ -192,7 +209,7 @@ def _draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, 
         if j == k - 1:
             break
         slot = start + pend_count + j  # the row that reads d_{j+1}
-        emb = jnp.take(embed, tok, axis=0).astype(jnp.float32)[None]  # [1, 1, H]
+        emb = jnp.take(embed, tok, axis=0).astype(_dtype_of(dp))[None]  # [1, 1, H]
         mask = (jnp.arange(num_slots) <= slot)[None, None, :]
         h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, h),
                                        jnp.reshape(slot, (1, 1)), jnp.reshape(slot, (1, 1)), mask)
@@ -208,14 +225,15 @@ def _draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, star
     and fc(mask_hidden) give d_2..d_K in one more forward, each attending to the prefix and to the mask
     rows before it (the training pattern, drafts/ttt.py). Their cache slots are stale after the step
     (the next pending rows overwrite them). Returns what _draft_chain returns."""
-    dp = _f32(dp)
+    dp = _uniform(dp)
     num_slots = _num_slots(dcache)
     h, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
     if k > 1:
         slot0 = start + pend_count  # the first mask row
         slots = (slot0 + jnp.arange(k - 1, dtype=jnp.int32))[None, :]
-        emb = jnp.broadcast_to(embed[int(dcfg.mask_token_id)].astype(jnp.float32), (1, k - 1, dcfg.hidden_size))
-        hid = jnp.broadcast_to(mask_hidden_projected(dp, dcfg), (1, k - 1, dcfg.hidden_size))
+        dt = _dtype_of(dp)
+        emb = jnp.broadcast_to(embed[int(dcfg.mask_token_id)].astype(dt), (1, k - 1, dcfg.hidden_size))
+        hid = jnp.broadcast_to(mask_hidden_projected(dp, dcfg, dt), (1, k - 1, dcfg.hidden_size))
         mask = (jnp.arange(num_slots)[None, None, :] <= slots[..., None])
         hm, dcache = draft_layer_cached(dp, dcfg, dcache, emb, hid, slots, slots, mask)
         h = jnp.concatenate([h, hm], axis=1)
@@ -269,7 +287,7 @@ def tree_widths(depth: int, top_k: int, max_width: int) -> tuple[int, ...]:
 def _draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
     """Tree drafting. Returns (node target ids [Nn], parent node index [Nn] (-1 = root), cache);
     nodes are ordered level by level, each level by descending cumulative draft log-prob."""
-    dp = _f32(dp)
+    dp = _uniform(dp)
     num_slots = _num_slots(dcache)
     h_root, dcache = _draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
     base = start + pend_count  # first free slot; the root row sits at base - 1
@@ -286,7 +304,7 @@ def _draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *
         pos = jnp.full((1, w), base - 1 + d, jnp.int32)  # level-d rows sit d after the root row
         j = jnp.arange(num_slots, dtype=jnp.int32)
         mask = (j[None, :] < base) | jnp.any(j[None, None, :] == anc[:, :, None], axis=1)  # [w, S]
-        emb = jnp.take(embed, toks, axis=0).astype(jnp.float32)[None]
+        emb = jnp.take(embed, toks, axis=0).astype(_dtype_of(dp))[None]
         h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, hid[None]),
                                        pos, slots[None], mask[None])
         lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h)[0], axis=-1)  # [w, Vd]
@@ -470,8 +488,11 @@ class SpecDecoder:
     """
 
     def __init__(self, target, draft: Draft, *, num_spec_tokens: int = 5, mode: str = "chain",
-                 tree_top_k: int = 2, tree_max_width: int | None = None, matmul_precision: str | None = "auto"):
+                 tree_top_k: int = 2, tree_max_width: int | None = None, matmul_precision: str | None = "auto",
+                 draft_dtype: str = "float32"):
         target.require_decoding()
+        if draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if int(num_spec_tokens) < 1:
@@ -521,8 +542,13 @@ class SpecDecoder:
         if matmul_precision not in (None, "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"):
             raise ValueError(f"matmul_precision must be 'auto', None or a jax precision name, got {matmul_precision!r}")
         self.matmul_precision = matmul_precision
-        # on the device once, in fp32 (a trainer may hand host numpy arrays; re-sent every call otherwise)
-        self.draft_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), draft.params)
+        if self.block_drafter and draft_dtype != "float32":
+            raise ValueError(f"draft_dtype={draft_dtype!r}: a DFlash head drafts in float32 here; use "
+                             "draft_dtype='float32'")
+        # on the device once, in the draft's compute dtype (a trainer may hand host numpy arrays; re-sent
+        # every call otherwise)
+        self.draft_dtype = draft_dtype
+        self.draft_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.dtype(draft_dtype)), draft.params)
         self.d2t = jnp.asarray(vocab.d2t, jnp.int32)
         self.draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
 
@@ -626,7 +652,7 @@ class SpecDecoder:
         # DFlash: one context row per position instead of draft rows (max_len covers every write:
         # the prefill's bucket, then K+1 rows after at most prompt + max_new_tokens - 1 valid ones)
         dcache = (dflash.init_context_cache(dcfg, 1, cache_size_for(max_len)) if self.block_drafter
-                  else init_draft_cache(dcfg, max_len))
+                  else init_draft_cache(dcfg, max_len, jnp.dtype(self.draft_dtype)))
         step = 0
         while len(res.tokens) < max_new_tokens:
             step += 1

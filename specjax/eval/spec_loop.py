@@ -77,6 +77,7 @@ class _Static:
     sample: bool
     cache_len: int
     n_out: int
+    draft_dtype: str = "float32"
 
 
 def _emit(new_k1, a, count, max_new, eos_e):
@@ -102,7 +103,7 @@ def _row_init(ids_p, length, first, eos_e, *, st: _Static):
     pend_tok = jnp.where(col < length - 1, jnp.roll(ids, -1, axis=1), 0)
     pend_tok = jnp.where(col == length - 1, first, pend_tok)
     dcache = (dflash.init_context_cache(st.dcfg, 1, cache_size_for(st.cache_len)) if st.block
-              else init_draft_cache(st.dcfg, st.cache_len))
+              else init_draft_cache(st.dcfg, st.cache_len, jnp.dtype(st.draft_dtype)))
     first_eos = jnp.any(first == eos_e)
     out = jnp.zeros((st.n_out + k + 1,), jnp.int32).at[0].set(jnp.where(first_eos, 0, first))
     state = dict(dcache=dcache, last=first, n=length + 1, dstart=jnp.int32(0), pend_count=length.astype(jnp.int32),
@@ -370,7 +371,7 @@ class SpecLoop:
         cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
         return _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
                        dec.widths, dec.top_k, dec.block_drafter, bool(getattr(dec.draft.config, "parallel_drafting", False)),
-                       sample, cache_len, n_out)
+                       sample, cache_len, n_out, dec.draft_dtype)
 
     def _stream(self, prompts, slots, max_new, temperature, eos_arr, seed, n_out, sample) -> list[SpecResult]:
         dec = self.dec

@@ -90,3 +90,15 @@ def test_two_turns_need_real_prompts(capsys):
     with pytest.raises(SystemExit) as e:
         decode_speed.main(["--random-target", "configs/targets/smollm2_135m", "--turns", "2"])
     assert e.value.code == 2 and "--turns 2 needs --target" in capsys.readouterr().err
+
+
+def test_bf16_draft_flag(tiny_target, tmp_path):
+    """--draft-dtype bfloat16 reaches the decoder (recorded in the settings) and stays lossless
+    against an fp32 target under `highest`."""
+    out = tmp_path / "speed.json"
+    assert decode_speed.main(["--target", tiny_target, "--prompts", "mtbench", "--limit", "2", "--batch", "2",
+                              "--k", "3", "--max-new-tokens", "6", "--dtype", "float32", "--matmul-precision",
+                              "highest", "--repeats", "1", "--draft-dtype", "bfloat16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["draft_dtype"] == "bfloat16"
+    assert res["rows"][0]["rows_equal_greedy"] == 2

@@ -136,3 +136,38 @@ def test_refill_stream_sampled_and_first_token_eos(target):
             _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=eos))
     got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=1, batch_size=3, refill=True)
     assert [len(r.tokens) for r in got] == [1] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("kind,mode,refill", [("eagle3", "chain", False), ("eagle3", "tree", False),
+                                              ("p_eagle", "chain", False), ("eagle3", "chain", True)])
+def test_bf16_draft_stays_lossless(target, kind, mode, refill):
+    """draft_dtype="bfloat16" (the draft computing as a serving engine runs it beside a bf16 target):
+    the loop (static batches and refill) still equals the host decoder and the fp32 target's own greedy
+    output, the draft params, its cache and its hidden states are bf16, and its logits are fp32."""
+    import jax.numpy as jnp
+
+    from specjax.drafts.eagle3 import draft_logits
+    from specjax.eval.spec_decode import _draft_prefill, init_draft_cache
+
+    dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode, draft_dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(dec.draft_params)} == {jnp.dtype(jnp.bfloat16)}
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS, batch_size=2, refill=refill)
+    naive = generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    for row, prompt, want in zip(got, PROMPTS, naive):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=EOS))
+        assert row.tokens == want
+    assert sum(sum(row.accepted_per_position) for row in got) > 0
+    dcfg = dec.draft.config
+    dcache = init_draft_cache(dcfg, 16, jnp.bfloat16)
+    aux = tuple(jnp.ones((1, 4, target.config.hidden_size), jnp.float32) for _ in dcfg.aux_layer_ids)
+    h, dcache = _draft_prefill(dec.draft_params, dcfg, dec.embed, dcache, jnp.asarray([[1, 2, 3, 0]]), aux,
+                               jnp.int32(3), jnp.int32(0))
+    assert h.dtype == jnp.bfloat16 and dcache["k"].dtype == jnp.bfloat16
+    assert draft_logits(dec.draft_params, dcfg, h).dtype == jnp.float32
+
+
+def test_draft_dtype_is_checked(target):
+    with pytest.raises(ValueError, match="draft_dtype must be one of"):
+        SpecDecoder(target, _head(target, "eagle3"), draft_dtype="float16")
+    with pytest.raises(ValueError, match="DFlash head drafts in float32"):
+        SpecDecoder(target, _head(target, "dflash"), num_spec_tokens=3, draft_dtype="bfloat16")
