@@ -12,7 +12,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
         decoder blocks at full width, see `cut_depth`, and the result's "target" says which)
 
 Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
-batch). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of steps: the
+batch; with --refill one loop for all prompts, rows refilled inside it, as the speculative arm's). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of steps: the
 drafts per row, vmapped, then one target call verifying every row). The prompts are the first user turns of the set,
 chat-templated; every batch is timed `--repeats` times after one untimed call (the compile), and
 tok/s is new tokens / wall time of the whole batch (host included). Both arms share the prompts,
@@ -178,8 +178,8 @@ def main(argv=None) -> int:
                          "minutes at batch 1 on the H200")
     ap.add_argument("--refill", action="store_true",
                     help="continuous batching on both arms: `--batch` rows, each taking the next prompt as soon as its "
-                         "answer ends (greedy: eval.continuous.ContinuousGenerator; speculative: SpecLoop refill=True), "
-                         "instead of static batches that wait for their slowest row")
+                         "answer ends, inside one device loop (greedy: generate(refill=True); speculative: SpecLoop "
+                         "refill=True), instead of static batches that wait for their slowest row")
     ap.add_argument("--unroll-layers", action="store_true",
                     help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
                          "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
@@ -246,15 +246,8 @@ def _run(a) -> int:
     def measure(ps, b, tag):
         """Both arms on the prompts `ps` in batches of `b`: the timing row and the greedy answers."""
         def greedy_call():
-            if not a.refill:
-                return generate(target, ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b)
-            from specjax.eval.continuous import ContinuousGenerator, Request
-
-            answers = {}
-            ContinuousGenerator(target, batch_size=b, max_prompt_tokens=max(len(p) for p in ps),
-                                max_new_tokens=a.max_new_tokens, eos_token_ids=eos).run(
-                [Request(i, tuple(p)) for i, p in enumerate(ps)], lambda key, toks: answers.__setitem__(key, toks))
-            return [answers[i] for i in range(len(ps))]
+            return generate(target, ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b,
+                            refill=a.refill)
 
         def spec_call():
             return loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b, refill=a.refill)

@@ -9,6 +9,13 @@ two (>= 16) and the output buffer to a multiple of 32, so the number of compilat
 Row layout in the cache: prompt b occupies slots 0..len_b-1 at positions 0..len_b-1; generated token
 k sits at slot/position len_b+k. Padding after a short prompt is written by the prefill, but it lies
 at or after the row's valid length, so it is masked and later overwritten (targets.llama.decode_chunk).
+
+`generate(..., refill=True)` (greedy): every prompt through `batch_size` cache rows in one device
+program (`_greedy_stream`): after each step a row whose answer ended hands it back and takes the next
+waiting prompt (its prefill runs for that row alone, inside the loop), so no row waits for a batch's
+longest answer. It is the greedy side of `SpecLoop.generate(..., refill=True)`, built the same way, so
+a refill speedup compares like with like (`eval.continuous.ContinuousGenerator` refills from the host
+between segments of steps).
 """
 from __future__ import annotations
 
@@ -96,6 +103,76 @@ def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eo
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "cache_len", "n_out", "slots"))
+def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config, cache_len, n_out, slots):
+    """Greedy answers [N, n_out] of all N prompts through `slots` rows (see the module docstring). A row
+    holds request `req` (-1: none) with `count` tokens so far; a stopped row (EOS or max_new) is
+    handed back after the step that stopped it and refilled at once. Each answer's tokens are the
+    same argmaxes as `_generate_batch`'s (greedy decoding does not depend on the batch)."""
+    from specjax.eval.continuous import _scatter_rows, cache_batch_axes
+
+    n, t = ids_nt.shape
+    dtype = target_cls.embed_fn(params, config).dtype
+    axes = cache_batch_axes(target_cls, config, dtype)
+    whole_rows = jax.tree.map(lambda _: -1, axes)
+
+    def prefill(ids, lens):
+        """The first tokens [m] of m prompts and their m-row cache."""
+        m = ids.shape[0]
+        cache = target_cls.init_cache_fn(config, m, cache_len, dtype)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (m, t))
+        logits, _, _, cache = target_cls.decode_fn(params, config, cache, ids, positions, jnp.zeros((m,), jnp.int32),
+                                                   logits_index=(lens - 1)[:, None])
+        return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
+
+    def fresh(first, lens, req):
+        """Row states of requests `req` whose prefill drew `first`."""
+        m = first.shape[0]
+        return dict(req=req, lens=lens, count=jnp.ones((m,), jnp.int32), last=first,
+                    out=jnp.zeros((m, n_out), jnp.int32).at[:, 0].set(first),
+                    stop=_is_eos(first, eos_e) | (max_new <= 1))
+
+    first, cache = prefill(ids_nt[:slots], lens_n[:slots])
+    rows = fresh(first, lens_n[:slots], jnp.arange(slots, dtype=jnp.int32))
+    outs = jnp.zeros((n, n_out), jnp.int32)
+
+    def hand_back_and_refill(c):
+        rows, cache, nxt, outs = c
+        done = rows["stop"] & (rows["req"] >= 0)
+        outs = outs.at[jnp.where(done, rows["req"], n)].set(rows["out"], mode="drop")
+        rows = dict(rows, req=jnp.where(done, -1, rows["req"]))
+
+        def refill(rc):
+            rows, cache, q = rc
+            r = jnp.argmax(rows["req"] < 0)
+            first1, cache1 = prefill(ids_nt[q][None], lens_n[q][None])
+            one = fresh(first1, lens_n[q][None], q[None])
+            rows = jax.tree.map(lambda a, x: a.at[r].set(x[0]), rows, one)
+            return rows, _scatter_rows(cache, cache1, jnp.reshape(r, (1,)), axes, whole_rows), q + 1
+
+        rows, cache, nxt = jax.lax.while_loop(lambda rc: jnp.any(rc[0]["req"] < 0) & (rc[2] < n), refill,
+                                              (rows, cache, nxt))
+        return rows, cache, nxt, outs
+
+    def step(c):
+        rows, cache, nxt, outs = c
+        go = ~rows["stop"] & (rows["req"] >= 0)
+        pos = rows["lens"] + rows["count"] - 1  # slot == position of the newest token
+        logits, _, _, cache = target_cls.decode_fn(params, config, cache, rows["last"][:, None], pos[:, None], pos)
+        tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        b = jnp.arange(slots)
+        out = rows["out"].at[b, jnp.where(go, rows["count"], n_out)].set(tok, mode="drop")
+        count = rows["count"] + go.astype(jnp.int32)
+        stop = rows["stop"] | (go & (_is_eos(tok, eos_e) | (count >= max_new)))
+        rows = dict(rows, out=out, count=count, last=jnp.where(go, tok, rows["last"]), stop=stop)
+        return hand_back_and_refill((rows, cache, nxt, outs))
+
+    carry = hand_back_and_refill((rows, cache, jnp.int32(slots), outs))
+    # while any row holds a request (a request can stop on its first token, right after its refill)
+    carry = jax.lax.while_loop(lambda c: jnp.any(c[0]["req"] >= 0), step, carry)
+    return carry[-1]
+
+
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompts):
@@ -139,6 +216,7 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
     batch_size: int = 16,
+    refill: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt with the target; returns the new tokens only, per prompt in input
     order, cut before the first EOS (EOS not included), at most `max_new_tokens`.
@@ -146,11 +224,17 @@ def generate(
     Greedy when temperature == 0 (batch-independent). With temperature > 0 tokens are drawn with
     nucleus (top_p) sampling from a jax PRNG seeded by `seed`; prompts are grouped by length into
     batches of `batch_size`, and the draws depend on that grouping.
+
+    refill (greedy only): all prompts in one device program of `batch_size` rows, each row taking the
+    next prompt as soon as its answer ends (`_greedy_stream`); the same answers.
     """
     target.require_decoding()
     check_sampling(max_new_tokens, temperature, top_p)
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if refill and float(temperature) > 0.0:
+        raise ValueError("refill=True decodes greedily (temperature 0); for sampled answers with refill use "
+                         "specjax.eval.continuous.ContinuousGenerator")
     prompts = _check_prompts(prompts, int(target.config.vocab_size))
     results: list[list[int]] = [[] for _ in prompts]
     if not prompts or int(max_new_tokens) == 0:
@@ -160,6 +244,16 @@ def generate(
     eos = [int(e) for e in eos_token_ids]
     eos_arr = eos_array(eos)
     sample = float(temperature) > 0.0
+    if refill:
+        t = prompt_bucket(max(len(p) for p in prompts))
+        ids = np.zeros((len(prompts), t), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = p
+        out = _greedy_stream(target.params, jnp.asarray(ids), jnp.asarray([len(p) for p in prompts], jnp.int32),
+                             jnp.int32(max_new), jnp.asarray(eos_arr), target_cls=type(target), config=target.config,
+                             cache_len=t + n_out, n_out=n_out, slots=min(int(batch_size), len(prompts)))
+        out = np.asarray(jax.device_get(out))
+        return [cut_at_eos(out[r, :max_new].tolist(), eos) for r in range(len(prompts))]
     # the batch is padded to a power of two (>= 8, <= batch_size): regeneration with turns="all" calls
     # this once per round with ever fewer prompts, and each distinct batch would compile anew
     b = min(int(batch_size), max(8, 1 << (len(prompts) - 1).bit_length()))

@@ -102,3 +102,16 @@ def test_bf16_draft_flag(tiny_target, tmp_path):
     res = json.loads(out.read_text())
     assert res["settings"]["draft_dtype"] == "bfloat16"
     assert res["rows"][0]["rows_equal_greedy"] == 2
+
+
+def test_refill_both_arms_in_device(tiny_target, tmp_path):
+    """--refill: both arms stream the prompts through the rows inside one device loop (greedy
+    generate(refill=True), speculative SpecLoop refill=True); 3 prompts through 2 rows, so a row is
+    refilled, and every answer still equals greedy (fp32, `highest`)."""
+    out = tmp_path / "speed.json"
+    assert decode_speed.main(["--target", tiny_target, "--prompts", "mtbench", "--limit", "4", "--batch", "2",
+                              "--k", "3", "--max-new-tokens", "6", "--dtype", "float32", "--matmul-precision",
+                              "highest", "--repeats", "1", "--refill", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["prompts"] == 4 and row["rows_equal_greedy"] == 4
+    assert row["greedy_tokens"] == row["spec_tokens"] > 0

@@ -101,3 +101,24 @@ def test_errors(model_dir):
     with pytest.raises(NotImplementedError, match=r"supports .*LlamaForCausalLM.*Qwen3ForCausalLM.*Qwen3MoeForCausalLM.*; got NemotronH"):
         generate(other, [[1]], max_new_tokens=2)
     assert [prompt_bucket(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]
+
+
+def test_refill_equals_static_batches(tmp_path):
+    """generate(..., refill=True): every prompt through `batch_size` rows of one device program, each row
+    refilled as soon as its answer ends. On a 6-token vocab (EOS ids 4 and 1 end many answers early, some
+    on their first token) the answers equal the static batches' for 1, 2 and 3 rows and for every
+    max_new_tokens edge; sampling is refused."""
+    target = load_target(build_target(tmp_path, "LlamaForCausalLM", False, seed=1, vocab_size=6), dtype="float32")
+    prompts = [[1, 2, 3], [4, 0, 2, 5, 1, 3, 3, 0, 2], [5], [3] * 17, [0, 0], [2, 5, 5, 1], [1], [3, 2]]
+    for eos in ([4], [4, 1]):
+        for max_new in (1, 2, 24):
+            want = generate(target, prompts, max_new_tokens=max_new, eos_token_ids=eos, batch_size=8)
+            for slots in (1, 2, 3):
+                got = generate(target, prompts, max_new_tokens=max_new, eos_token_ids=eos, batch_size=slots,
+                               refill=True)
+                assert got == want, (eos, max_new, slots)
+    want = generate(target, prompts, max_new_tokens=24, eos_token_ids=[4, 1], batch_size=8)
+    lengths = [len(w) for w in want]
+    assert 0 in lengths and 24 in lengths and any(0 < n < 24 for n in lengths), lengths  # every kind of stop
+    with pytest.raises(ValueError, match="refill=True decodes greedily"):
+        generate(target, prompts, max_new_tokens=4, temperature=1.0, refill=True)

@@ -257,6 +257,8 @@ def test_batched_generate_equals_uncached_greedy(spec_setup):
     got = generate(target, prompts, max_new_tokens=MAX_NEW, batch_size=3)
     want = [naive_greedy(target, p, MAX_NEW) for p in prompts]
     assert got == want
+    # in-device refill: 2 rows for 3 prompts, so one row is refilled (its cache rows replaced) mid-loop
+    assert generate(target, prompts, max_new_tokens=MAX_NEW, batch_size=2, refill=True) == want
     assert ref[:MAX_NEW] == want[0]
     assert len(set(want[0])) > 1  # not a degenerate constant continuation
 

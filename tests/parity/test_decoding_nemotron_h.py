@@ -269,6 +269,8 @@ def test_batched_generate_equals_uncached_greedy(spec_setup):
     target, _, want = spec_setup
     got = generate(target, GEN_PROMPTS, max_new_tokens=MAX_NEW, batch_size=3)  # ragged: bucket 16 > WINDOW
     assert got == [w[:MAX_NEW] for w in want]
+    # in-device refill: a refilled row takes a fresh SSM / conv state and KV rows
+    assert generate(target, GEN_PROMPTS, max_new_tokens=MAX_NEW, batch_size=2, refill=True) == [w[:MAX_NEW] for w in want]
     assert len(set(want[0])) > 1  # not a degenerate constant continuation
 
 
