@@ -69,15 +69,22 @@ def eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
     return arr
 
 
-@functools.partial(jax.jit, static_argnames=("target_cls", "config", "cache_len", "n_out", "sample"))
-def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eos_e, *,
-                    target_cls, config, cache_len, n_out, sample):
+def _prefill(params, ids_bt, lens_b, *, target_cls, config, cache_len):
+    """The right-padded prompts [B, T] into a fresh B-row cache of `cache_len` slots: (fp32 logits
+    [B, 1, V] at each prompt's last token, the cache)."""
     b, t = ids_bt.shape
-    dtype = target_cls.embed_fn(params, config).dtype
-    cache = target_cls.init_cache_fn(config, b, cache_len, dtype)
+    cache = target_cls.init_cache_fn(config, b, cache_len, target_cls.embed_fn(params, config).dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, _, _, cache = target_cls.decode_fn(
         params, config, cache, ids_bt, positions, jnp.zeros((b,), jnp.int32), logits_index=(lens_b - 1)[:, None])
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "cache_len", "n_out", "sample"))
+def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eos_e, *,
+                    target_cls, config, cache_len, n_out, sample):
+    b = ids_bt.shape[0]
+    logits, cache = _prefill(params, ids_bt, lens_b, target_cls=target_cls, config=config, cache_len=cache_len)
     key, sub = jax.random.split(key)
     tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
     out = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok)
@@ -111,18 +118,13 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
     same argmaxes as `_generate_batch`'s (greedy decoding does not depend on the batch)."""
     from specjax.eval.continuous import _scatter_rows, cache_batch_axes
 
-    n, t = ids_nt.shape
-    dtype = target_cls.embed_fn(params, config).dtype
-    axes = cache_batch_axes(target_cls, config, dtype)
+    n = ids_nt.shape[0]
+    axes = cache_batch_axes(target_cls, config, target_cls.embed_fn(params, config).dtype)
     whole_rows = jax.tree.map(lambda _: -1, axes)
 
     def prefill(ids, lens):
         """The first tokens [m] of m prompts and their m-row cache."""
-        m = ids.shape[0]
-        cache = target_cls.init_cache_fn(config, m, cache_len, dtype)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (m, t))
-        logits, _, _, cache = target_cls.decode_fn(params, config, cache, ids, positions, jnp.zeros((m,), jnp.int32),
-                                                   logits_index=(lens - 1)[:, None])
+        logits, cache = _prefill(params, ids, lens, target_cls=target_cls, config=config, cache_len=cache_len)
         return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), cache
 
     def fresh(first, lens, req):

@@ -107,12 +107,18 @@ def test_refill_equals_static_batches(tmp_path):
     """generate(..., refill=True): every prompt through `batch_size` rows of one device program, each row
     refilled as soon as its answer ends. On a 6-token vocab (EOS ids 4 and 1 end many answers early, some
     on their first token) the answers equal the static batches' for 1, 2 and 3 rows and for every
-    max_new_tokens edge; sampling is refused."""
-    target = load_target(build_target(tmp_path, "LlamaForCausalLM", False, seed=1, vocab_size=6), dtype="float32")
+    max_new_tokens edge, and HF transformers' greedy continuation (one prompt at a time, cut at the first
+    EOS); sampling is refused."""
+    from specjax.eval.generate import cut_at_eos
+
+    path = build_target(tmp_path, "LlamaForCausalLM", False, seed=1, vocab_size=6)
+    target = load_target(path, dtype="float32")
     prompts = [[1, 2, 3], [4, 0, 2, 5, 1, 3, 3, 0, 2], [5], [3] * 17, [0, 0], [2, 5, 5, 1], [1], [3, 2]]
+    hf = hf_greedy(path, prompts, 24)
     for eos in ([4], [4, 1]):
         for max_new in (1, 2, 24):
             want = generate(target, prompts, max_new_tokens=max_new, eos_token_ids=eos, batch_size=8)
+            assert want == [cut_at_eos(h[:max_new], eos) for h in hf], (eos, max_new)
             for slots in (1, 2, 3):
                 got = generate(target, prompts, max_new_tokens=max_new, eos_token_ids=eos, batch_size=slots,
                                refill=True)

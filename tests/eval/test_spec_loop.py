@@ -163,7 +163,17 @@ def test_bf16_draft_stays_lossless(target, kind, mode, refill):
     h, dcache = _draft_prefill(dec.draft_params, dcfg, dec.embed, dcache, jnp.asarray([[1, 2, 3, 0]]), aux,
                                jnp.int32(3), jnp.int32(0))
     assert h.dtype == jnp.bfloat16 and dcache["k"].dtype == jnp.bfloat16
-    assert draft_logits(dec.draft_params, dcfg, h).dtype == jnp.float32
+    logits = draft_logits(dec.draft_params, dcfg, h)
+    assert logits.dtype == jnp.float32
+    # the same math as the fp32 draft (the one tested against SpecForge / speculators): hidden state and
+    # logits within bf16 rounding (8 mantissa bits: 2e-2 of the fp32 values' scale)
+    dec32 = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode)
+    h32, _ = _draft_prefill(dec32.draft_params, dcfg, dec32.embed, init_draft_cache(dcfg, 16), jnp.asarray([[1, 2, 3, 0]]),
+                            aux, jnp.int32(3), jnp.int32(0))
+    logits32 = draft_logits(dec32.draft_params, dcfg, h32)
+    for got, want in ((h, h32), (logits, logits32)):
+        scale = float(jnp.abs(want).max())
+        assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 2e-2 * scale, (scale,)
 
 
 def test_draft_dtype_is_checked(target):
