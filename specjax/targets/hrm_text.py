@@ -256,7 +256,7 @@ def hrm_decode_chunk(
     z_H, new cache); arguments as ``llama.decode_chunk``. Same blocks and op order as
     :func:`hrm_forward`."""
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
     final, aux, cache = _run_cycles(params, cfg, x, rope, mask, aux_ids, cache=cache, slots_bt=slots)

@@ -390,7 +390,8 @@ def decode_chunk(
     then never forms [B,T,V]). Same layers and op order as :func:`forward`.
     """
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
+                                                 cfg.attention)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
 

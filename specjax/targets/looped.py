@@ -162,7 +162,7 @@ def looped_llama_decode_chunk(
     aux tuple at virtual `aux_layer_ids`, final hidden after the final norm, new cache); arguments
     as ``llama.decode_chunk``. Same layers and op order as :func:`looped_llama_forward`."""
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
 

@@ -656,7 +656,8 @@ def decode_chunk(
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
     b, t = input_ids_bt.shape
     user_mask = chunk_mask_btt
-    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
+                                                 cfg.attention)
     plan = None
     if cfg.has_mamba:
         plan = decode_chunk_plan(cfg.conv_kernel, cache["ssm_slot"], start_b, user_mask, valid_from_b, logits_index,

@@ -326,7 +326,7 @@ def decode_chunk(
     norm, new cache). Arguments and shapes as ``llama.decode_chunk``; same layers and op order as
     :func:`forward` (the router sees each token alone, so a chunk routes as the full sequence does)."""
     aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b)
+    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
     x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
 

@@ -6,13 +6,16 @@ tree-masked chunks, rows with different live lengths (its `limit` cut at and ins
 bf16 to 2e-2; under vmap with the cache batched, shared, and with a batched layer index; `takes`
 sends a prefill chunk and the xla choice to the slice-the-layer path. Then a target's cached decode
 with `decode_attention_implementation="pallas_gpu"` equals its xla decode (logits 1e-5), and a
-batched SpecLoop (one target call verifying every row) produces the same tokens and accept counts."""
+batched SpecLoop (one target call verifying every row) produces the same tokens and accept counts.
+The mask operand prepared once per chunk (`api.prepare_mask`) gives the bool mask's output exactly, and
+in every family's cached decode the int8 mask work sits outside the layer loops, once."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from specjax_kernels.decode_attention import api, pallas_gpu, reference
 
@@ -133,7 +136,7 @@ def test_decoding_through_the_kernel(family, monkeypatch):
 def test_kernel_lowers_for_cuda_on_this_machine(T):
     """The Pallas (Triton) lowering runs on a CPU machine: a one-token step (its mask row broadcast
     over the G query rows, no per-layer [B, Rp, S] mask copy) and a verification chunk both lower,
-    and the one-token step pads only q, not the mask."""
+    and the one-token step pads only q, not the mask; given prepared mask rows, every chunk pads only q."""
     V, B, N, H, L, S, K = 1, 4, 9, 64, 2, 256, 3
     sds = jax.ShapeDtypeStruct
     f = jax.jit(lambda q, k, v, m, lim: pallas_gpu.decode_attention_stacked(q, k, v, jnp.int32(1), m, lim, 0.125))
@@ -143,3 +146,102 @@ def test_kernel_lowers_for_cuda_on_this_machine(T):
     text = low.as_text()
     assert "decode_attention" in text
     assert text.count("stablehlo.pad") == (1 if T == 1 else 2)
+    # with the mask rows prepared beforehand (api.prepare_mask, once per chunk) the layer's call pads q only
+    g = jax.jit(lambda q, k, v, m, lim: pallas_gpu.decode_attention_stacked(q, k, v, jnp.int32(1), m, lim, 0.125,
+                                                                           rows=True))
+    rows = sds((V, B, 1 if T == 1 else pallas_gpu._rows_padded(T * 3), S), jnp.int8)
+    text = g.trace(sds((V, B, T, N, H), jnp.bfloat16), sds((V, L, B, S, K, H), jnp.bfloat16),
+                   sds((V, L, B, S, K, H), jnp.bfloat16), rows, sds((V, B), jnp.int32)).lower(
+                       lowering_platforms=("cuda",)).as_text()
+    assert "decode_attention" in text and text.count("stablehlo.pad") == 1
+
+
+# ---- the mask operand, built once per chunk (api.prepare_mask) --------------------------------------
+@pytest.mark.parametrize("G,T", [(3, 1), (3, 6), (1, 4)])
+def test_prepared_mask_equals_the_bool_mask(G, T, monkeypatch):
+    monkeypatch.setattr(api, "PREFERENCE", {**api.PREFERENCE, "cpu": ["pallas_gpu", "xla"]})  # auto = kernel
+    q, k, v, mask, limit = _case(G * 7 + T, G=G, T=T, tree=T > 1)
+    B, S = mask.shape[0], mask.shape[2]
+    cm = api.prepare_mask(mask, q.shape[2], q.shape[3], k.shape)
+    rp = pallas_gpu._rows_padded(T * G)
+    assert cm.rows is not None and cm.rows.dtype == jnp.int8 and cm.rows.shape == (B, 1 if T == 1 else rp, S)
+    with jax.default_matmul_precision("highest"):
+        want = reference.decode_attention(q, k, v, 1, mask, limit, 0.25)
+        got = api.decode_attention(q, k, v, 1, cm, limit, scale=0.25)
+        assert _diff(got, api.decode_attention(q, k, v, 1, mask, limit, scale=0.25)) == 0
+        assert _diff(got, want) < 2e-5
+        # rows vmapped with the chunk (a vmapped decoder's ChunkMask is batched like its queries)
+        qs, cms = jnp.stack([q, -q]), jax.tree.map(lambda x: jnp.stack([x, x]), cm)
+        got_v = jax.vmap(lambda q_, m_: api.decode_attention(q_, k, v, 1, m_, limit, scale=0.25))(qs, cms)
+        assert _diff(got_v[1], reference.decode_attention(-q, k, v, 1, mask, limit, 0.25)) < 2e-5
+        # xla chosen: the ChunkMask holds the bool mask alone, which the reference reads
+        cx = api.prepare_mask(mask, q.shape[2], q.shape[3], k.shape, "xla")
+        assert cx.rows is None
+        assert _diff(api.decode_attention(q, k, v, 1, cx, limit, scale=0.25, implementation="xla"), want) < 2e-5
+    # a prefill chunk the kernel does not take keeps the bool mask only
+    long_mask = jnp.ones((B, pallas_gpu.MAX_ROWS // G + 1, S), bool)
+    assert api.prepare_mask(long_mask, q.shape[2], q.shape[3], k.shape).rows is None
+    # rows of another chunk shape are refused, not misread
+    with pytest.raises(ValueError, match="mask rows"):
+        pallas_gpu.decode_attention(q, k, v, 1, jnp.ones((B, 2, S), jnp.int8), limit, 0.25, interpret=True,
+                                    rows=True)
+
+
+def _loop_mask_ops(jaxpr, in_loop=False, out=None):
+    """{"inside": n, "outside": n} int8 converts / pads (the kernel's mask operand) and {"kernel_in_loop": n}
+    pallas calls in a jaxpr, by whether a scan / while loop holds them (kernel bodies are not entered)."""
+    out = {"inside": 0, "outside": 0, "kernels": 0, "kernel_in_loop": 0} if out is None else out
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            out["kernels"] += 1
+            out["kernel_in_loop"] += in_loop
+            continue
+        if e.primitive.name in ("convert_element_type", "pad") and e.outvars[0].aval.dtype == jnp.int8:
+            out["inside" if in_loop else "outside"] += 1
+        loop = in_loop or e.primitive.name in ("scan", "while")
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, ClosedJaxpr):
+                    _loop_mask_ops(sub.jaxpr, loop, out)
+                elif isinstance(sub, Jaxpr):
+                    _loop_mask_ops(sub, loop, out)
+    return out
+
+
+def _tiny(family):
+    if family == "llama":
+        from specjax.targets.llama import LlamaTarget, LlamaTargetConfig
+        cfg = LlamaTargetConfig.create(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=48,
+                                       intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+                                       num_key_value_heads=1, head_dim=16)
+        return LlamaTarget.init(cfg, jax.random.key(0), jnp.float32)
+    if family == "nemotron_h":
+        from specjax.targets import nemotron_h as nh
+        hf = dict(nh.NEMOTRON_3_NANO_30B_A3B_HF_CONFIG, vocab_size=64, hidden_size=32, hybrid_override_pattern="M*M*",
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                  chunk_size=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                  moe_shared_expert_intermediate_size=16)
+        cfg = nh.NemotronHTargetConfig.from_hf(hf)
+        return nh.NemotronHTarget(cfg, cfg.to_hf(), nh.init_params(cfg, jax.random.key(3)))
+    from parity.test_decoding_families import build
+    return build(family, head_dim=16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "looped_llama", "hrm_text", "nemotron_h"])
+@pytest.mark.parametrize("T", [1, 6])
+def test_mask_operand_is_built_once_per_chunk(family, T, monkeypatch):
+    """A cached chunk through the kernel converts (and for T > 1 expands and pads) its mask to the
+    kernel's int8 rows once, outside the layer loops, while the kernel itself runs inside them (run 9's
+    profile: that work had run once per layer, 30 times a batch-8 step)."""
+    monkeypatch.setattr(api, "PREFERENCE", {**api.PREFERENCE, "cpu": ["pallas_gpu", "xla"]})
+    t = _tiny(family)
+    cache = t.init_cache(2, 64)
+    ids = jnp.ones((2, T), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 5, (2, T))
+    jaxpr = jax.make_jaxpr(lambda c: type(t).decode_fn(t.params, t.config, c, ids, pos, jnp.array([5, 9])))(cache)
+    ops = _loop_mask_ops(jaxpr.jaxpr)
+    g = t.config.attention.num_heads // t.config.attention.num_kv_heads
+    once = _loop_mask_ops(jax.make_jaxpr(lambda m: pallas_gpu.mask_rows(m, g))(jnp.ones((2, T, 64), bool)).jaxpr)
+    assert ops["kernels"] >= 1 and (ops["kernel_in_loop"] >= 1 or family == "nemotron_h"), ops  # its layers: a Python loop
+    assert ops["inside"] == 0 and ops["outside"] == once["outside"] >= 1, (ops, once)

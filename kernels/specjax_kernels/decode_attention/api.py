@@ -7,6 +7,12 @@
 None / "auto" = pallas_gpu on a GPU when it takes the call (`pallas_gpu.supports`: short chunks, head_dim
 a power of two), else xla; the fallback is logged once. The H200 regeneration numbers behind the GPU
 choice are in benchmarks/results/kernels.md ("Decode attention").
+
+Every layer of a chunk attends under the same mask, and pallas_gpu reads it as int8 rows expanded to its
+tile (`pallas_gpu.mask_rows`). `prepare_mask` builds that operand once per chunk, before the layer loop,
+and `decode_attention` takes the `ChunkMask` it returns wherever it takes a bool mask. Built inside the
+layer (a plain bool mask still works), the expansion ran once per layer: XLA does not hoist a
+size-inflating op out of a loop, and a one-token step's int8 convert ran 30 times a step too.
 """
 from __future__ import annotations
 
@@ -14,14 +20,56 @@ import functools
 import logging
 from typing import Optional
 
+import jax
+
 from specjax_kernels._select import Unavailable, _select, log_once_fallback, record_choice, select, target_platform
+
+
+@jax.tree_util.register_pytree_node_class
+class ChunkMask:
+    """A chunk's bool [B,T,S] cache mask (`mask`, what reference / xla read) and, when pallas_gpu takes
+    the chunk, its kernel operand (`rows`, int8 [B,Rm,S]), built once for all layers (`prepare_mask`)."""
+
+    def __init__(self, mask, rows=None):
+        self.mask, self.rows = mask, rows
+
+    def tree_flatten(self):
+        return (self.mask, self.rows), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @property
+    def shape(self):
+        return self.mask.shape
+
+
+def plain_mask(mask):
+    """The bool [B,T,S] mask of a ChunkMask (or of a bool mask: itself)."""
+    return mask.mask if isinstance(mask, ChunkMask) else mask
+
+
+def prepare_mask(mask, num_heads: int, head_dim: int, cache_shape, implementation: Optional[str] = None):
+    """The chunk's mask for every layer's `decode_attention`: a ChunkMask whose kernel operand is built
+    here, once, when the backend chosen for these shapes is pallas_gpu and it takes the chunk
+    (q [B,T,num_heads,head_dim] over a cache [..., S, K, head_dim]); otherwise it holds the bool mask alone."""
+    b, t, s = mask.shape
+    kv = cache_shape[-2]
+    name, _ = _select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
+    if name != "pallas_gpu":
+        return ChunkMask(mask)
+    from specjax_kernels.decode_attention.pallas_gpu import mask_rows, supports
+    if supports((b, t, num_heads, head_dim), cache_shape) is not None:
+        return ChunkMask(mask)
+    return ChunkMask(mask, mask_rows(mask, num_heads // kv))
 
 
 def _reference():
     from specjax_kernels.decode_attention.reference import decode_attention as fn
 
     def call(q, k_cache, v_cache, layer, mask, limit, scale):
-        return fn(q, k_cache, v_cache, layer, mask, limit, scale)
+        return fn(q, k_cache, v_cache, layer, plain_mask(mask), limit, scale)
     return call
 
 
@@ -30,7 +78,12 @@ def _pallas_gpu():
     if backend not in ("gpu", "cpu"):
         raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
     from specjax_kernels.decode_attention.pallas_gpu import decode_attention as fn
-    return functools.partial(fn, interpret=backend == "cpu")
+
+    def call(q, k_cache, v_cache, layer, mask, limit, scale):
+        rows = isinstance(mask, ChunkMask) and mask.rows is not None
+        return fn(q, k_cache, v_cache, layer, mask.rows if rows else plain_mask(mask), limit, scale,
+                  interpret=backend == "cpu", rows=rows)
+    return call
 
 
 IMPLEMENTATIONS = {"reference": _reference, "xla": _reference, "pallas_gpu": _pallas_gpu}
@@ -58,7 +111,7 @@ def takes(q_shape, cache_shape, implementation: Optional[str] = None) -> bool:
 def decode_attention(q, k_cache, v_cache, layer, mask, limit, *, scale: float,
                      implementation: Optional[str] = None):
     """q [B,T,N,H] (the chunk's queries), k_cache / v_cache [L,B,S,K,H] (the new K/V already written),
-    layer int32 [] (which cache layer), mask bool [B,T,S], limit int32 [B] (no slot >= limit[b] is
+    layer int32 [] (which cache layer), mask bool [B,T,S] or its ChunkMask, limit int32 [B] (no slot >= limit[b] is
     visible: the chunk's last slot + 1) -> [B,T,N,H] in q's dtype. pallas_gpu raises on a shape it
     does not take (`takes` says beforehand)."""
     name, fn = select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)

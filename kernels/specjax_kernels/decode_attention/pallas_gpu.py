@@ -70,8 +70,24 @@ def _kernel(layer_ref, limit_ref, q_ref, mask_ref, k_ref, v_ref, o_ref, *, nb, s
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
-def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False):
-    """q [V,B,T,N,H], caches [V,L,B,S,K,H], layer [], mask [V,B,T,S], limit [V,B] -> [V,B,T,N,H]."""
+def mask_rows(mask, group: int):
+    """The kernel's mask operand for a chunk's bool mask [..., T, S] and G = `group` query heads per kv
+    head: int8 [..., Rm, S] whose row t*G+g is mask row t, padded to the tile (Rm = Rp); for one token
+    (T = 1) its single row, which the kernel broadcasts over the G rows (Rm = 1, no copy Rp x the
+    bytes). Every layer of a chunk reads the same operand: `api.prepare_mask` builds it once per chunk,
+    outside the layer loop."""
+    t, s = mask.shape[-2], mask.shape[-1]
+    m = mask.astype(jnp.int8)
+    if t == 1:
+        return m
+    r = t * group
+    m = jnp.repeat(m, group, axis=-2)  # row t*G+g <- mask row t
+    return jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, _rows_padded(r) - r), (0, 0)])
+
+
+def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False, rows=False):
+    """q [V,B,T,N,H], caches [V,L,B,S,K,H], layer [], mask [V,B,T,S] bool (or, with `rows`, already
+    `mask_rows`' [V,B,Rm,S]), limit [V,B] -> [V,B,T,N,H]."""
     V, B, T, N, H = q.shape
     S, K = k_cache.shape[3], k_cache.shape[4]
     G = N // K
@@ -80,13 +96,12 @@ def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, 
     # rows of kv head k: (t, g) -> t * G + g; padded rows see nothing useful and are cut below
     qr = q.reshape(V * B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(V * B, K, R, H)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
-    if T == 1:  # one decoded token: its mask row serves all G rows (broadcast in the kernel), so no
-        # [B, Rp, S] copy of the mask is built and read per layer (Rp x the bytes, at every step)
-        mr = mask.reshape(V * B, 1, S).astype(jnp.int8)
-    else:
-        mr = jnp.repeat(mask.reshape(V * B, T, S).astype(jnp.int8), G, axis=1)  # row t*G+g <- mask row t
-        mr = jnp.pad(mr, ((0, 0), (0, Rp - R), (0, 0)))
-    Rm = mr.shape[1]
+    mr = mask if rows else mask_rows(mask, G)
+    Rm = mr.shape[-2]
+    if mr.shape != (V, B, Rm, S) or Rm not in (1, Rp) or (Rm == 1) != (T == 1):
+        raise ValueError(f"decode_attention: mask rows {mr.shape} do not fit a chunk of {T} tokens x {G} query "
+                         f"heads per kv head (want [{V}, {B}, {1 if T == 1 else Rp}, {S}]; build them with mask_rows)")
+    mr = mr.reshape(V * B, Rm, S)
     lim = jnp.clip(limit.reshape(V * B).astype(jnp.int32), 1, S)
     kern = functools.partial(_kernel, nb=B, scale=float(scale), bs=BLOCK_S)
     whole = pl.BlockSpec()  # the whole stacked cache: the kernel indexes (member, layer, row, slots, kv head) itself
@@ -107,12 +122,12 @@ def decode_attention_stacked(q, k_cache, v_cache, layer, mask, limit, scale, *, 
 
 
 @functools.lru_cache(maxsize=None)
-def _batched(scale: float, interpret: bool):
+def _batched(scale: float, interpret: bool, rows: bool):
     """The [L,B,S,K,H] call with a vmap rule that folds the vmapped axis into the kernel's leading V."""
     @jax.custom_batching.custom_vmap
     def call(q, k_cache, v_cache, layer, mask, limit):
         return decode_attention_stacked(q[None], k_cache[None], v_cache[None], layer, mask[None], limit[None],
-                                        scale, interpret=interpret)[0]
+                                        scale, interpret=interpret, rows=rows)[0]
 
     @call.def_vmap
     def _rule(axis_size, in_batched, q, k_cache, v_cache, layer, mask, limit):
@@ -127,12 +142,13 @@ def _batched(scale: float, interpret: bool):
         if not (in_batched[1] and in_batched[2]):  # a shared cache: broadcasting it would copy it per member
             k_cache, v_cache = lead(k_cache, in_batched[1]), lead(v_cache, in_batched[2])
         out = decode_attention_stacked(lead(q, in_batched[0]), k_cache, v_cache, layer, lead(mask, in_batched[4]),
-                                       lead(limit, in_batched[5]), scale, interpret=interpret)
+                                       lead(limit, in_batched[5]), scale, interpret=interpret, rows=rows)
         return out, True
 
     return call
 
 
-def decode_attention(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False):
-    return _batched(float(scale), bool(interpret))(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), mask,
-                                                   jnp.asarray(limit, jnp.int32))
+def decode_attention(q, k_cache, v_cache, layer, mask, limit, scale, *, interpret=False, rows=False):
+    """mask: bool [B,T,S], or with `rows` the [B,Rm,S] operand `mask_rows` made from it."""
+    return _batched(float(scale), bool(interpret), bool(rows))(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32),
+                                                               mask, jnp.asarray(limit, jnp.int32))

@@ -75,7 +75,7 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
     Training forward: no cache; ``mask`` is the SegmentCausalMask of the chunk itself. Cached
     decoding: ``cache`` {"k", "v"} [L,B,S,Hkv,D], this ``layer``'s index and the ``slots_bt`` [B,T]
     its new K/V go to; attention runs over the layer's whole cache row under the bool [B,T,S]
-    ``mask`` of :func:`cache_attention_mask`.
+    ``mask`` of :func:`cache_attention_mask` (or the ChunkMask ``decoding.chunk_inputs`` builds from it).
     """
     b, t, _ = h_btd.shape
     q = (h_btd @ p["q_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)
@@ -154,7 +154,8 @@ def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh) -> dict:
 
 
 def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: AttentionConfig):
-    """Attention of a chunk's queries over `layer` of the cache (its own K/V already written).
+    """Attention of a chunk's queries over `layer` of the cache (its own K/V already written), under
+    the chunk's bool [B,T,S] mask or the ChunkMask `decoding.chunk_inputs` prepared for every layer.
     Short chunks (decode steps, draft verification) take `specjax_kernels.decode_attention` when it
     is chosen (a GPU kernel reading the live prefix of the stacked cache in place); the rest, and a
     prefill, slice the layer out and run the plain / blocked path."""
@@ -166,7 +167,7 @@ def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: Attent
                                        implementation=spec.decode_implementation)
     k = jax.lax.dynamic_index_in_dim(cache["k"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
     v = jax.lax.dynamic_index_in_dim(cache["v"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
-    return dot_product_attention(q_btnh, k, v, mask_bts, scale=scale, q_block=spec.q_block,
+    return dot_product_attention(q_btnh, k, v, decode.plain_mask(mask_bts), scale=scale, q_block=spec.q_block,
                                  implementation=spec.implementation)
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.targets.layers.attention import cache_attention_mask, cache_size_for
+from specjax_kernels.decode_attention import api as decode_attention
+
+from specjax.targets.layers.attention import AttentionConfig, cache_attention_mask, cache_size_for
 
 
 def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -22,15 +24,21 @@ def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: 
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def chunk_inputs(cache: dict, input_ids_bt: jax.Array, start_b, chunk_mask_btt=None, valid_from_b=None):
-    """(start [B] int32, bool attention mask [B,T,S], write slots [B,T]) of a chunk written at
-    slots start[b].. (chunk mask causal by default), exactly as ``llama.decode_chunk`` builds them."""
+def chunk_inputs(cache: dict, input_ids_bt: jax.Array, start_b, chunk_mask_btt=None, valid_from_b=None,
+                 attention: AttentionConfig | None = None):
+    """(start [B] int32, attention mask, write slots [B,T]) of a chunk written at slots start[b]..
+    (chunk mask causal by default), exactly as ``llama.decode_chunk`` builds them. The mask is bool
+    [B,T,S]; given the target's ``attention`` config, it is the ChunkMask that every layer's
+    decode-attention kernel reads, its operand built here once rather than in each layer."""
     b, t = input_ids_bt.shape
     num_slots = cache["k"].shape[2]
     start_b = jnp.asarray(start_b, jnp.int32).reshape(b)
     if chunk_mask_btt is None:
         chunk_mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     mask = cache_attention_mask(start_b, num_slots, chunk_mask_btt, valid_from_b)
+    if attention is not None:
+        mask = decode_attention.prepare_mask(mask, attention.num_heads, attention.head_dim, cache["k"].shape,
+                                             attention.decode_implementation)
     slots = start_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return start_b, mask, slots
 
