@@ -307,7 +307,7 @@ def _run(a) -> int:
                      if "spec_loop_steps" in row else ""), flush=True)
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()],
-                          "jax": jax.__version__},
+                          "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")},
               "settings": {k: v for k, v in vars(a).items()},
               "target": depth or {"num_hidden_layers": getattr(target.config, "num_hidden_layers", None)}, "rows": rows}
     return write_results(result, a.out)

@@ -102,6 +102,8 @@ def test_bf16_draft_flag(tiny_target, tmp_path):
     res = json.loads(out.read_text())
     assert res["settings"]["draft_dtype"] == "bfloat16"
     assert res["rows"][0]["rows_equal_greedy"] == 2
+    # the XLA options the run compiled under are part of its record (conftest sets some)
+    assert res["machine"]["xla_flags"] == os.environ["XLA_FLAGS"] != ""
 
 
 def test_refill_both_arms_in_device(tiny_target, tmp_path):
