@@ -186,6 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the dtype the EAGLE-3 draft computes in (SpecDecoder draft_dtype); bfloat16 is how a "
                          "serving engine runs a head beside a bf16 target")
+    ap.add_argument("--decode-attention", default="auto",
+                    choices=("auto", "reference", "xla", "pallas_gpu", "pallas_gpu_split"),
+                    help="the cached decoding's attention for both arms (kernels.decode_attention); auto = "
+                         "pallas_gpu on a GPU")
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also time the second turns, after the greedy arm's first answers (a row per turn and "
                          "one for both)")
@@ -229,6 +233,10 @@ def _run(a) -> int:
         target = make_target(hf, random_params_on_device(type(target), target.config, dtype=jnp_dtype(a.dtype)))
     else:
         target = load_target(a.target, dtype=a.dtype)
+    if a.decode_attention != "auto":
+        import dataclasses
+        cfg = dataclasses.replace(target.config, decode_attention_implementation=a.decode_attention)
+        target = type(target)(cfg, target.hf_config, target.params)
     if a.draft:
         draft = load_draft(a.draft)
     else:

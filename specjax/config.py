@@ -254,7 +254,7 @@ class KernelsConfig(_Checked):
     target_attention_q_block: int = _ranged(0, ge=0)
     # the attention of cached decoding (generation, regeneration, speculative decoding, decode_eval):
     # auto = the pallas_gpu kernel on a GPU for short chunks (a prefill takes the xla path), xla elsewhere
-    decode_attention: Literal["auto", "reference", "xla", "pallas_gpu"] = "auto"
+    decode_attention: Literal["auto", "reference", "xla", "pallas_gpu", "pallas_gpu_split"] = "auto"
 
 
 @dataclass(frozen=True)

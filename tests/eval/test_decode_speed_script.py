@@ -117,3 +117,21 @@ def test_refill_both_arms_in_device(tiny_target, tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["prompts"] == 4 and row["rows_equal_greedy"] == 4
     assert row["greedy_tokens"] == row["spec_tokens"] > 0
+
+
+def test_decode_attention_flag_reaches_both_arms(tmp_path, repo_root):
+    """--decode-attention pallas_gpu_split runs the split kernel (interpret mode here) in cached decoding,
+    and the speculative output still equals greedy (fp32 under `highest`)."""
+    from specjax_kernels._select import recording_choices
+
+    out = tmp_path / "speed.json"
+    with recording_choices() as chosen:
+        assert decode_speed.main([
+            "--random-target", os.path.join(repo_root, "configs/targets/smollm2_135m"), "--layers", "3",
+            "--prompt-len", "8", "--limit", "2", "--batch", "2", "--k", "2", "--max-new-tokens", "4",
+            "--dtype", "float32", "--matmul-precision", "highest", "--repeats", "1",
+            "--decode-attention", "pallas_gpu_split", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["settings"]["decode_attention"] == "pallas_gpu_split"
+    assert "pallas_gpu_split" in chosen["decode_attention"]
+    assert res["rows"][0]["rows_equal_greedy"] == 2

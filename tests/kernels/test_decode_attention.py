@@ -8,7 +8,8 @@ sends a prefill chunk and the xla choice to the slice-the-layer path. Then a tar
 with `decode_attention_implementation="pallas_gpu"` equals its xla decode (logits 1e-5), and a
 batched SpecLoop (one target call verifying every row) produces the same tokens and accept counts.
 The mask operand prepared once per chunk (`api.prepare_mask`) gives the bool mask's output exactly, and
-in every family's cached decode the int8 mask work sits outside the layer loops, once."""
+in every family's cached decode the int8 mask work sits outside the layer loops, once. Split-K
+(`pallas_gpu_split`) meets the same 2e-5 bar for 2, 4 and 8 splits, also with splits that hold no live block."""
 import dataclasses
 
 import jax
@@ -56,11 +57,42 @@ def test_kernel_equals_reference(G, T, tree):
         assert _diff(got2, reference.decode_attention(q, k, v, 1, mask, limit, 0.25)) < 2e-5
 
 
+@pytest.mark.parametrize("G,T,tree,S", [(3, 1, False, 512), (3, 6, False, 512), (2, 4, True, 256), (1, 1, False, 128)])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_kernel_equals_reference(G, T, tree, S, splits):
+    """Split-K: every split count against the reference and the one-program kernel, with row 0's live
+    prefix one key block long (its other splits empty) and the others anywhere in the cache."""
+    q, k, v, mask, limit = _case(G * 10 + T + splits, G=G, T=T, tree=tree, S=S)
+    with jax.default_matmul_precision("highest"):
+        for layer in (0, 2):
+            want = reference.decode_attention(q, k, v, layer, mask, limit, 0.25)
+            got = pallas_gpu.decode_attention(q, k, v, layer, mask, limit, 0.25, interpret=True, splits=splits)
+            one = pallas_gpu.decode_attention(q, k, v, layer, mask, limit, 0.25, interpret=True)
+            assert _diff(got, want) < 2e-5 and _diff(got, one) < 2e-5
+        # through the api by name, with the prepared mask rows, and vmapped (the rule folds the axis in)
+        cm = api.prepare_mask(mask, q.shape[2], q.shape[3], k.shape, "pallas_gpu_split")
+        assert cm.rows is not None
+        got = api.decode_attention(q, k, v, 1, cm, limit, scale=0.25, implementation="pallas_gpu_split")
+        assert _diff(got, reference.decode_attention(q, k, v, 1, mask, limit, 0.25)) < 2e-5
+        qs, ks = jnp.stack([q, -q]), jnp.stack([k, k * 0.5])
+        got_v = jax.vmap(lambda q_, k_: pallas_gpu.decode_attention(q_, k_, v, 1, mask, limit, 0.25, interpret=True,
+                                                                     splits=splits))(qs, ks)
+        assert _diff(got_v[1], reference.decode_attention(-q, k * 0.5, v, 1, mask, limit, 0.25)) < 2e-5
+    # garbage past the live limit changes nothing
+    k2 = k.at[:, :, S - 1].set(1e4)
+    got2 = pallas_gpu.decode_attention(q, k2, v, 1, mask, jnp.minimum(limit, S - 1), 0.25, interpret=True,
+                                       splits=splits)
+    with jax.default_matmul_precision("highest"):
+        assert _diff(got2, reference.decode_attention(q, k, v, 1, mask, limit, 0.25)) < 2e-5
+
+
 def test_kernel_bf16():
     q, k, v, mask, limit = _case(7, G=3, T=2, dtype=jnp.bfloat16)
     want = reference.decode_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1,
                                       mask, limit, 0.25)
     got = pallas_gpu.decode_attention(q, k, v, 1, mask, limit, 0.25, interpret=True)
+    assert got.dtype == jnp.bfloat16 and _diff(got, want) < 2e-2
+    got = pallas_gpu.decode_attention(q, k, v, 1, mask, limit, 0.25, interpret=True, splits=2)
     assert got.dtype == jnp.bfloat16 and _diff(got, want) < 2e-2
 
 
@@ -99,8 +131,9 @@ def _with(target, impl):
     return type(target)(cfg, target.hf_config, target.params)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "looped_llama"])
-def test_decoding_through_the_kernel(family, monkeypatch):
+@pytest.mark.parametrize("family,kernel", [("qwen3_moe", "pallas_gpu"), ("looped_llama", "pallas_gpu"),
+                                           ("qwen3_moe", "pallas_gpu_split")])
+def test_decoding_through_the_kernel(family, kernel, monkeypatch):
     from parity.test_decoding_families import build, random_draft
 
     from specjax_kernels._select import recording_choices
@@ -108,7 +141,8 @@ def test_decoding_through_the_kernel(family, monkeypatch):
     from specjax.eval.spec_decode import SpecDecoder
     from specjax.eval.spec_loop import SpecLoop
 
-    monkeypatch.setattr(api, "PREFERENCE", {**api.PREFERENCE, "cpu": ["pallas_gpu", "xla"]})  # auto = kernel
+    monkeypatch.setattr(api, "PREFERENCE", {**api.PREFERENCE, "cpu": [kernel, "xla"]})  # auto = kernel
+    monkeypatch.setattr(api, "SPLITS", 3)  # the 256-slot cache's 4 key blocks over 3 splits: uneven shares
     base = build(family, head_dim=16)  # the kernel's smallest head_dim
     xla, kern = _with(base, "xla"), _with(base, "auto")
     prompt = jnp.asarray([[5, 17, 3, 9, 11, 2, 40, 8]], jnp.int32)
@@ -126,7 +160,7 @@ def test_decoding_through_the_kernel(family, monkeypatch):
         prompts = [[5, 17, 3, 9, 11, 2, 40], [3, 1, 4], list(range(20, 33))]
         rows = [SpecLoop(SpecDecoder(t, random_draft(t), num_spec_tokens=3)).generate(prompts, max_new_tokens=10)
                 for t in (xla, kern)]
-    assert chosen["decode_attention"] == {"xla", "pallas_gpu"}  # the kernel ran (and the prefills took xla)
+    assert chosen["decode_attention"] == {"xla", kernel}  # the kernel ran (and the prefills took xla)
     for a, b in zip(*rows):
         assert (a.tokens, a.accept_lengths, a.accepted_per_position) == (b.tokens, b.accept_lengths,
                                                                          b.accepted_per_position)
@@ -154,6 +188,13 @@ def test_kernel_lowers_for_cuda_on_this_machine(T):
                    sds((V, L, B, S, K, H), jnp.bfloat16), rows, sds((V, B), jnp.int32)).lower(
                        lowering_platforms=("cuda",)).as_text()
     assert "decode_attention" in text and text.count("stablehlo.pad") == 1
+    # split-K lowers too: the split kernel, its three outputs merged outside it
+    h = jax.jit(lambda q, k, v, m, lim: pallas_gpu.decode_attention_stacked(q, k, v, jnp.int32(1), m, lim, 0.125,
+                                                                           rows=True, splits=4))
+    text = h.trace(sds((V, B, T, N, H), jnp.bfloat16), sds((V, L, B, S, K, H), jnp.bfloat16),
+                   sds((V, L, B, S, K, H), jnp.bfloat16), rows, sds((V, B), jnp.int32)).lower(
+                       lowering_platforms=("cuda",)).as_text()
+    assert "decode_attention_split" in text and "tensor<4x3x4x" in text  # [V*B, K, splits, ...] partial states
 
 
 # ---- the mask operand, built once per chunk (api.prepare_mask) --------------------------------------

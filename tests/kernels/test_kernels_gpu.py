@@ -151,8 +151,9 @@ def test_moe_auto_takes_mgpu_on_one_hopper_gpu(monkeypatch):
 
 
 # ---- cached decoding's attention over the stacked KV cache (specjax_kernels.decode_attention) ----------
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("dtype,T", [(jnp.bfloat16, 1), (jnp.bfloat16, 6), (jnp.float32, 6)])
-def test_decode_attention_pallas_gpu(dtype, T):
+def test_decode_attention_pallas_gpu(dtype, T, splits):
     from specjax_kernels.decode_attention import pallas_gpu, reference
 
     rng = np.random.default_rng(T)
@@ -169,7 +170,8 @@ def test_decode_attention_pallas_gpu(dtype, T):
     with jax.default_matmul_precision("highest"):
         want = reference.decode_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 2,
                                           mask, limit, 0.125)
-        got = jax.jit(lambda *a: pallas_gpu.decode_attention(*a, 0.125))(q, k, v, jnp.int32(2), mask, limit)
+        got = jax.jit(lambda *a: pallas_gpu.decode_attention(*a, 0.125, splits=splits))(q, k, v, jnp.int32(2), mask,
+                                                                                         limit)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < tol
 

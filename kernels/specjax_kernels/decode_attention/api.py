@@ -4,6 +4,8 @@
   xla         the same (the name the other kernels use for "let XLA do it")
   pallas_gpu  one Triton program per (row, kv head) walking the live prefix of the stacked cache
               (pallas_gpu.py says why); interpret mode on the CPU
+  pallas_gpu_split  the same kernel with split-K: SPLITS programs per (row, kv head) share the live
+              blocks, one XLA fusion merges them (only by name until a GPU run times it)
 None / "auto" = pallas_gpu on a GPU when it takes the call (`pallas_gpu.supports`: short chunks, head_dim
 a power of two), else xla; the fallback is logged once. The H200 regeneration numbers behind the GPU
 choice are in benchmarks/results/kernels.md ("Decode attention").
@@ -57,7 +59,7 @@ def prepare_mask(mask, num_heads: int, head_dim: int, cache_shape, implementatio
     b, t, s = mask.shape
     kv = cache_shape[-2]
     name, _ = _select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
-    if name != "pallas_gpu":
+    if name not in KERNELS:
         return ChunkMask(mask)
     from specjax_kernels.decode_attention.pallas_gpu import mask_rows, supports
     if supports((b, t, num_heads, head_dim), cache_shape) is not None:
@@ -73,7 +75,7 @@ def _reference():
     return call
 
 
-def _pallas_gpu():
+def _pallas_gpu(splits: int = 1):
     backend = target_platform()
     if backend not in ("gpu", "cpu"):
         raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
@@ -82,11 +84,14 @@ def _pallas_gpu():
     def call(q, k_cache, v_cache, layer, mask, limit, scale):
         rows = isinstance(mask, ChunkMask) and mask.rows is not None
         return fn(q, k_cache, v_cache, layer, mask.rows if rows else plain_mask(mask), limit, scale,
-                  interpret=backend == "cpu", rows=rows)
+                  interpret=backend == "cpu", rows=rows, splits=splits)
     return call
 
 
-IMPLEMENTATIONS = {"reference": _reference, "xla": _reference, "pallas_gpu": _pallas_gpu}
+SPLITS = 4  # pallas_gpu_split's programs per (row, kv head); a guess until a GPU run times it
+KERNELS = ("pallas_gpu", "pallas_gpu_split")  # the Triton kernels (same shapes taken, same mask operand)
+IMPLEMENTATIONS = {"reference": _reference, "xla": _reference, "pallas_gpu": _pallas_gpu,
+                   "pallas_gpu_split": lambda: _pallas_gpu(SPLITS)}
 PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["pallas_gpu", "xla", "reference"],
               "tpu": ["xla", "reference"]}
 
@@ -96,7 +101,7 @@ def takes(q_shape, cache_shape, implementation: Optional[str] = None) -> bool:
     it), or keep its own slice-the-layer path (xla, and a pallas_gpu choice that cannot take the
     shape: a prefill chunk; that fallback is logged once)."""
     name, _ = _select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
-    if name == "pallas_gpu":
+    if name in KERNELS:
         from specjax_kernels.decode_attention.pallas_gpu import supports
         why = supports(q_shape, cache_shape)
         if why is not None:
@@ -115,9 +120,9 @@ def decode_attention(q, k_cache, v_cache, layer, mask, limit, *, scale: float,
     visible: the chunk's last slot + 1) -> [B,T,N,H] in q's dtype. pallas_gpu raises on a shape it
     does not take (`takes` says beforehand)."""
     name, fn = select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
-    if name == "pallas_gpu":
+    if name in KERNELS:
         from specjax_kernels.decode_attention.pallas_gpu import supports
         why = supports(q.shape, k_cache.shape)
         if why is not None:
-            raise ValueError(f"decode_attention pallas_gpu: {why}; use implementation='xla'")
+            raise ValueError(f"decode_attention {name}: {why}; use implementation='xla'")
     return fn(q, k_cache, v_cache, layer, mask, limit, scale)
