@@ -12,8 +12,9 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
         decoder blocks at full width, see `cut_depth`, and the result's "target" says which)
 
 Greedy: `specjax.eval.generate.generate` (prefill + one `lax.while_loop` of one-token steps per
-batch; with --refill one loop for all prompts, rows refilled inside it, as the speculative arm's). Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of steps: the
-drafts per row, vmapped, then one target call verifying every row). The prompts are the first user turns of the set,
+batch; with --refill one loop for all prompts, rows refilled inside it, as the speculative arm's).
+Speculative: `specjax.eval.spec_loop.SpecLoop` (prefill + one `lax.while_loop` of steps: the drafts per
+row, vmapped, then one target call verifying every row). The prompts are the first user turns of the set,
 chat-templated; every batch is timed `--repeats` times after one untimed call (the compile), and
 tok/s is new tokens / wall time of the whole batch (host included). Both arms share the prompts,
 the target, dtype and matmul precision. The speculative arm's tokens are compared with the greedy

@@ -25,8 +25,8 @@ from specjax.drafts.vocab import DraftVocab
 from specjax.eval.generate import generate
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.targets import nemotron_h as nh
-from test_decoding_families import (MAX_NEW, PROMPT, VOCAB, OneWrongChain, OneWrongTree, one_wrong_accept_lengths,
-                                    random_draft)
+from parity.test_decoding_families import (MAX_NEW, PROMPT, VOCAB, OneWrongChain, OneWrongTree,
+                                           one_wrong_accept_lengths, random_draft)
 
 ATOL = RTOL = 1e-5
 WINDOW = 16  # decode_state_window: >= the longest verify chunk below (a tree of 1 + 2 + 4 + 8 rows)
@@ -35,20 +35,21 @@ REF_SHAPE = (8, 32)  # every reference forward runs at one padded shape (causal:
 # signatures (B=2; T=9 with a chunk mask, T=1, T=3, T=20 with logits_index) and one reference shape.
 
 
-def _config(vocab=VOCAB):
+def _config(vocab=VOCAB, **overrides):
     hf = dict(
         architectures=[nh.ARCHITECTURE], vocab_size=vocab, hidden_size=32,
         layers_block_type=[nh.MAMBA, nh.MOE, nh.ATTENTION, nh.MAMBA], num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
         ssm_state_size=8, conv_kernel=4, chunk_size=4, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
-    return nh.NemotronHTargetConfig.from_hf(hf, decode_state_window=WINDOW)
+    return nh.NemotronHTargetConfig.from_hf(dict(hf, **overrides), decode_state_window=WINDOW)
 
 
-def build(seed=0, vocab=VOCAB):
+def build(seed=0, vocab=VOCAB, **overrides):
     """HF-style init (A_log, dt_bias, D) with noise on the SSM parameters and matrices N(0, 0.15^2)
-    (embeddings and lm_head 0.5), so logits are O(1) and the SSM decays differ per head."""
-    cfg = _config(vocab)
+    (embeddings and lm_head 0.5), so logits are O(1) and the SSM decays differ per head. `overrides`:
+    other HF config fields (head_dim=16 for the decode-attention kernel's smallest head)."""
+    cfg = _config(vocab, **overrides)
     params = nh.init_params(cfg, jax.random.key(seed), std=0.15)
     key = jax.random.key(seed + 1)
     m = params["mamba"]["mixer"]
