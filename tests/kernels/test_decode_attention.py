@@ -86,6 +86,25 @@ def test_split_kernel_equals_reference(G, T, tree, S, splits):
         assert _diff(got2, reference.decode_attention(q, k, v, 1, mask, limit, 0.25)) < 2e-5
 
 
+@pytest.mark.parametrize("T", [1, 6])
+def test_split_kernel_with_a_masked_live_split(T):
+    """A split whose live key blocks are all masked (a short prompt padded to a longer bucket leaves such a
+    hole before the generated tokens): it carries m = MASK with a nonzero sum and must weigh 0 in the merge.
+    Large keys in the hole make any leak show."""
+    q, k, v, mask, limit = _case(50 + T, G=3, T=T, S=512)
+    hole = np.zeros((512,), bool)
+    hole[64:320] = True  # key blocks 1..4: with 8 live blocks and 4 splits, split 1 (blocks 2, 3) sees nothing
+    mask = jnp.asarray(np.asarray(mask) & ~hole)
+    limit = jnp.full_like(limit, 512 - 12)
+    mask = mask.at[:, :, 320:500].set(True)
+    k = k.at[:, :, 64:320].set(k[:, :, 64:320] * 1e3)
+    with jax.default_matmul_precision("highest"):
+        want = reference.decode_attention(q, k, v, 1, mask, limit, 0.25)
+        for splits in (2, 4, 8):
+            got = pallas_gpu.decode_attention(q, k, v, 1, mask, limit, 0.25, interpret=True, splits=splits)
+            assert _diff(got, want) < 2e-5, splits
+
+
 def test_kernel_bf16():
     q, k, v, mask, limit = _case(7, G=3, T=2, dtype=jnp.bfloat16)
     want = reference.decode_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), 1,
