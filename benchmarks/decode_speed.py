@@ -4,7 +4,7 @@ speculative tok/s >= 1.3x greedy tok/s at batch 1 and 8, K = 5 chain, same preci
     python benchmarks/decode_speed.py --target DIR --draft HEAD [--prompts mtbench --limit 16]
         [--batch 1,8] [--k 5] [--max-new-tokens 128] [--dtype bfloat16] [--matmul-precision default]
         [--repeats 3] [--out results.json] [--profile TRACE_DIR [--profile-batches 8]] [--refill] [--unroll-layers]
-        [--turns 2] [--draft-dtype bfloat16]
+        [--turns 2] [--draft-dtype auto|float32|bfloat16]
     python benchmarks/decode_speed.py --random-target configs/targets/qwen3_30b_a3b [--limit 8 --prompt-len 256]
         [--layers N]
         (a target of that config.json's shape with random weights drawn on the device, a random EAGLE-3
@@ -184,9 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--unroll-layers", action="store_true",
                     help="trace the target's layer scans fully unrolled (specjax.targets.layers.scan."
                          "unrolled_layer_scans) for both arms: the decoding experiment of decode_speed.md, run 5")
-    ap.add_argument("--draft-dtype", choices=("float32", "bfloat16"), default="float32",
+    ap.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="the dtype the EAGLE-3 draft computes in (SpecDecoder draft_dtype); bfloat16 is how a "
-                         "serving engine runs a head beside a bf16 target")
+                         "serving engine runs a head beside a bf16 target; auto (default) = the target's dtype, "
+                         "recorded resolved in the result's settings")
     ap.add_argument("--decode-attention", default="auto",
                     choices=("auto", "reference", "xla", "pallas_gpu", "pallas_gpu_split"),
                     help="the cached decoding's attention for both arms (kernels.decode_attention); auto = "
@@ -244,6 +245,7 @@ def _run(a) -> int:
         draft = random_draft(target)
     precision = None if a.matmul_precision == "default" else a.matmul_precision
     dec = SpecDecoder(target, draft, num_spec_tokens=a.k, matmul_precision=precision, draft_dtype=a.draft_dtype)
+    a.draft_dtype = dec.draft_dtype  # "auto" resolved, for the record
     loop = SpecLoop(dec)
     if a.random_target:
         rng = np.random.default_rng(0)

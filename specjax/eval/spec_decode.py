@@ -172,8 +172,11 @@ def _f32(tree):
 
 
 # The dtype an EAGLE-3 draft computes in: float32, or bfloat16 as a serving engine runs a head beside
-# a bf16 target (SpecDecoder's draft_dtype). Its logits are accumulated in fp32 either way.
-DRAFT_DTYPES = ("float32", "bfloat16")
+# a bf16 target (SpecDecoder's draft_dtype). Its logits are accumulated in fp32 either way. "auto" takes
+# the target's dtype (bf16 for a bf16 target; float32 otherwise and for a DFlash head): at batch 8 on an
+# H100 the bf16 draft made a speculative loop iteration 4% cheaper at the same tau
+# (benchmarks/results/decode_speed.md, run 10).
+DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _dtype_of(dp):
@@ -489,7 +492,7 @@ class SpecDecoder:
 
     def __init__(self, target, draft: Draft, *, num_spec_tokens: int = 5, mode: str = "chain",
                  tree_top_k: int = 2, tree_max_width: int | None = None, matmul_precision: str | None = "auto",
-                 draft_dtype: str = "float32"):
+                 draft_dtype: str = "auto"):
         target.require_decoding()
         if draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
@@ -542,6 +545,9 @@ class SpecDecoder:
         if matmul_precision not in (None, "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"):
             raise ValueError(f"matmul_precision must be 'auto', None or a jax precision name, got {matmul_precision!r}")
         self.matmul_precision = matmul_precision
+        if draft_dtype == "auto":
+            draft_dtype = ("bfloat16" if self.embed.dtype == jnp.bfloat16 and not self.block_drafter
+                           else "float32")
         if self.block_drafter and draft_dtype != "float32":
             raise ValueError(f"draft_dtype={draft_dtype!r}: a DFlash head drafts in float32 here; use "
                              "draft_dtype='float32'")

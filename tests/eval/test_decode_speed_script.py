@@ -51,7 +51,9 @@ def test_first_turn_loop_steps_equal_the_per_prompt_decoders(tiny_target, tmp_pa
     assert decode_speed.main(["--target", tiny_target, "--prompts", "mtbench", "--limit", "2", "--batch", "2",
                               "--k", "3", "--max-new-tokens", "6", "--dtype", "float32", "--matmul-precision",
                               "highest", "--repeats", "1", "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert res["settings"]["draft_dtype"] == "float32"  # the default "auto", resolved for an fp32 target
     prompts, eos, _ = decode_speed._prompts(tiny_target, "mtbench", 2)
     target = load_target(tiny_target, dtype="float32")
     dec = SpecDecoder(target, random_draft(target), num_spec_tokens=3, matmul_precision="highest")

@@ -176,6 +176,24 @@ def test_bf16_draft_stays_lossless(target, kind, mode, refill):
         assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 2e-2 * scale, (scale,)
 
 
+def test_auto_draft_dtype_follows_the_target(target):
+    """draft_dtype="auto" (the default): bf16 for a bf16 target's EAGLE-3 or P-EAGLE head, float32 for an
+    fp32 target's and for a DFlash head (which drafts in float32 here)."""
+    import jax.numpy as jnp
+
+    bf16 = type(target)(target.config, target.hf_config,
+                        jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), target.params))
+    assert bf16.embed_table(bf16.params).dtype == jnp.bfloat16
+    dec = SpecDecoder(target, _head(target, "eagle3"), num_spec_tokens=3)
+    assert dec.draft_dtype == "float32"
+    assert {x.dtype for x in jax.tree.leaves(dec.draft_params)} == {jnp.dtype(jnp.float32)}
+    for kind in ("eagle3", "p_eagle"):
+        dec = SpecDecoder(bf16, _head(bf16, kind), num_spec_tokens=3)
+        assert dec.draft_dtype == "bfloat16"
+        assert {x.dtype for x in jax.tree.leaves(dec.draft_params)} == {jnp.dtype(jnp.bfloat16)}
+    assert SpecDecoder(bf16, _head(bf16, "dflash"), num_spec_tokens=3).draft_dtype == "float32"
+
+
 def test_draft_dtype_is_checked(target):
     with pytest.raises(ValueError, match="draft_dtype must be one of"):
         SpecDecoder(target, _head(target, "eagle3"), draft_dtype="float16")
