@@ -30,14 +30,15 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "parity"), os.path.join(ROOT, "tests", "eval"),
-                os.path.join(ROOT, "kernels")]
+# the suite's own module names (tests/ on the path, as pytest has it): the Nemotron-H tests import
+# parity.test_decoding_families, so one module serves both
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "kernels")]
 
 
 def _targets(tmp: str, vocab: int | None = None):
-    import test_decoding_families as fam
-    import test_decoding_nemotron_h as nemo
-    from _models import VOCAB, build_target
+    import parity.test_decoding_families as fam
+    import parity.test_decoding_nemotron_h as nemo
+    from eval._models import VOCAB, build_target
 
     from specjax.targets import load_target
 
