@@ -5,7 +5,11 @@ The tasks (`TASKS`), each giving its problems, the user turn of a problem and th
 
 * humaneval: each HumanEval problem is sent as the humaneval preset's user turn (the whole function
   asked for in one ```python block), and every reply is checked by running the problem's tests in a
-  child process (`specjax.eval.task_accuracy`; never in this process).
+  sandboxed child process (`specjax.eval.task_accuracy`, `specjax.eval.sandbox`; never in this
+  process). Before any request is sent, `run_accuracy` probes the sandbox: where this machine cannot
+  isolate generated code it stops with `SandboxUnavailable` naming what is missing, unless
+  `unsafe_exec` (--unsafe-exec) is set, which runs the programs with weaker isolation, logs a
+  warning and records it in the results' `exec` section (`unsafe_exec`, `sandbox_unavailable`).
 * arithmetic: seeded small-integer sums, differences and products ("What is 7 + 5? Reply with just
   the number."), each reply checked by extracting its number and comparing it to the answer
   (`specjax.eval.arithmetic_task`; nothing runs). A task a small target partly solves, for when
@@ -39,21 +43,24 @@ from specjax.eval import arithmetic_task as at
 from specjax.eval import stats
 from specjax.eval import task_accuracy as ta
 
-__all__ = ["TASKS", "problems_for", "default_max_tokens", "run_accuracy", "score_run", "compare_arms"]
+__all__ = ["TASKS", "problems_for", "default_max_tokens", "execution_isolation", "run_accuracy", "score_run",
+           "compare_arms"]
 
 
 @dataclass(frozen=True)
 class _Task:
     """What a task provides: its problems (the first `limit`), the user turn of a problem, the
-    verdict dicts of (problem, reply) pairs in order (a reply of None: the request failed), the
-    task's own per-run counts over the verdict rows, its default max_tokens, and what is recorded
-    about its scoring in the results (a dict merged into the accuracy section)."""
+    verdict dicts of (problem, reply) pairs in order (a reply of None: the request failed; then the
+    time limit, workers and unsafe_exec), the task's own per-run counts over the verdict rows, its
+    default max_tokens, what is recorded about its scoring in the results (a dict merged into the
+    accuracy section; (timeout_s, workers, unsafe_exec)), and whether it runs generated code."""
     load: Callable[[Optional[int]], list]
     user_turn: Callable[[Any], str]
-    check: Callable[[Sequence, Sequence[Optional[str]], float, int], list[dict]]
+    check: Callable[[Sequence, Sequence[Optional[str]], float, int, bool], list[dict]]
     counts: tuple[tuple[str, Callable[[dict], bool]], ...]
     max_tokens: int
-    scoring: Callable[[float, int], dict]
+    scoring: Callable[[float, int, bool], dict]
+    runs_code: bool = False
 
 
 def _humaneval_turn(p: ta.Problem) -> str:
@@ -65,18 +72,21 @@ def _humaneval_turn(p: ta.Problem) -> str:
 _TASKS = {
     "humaneval": _Task(
         load=ta.load_humaneval, user_turn=_humaneval_turn,
-        check=lambda ps, rs, timeout_s, workers: [
-            v.to_dict() for v in ta.check_replies(ps, rs, timeout_s=timeout_s, workers=workers)],
+        check=lambda ps, rs, timeout_s, workers, unsafe_exec: [
+            v.to_dict() for v in ta.check_replies(ps, rs, timeout_s=timeout_s, workers=workers,
+                                                  unsafe_exec=unsafe_exec)],
         counts=(("no_code_block", lambda r: r["code_found"] in ("whole reply", "none")),
                 ("timed_out", lambda r: r["result"].startswith("timed out"))),
         max_tokens=512,
-        scoring=lambda timeout_s, workers: {"exec": dict(ta.isolation(), timeout_s=timeout_s, workers=workers)}),
+        scoring=lambda timeout_s, workers, unsafe_exec: {
+            "exec": dict(ta.isolation(unsafe_exec), timeout_s=timeout_s, workers=workers)},
+        runs_code=True),
     "arithmetic": _Task(
         load=at.generate_problems, user_turn=at.ArithmeticProblem.user_turn,
-        check=lambda ps, rs, timeout_s, workers: [v.to_dict() for v in at.check_replies(ps, rs)],
+        check=lambda ps, rs, timeout_s, workers, unsafe_exec: [v.to_dict() for v in at.check_replies(ps, rs)],
         counts=(("no_number", lambda r: r["how"] == "none"),),
         max_tokens=at.DEFAULT_MAX_TOKENS,
-        scoring=lambda timeout_s, workers: {"scoring": at.describe()}),
+        scoring=lambda timeout_s, workers, unsafe_exec: {"scoring": at.describe()}),
 }
 TASKS = tuple(_TASKS)
 
@@ -98,14 +108,30 @@ def default_max_tokens(task: str) -> int:
     return _task(task).max_tokens
 
 
+def execution_isolation(task: str, unsafe_exec: bool = False, log: Callable[[str], None] = print) -> Optional[dict]:
+    """For a task that runs generated code (humaneval): how it will be isolated (the results' `exec`
+    section, without the time limit and workers), after a real probe of the sandbox. Raises
+    `ta.SandboxUnavailable` (naming what is missing and --unsafe-exec) when the sandbox does not work
+    and `unsafe_exec` is not set; with it, logs a warning and returns the weaker isolation. None for a
+    task that runs nothing. Call it before any request (`run_accuracy` does)."""
+    if not _task(task).runs_code:
+        return None
+    iso = ta.isolation(unsafe_exec)
+    if iso.get("sandbox") is None:
+        log(f"warning: --unsafe-exec: this machine cannot sandbox the generated code ({iso['sandbox_unavailable']}); "
+            "it runs with weaker isolation: it can read and write your files, signal your processes and leave "
+            "processes behind")
+    return iso
+
+
 def score_run(problems: Sequence, level_result: dict, *, timeout_s: float = ta.DEFAULT_TIMEOUT_S, workers: int = 2,
-              task: str = "humaneval") -> dict:
+              task: str = "humaneval", unsafe_exec: bool = False) -> dict:
     """Check every reply of one run (a `run_level` result over the problems) and count."""
     tdef = _task(task)
     by_id = {r["job_id"]: r for r in level_result["requests"]}
     replies = [by_id[p.task_id]["text"] if p.task_id in by_id and by_id[p.task_id]["ok"] else None
                for p in problems]
-    verdicts = tdef.check(problems, replies, timeout_s, workers)
+    verdicts = tdef.check(problems, replies, timeout_s, workers, unsafe_exec)
     rows = []
     for p, v in zip(problems, verdicts):
         r = by_id.get(p.task_id) or {}
@@ -173,11 +199,14 @@ def compare_arms(runs: dict[str, list[dict]], temperature: float, margin: float,
 def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Sequence, *,
                  temperatures: Sequence[float], runs: int, concurrency: int, max_tokens: int, margin: float,
                  alpha: float, timeout_s: float = ta.DEFAULT_TIMEOUT_S, workers: int = 2,
-                 system: Optional[str] = None, extra_body: Optional[dict] = None, request_timeout: float = 600.0,
+                 system: Optional[str] = None, extra_body: Optional[dict] = None,
+                 request_timeout: Optional[float] = None,
                  level: float = 0.95, task: str = "humaneval",
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, unsafe_exec: bool = False) -> dict:
     """Generate and check the problems on every arm at every temperature (one run at temperature 0,
-    `runs` runs above it) and compare the arms. Returns the `accuracy` section of results.json."""
+    `runs` runs above it) and compare the arms. Returns the `accuracy` section of results.json.
+    A task that runs generated code probes the sandbox first, before any request (see the module
+    docstring and `execution_isolation`)."""
     if not problems:
         raise ValueError("no problems to evaluate")
     if any(t < 0 for t in temperatures):
@@ -186,9 +215,10 @@ def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Seq
         raise ValueError(f"--accuracy-runs {runs}: the TOST at temperature > 0 takes the run as the unit and needs "
                          "at least 2 runs per arm (the Nemotron card used about 20)")
     tdef = _task(task)
+    execution_isolation(task, unsafe_exec, log)  # refuses (or warns) before any request
     jobs = [core.BenchJob(p.task_id, task, (tdef.user_turn(p),)) for p in problems]
     out: dict = {"task": task, "problems": len(problems), "margin": margin, "alpha": alpha,
-                 **tdef.scoring(timeout_s, workers), "concurrency": concurrency,
+                 **tdef.scoring(timeout_s, workers, unsafe_exec), "concurrency": concurrency,
                  "max_tokens": max_tokens, "temperatures": []}
     for t in temperatures:
         n_runs = 1 if t == 0 else runs
@@ -198,7 +228,8 @@ def run_accuracy(eps: dict[str, Endpoint], models: dict[str, str], problems: Seq
                 res = core.run_level(eps[arm], models[arm], jobs, concurrency, max_tokens=max_tokens,
                                      temperature=t, system=system, extra_body=extra_body, scrape="none",
                                      request_timeout=request_timeout)
-                sc = score_run(problems, res, timeout_s=timeout_s, workers=workers, task=task)
+                sc = score_run(problems, res, timeout_s=timeout_s, workers=workers, task=task,
+                               unsafe_exec=unsafe_exec)
                 sc.update(run=r, arm=arm, temperature=t)
                 per_arm[arm].append(sc)
                 log(f"accuracy {task} T={t:g} run {r + 1}/{n_runs} {arm}: pass@1 {sc['passed']}/{sc['n']} = "

