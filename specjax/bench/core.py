@@ -166,20 +166,38 @@ class Scraper:
     """Reads the server's /metrics and keeps the spec-decode counters of every scrape, in order.
 
     `scrape()` is serialised by a lock, so scrapes from worker threads form one sequence whose
-    consecutive differences (`windows()`) add up exactly to last - first."""
+    consecutive differences (`windows()`) add up exactly to last - first. A scrape that fails (the
+    server, a page past the parser's bounds, a counter that is NaN / infinite / negative, a position
+    out of range) is recorded in `errors` and left out; after `MAX_FAILURES_IN_A_ROW` failures in a
+    row the scraper stops reading for good (`gave_up` says why), so a page that always fails costs
+    at most that many timeouts."""
+
+    MAX_FAILURES_IN_A_ROW = 5
 
     def __init__(self, ep: Endpoint, model: Optional[str] = None, timeout: float = 30.0):
         self.ep, self.model, self.timeout = ep, model, timeout
         self._lock = threading.Lock()
         self.points: list[tuple[float, prom.SpecCounters]] = []
         self.errors: list[str] = []
+        self.failures_in_a_row = 0
+        self.gave_up: Optional[str] = None
 
     def read(self) -> Optional[prom.SpecCounters]:
-        try:
-            return prom.spec_counters(prom.parse_prometheus(fetch_metrics_text(self.ep, self.timeout)), self.model)
-        except (ServerError, ValueError) as e:
-            self.errors.append(str(e))
+        if self.gave_up is not None:
             return None
+        try:
+            text = fetch_metrics_text(self.ep, self.timeout)
+            c = prom.spec_counters(prom.parse_prometheus(text, keep=prom.SPEC_PREFIXES), self.model)
+        except (ServerError, ValueError) as e:
+            if len(self.errors) < 100:  # the first ones say what went wrong; the count is in failures
+                self.errors.append(str(e))
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.MAX_FAILURES_IN_A_ROW:
+                self.gave_up = (f"/metrics failed {self.failures_in_a_row} times in a row, no more scrapes in this "
+                                f"level (last: {e})")
+            return None
+        self.failures_in_a_row = 0
+        return c
 
     def scrape(self) -> Optional[prom.SpecCounters]:
         with self._lock:
@@ -231,7 +249,8 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
               temperature: float = 0.0, endpoint: str = "chat", turns: str = "first",
               max_requests: Optional[int] = None, time_budget_s: Optional[float] = None,
               ignore_eos: bool = False, extra_body: Optional[dict] = None, system: Optional[str] = None,
-              scrape: str = "request", request_timeout: float = 600.0,
+              scrape: str = "request", request_timeout: Optional[float] = None,
+              idle_timeout: Optional[float] = None, max_reply_bytes: Optional[int] = None,
               progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Send `jobs` with `concurrency` requests in flight, and scrape /metrics around them.
 
@@ -243,13 +262,18 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
     server applies the chat template) or "completions" (the first user turn's text as the prompt,
     as is). `scrape`: "request" (read /metrics after every completed request; the acceptance
     windows), "level" (before and after the level only) or "none". `progress(record)` is called
-    after each request.
+    after each request. `request_timeout` (whole-request deadline), `idle_timeout` and
+    `max_reply_bytes` bound every request (`specjax.bench.client.stream_request`; None: its
+    defaults for `max_tokens`).
 
     Returns {"concurrency", "wall_s", "busy_s" (see `busy_time`), "scrape_s" (time the workers spent
     scraping), "requests": [per-request records (specjax.bench.client), in completion order, each
     with "job_id", "dataset", "turn", "index" (start order) and "start_s" (send time from the level's
     start)], "spec": {"engine", "available", "total": counters over the level, "windows": [counters
-    per window]}, "scrape_errors"}."""
+    per window], "unavailable_reason": why the acceptance of a server with spec-decode metrics could
+    not be measured in this level (no usable scrape, counters that went down or vanished between
+    scrapes: a server restart), else None}, "scrape_errors"}. Such a level keeps its requests and
+    timings; only its acceptance is missing."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if endpoint not in ("chat", "completions"):
@@ -264,6 +288,7 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
     for j in jobs:
         q.put(j)
     scraper = Scraper(ep, model)
+    limits = dict(timeout=request_timeout, idle_timeout=idle_timeout, max_reply_bytes=max_reply_bytes)
     lock = threading.Lock()
     records: list[dict] = []
     started = [0]
@@ -296,11 +321,11 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
                 if endpoint == "chat":
                     rec = stream_request(ep, model, messages=_messages_for(job, t, answers, system),
                                          max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
-                                         extra_body=extra_body, timeout=request_timeout)
+                                         extra_body=extra_body, **limits)
                 else:
                     rec = stream_request(ep, model, prompt=job.turns[0], max_tokens=max_tokens,
                                          temperature=temperature, ignore_eos=ignore_eos, extra_body=extra_body,
-                                         timeout=request_timeout)
+                                         **limits)
                 rec.update(job_id=job.id, dataset=job.dataset, turn=t, index=idx,
                            start_s=rec.pop("perf_start") - t0)
                 if scrape == "request":
@@ -333,16 +358,41 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
     wall = time.perf_counter() - t0
     if scrape != "none":
         scraper.settle()
-    points = [c for _, c in scraper.points]
-    spec: dict[str, Any] = {"engine": None, "available": False, "total": None, "windows": []}
-    if len(points) >= 2 and points[-1].available:
-        spec.update(engine=points[-1].engine, available=True,
-                    total=prom.counters_delta(points[0], points[-1]).to_dict(),
-                    windows=[w.to_dict() for w in scraper.windows()])
-    elif points:
-        spec.update(engine=points[-1].engine)
     return {"concurrency": int(concurrency), "wall_s": wall, "busy_s": busy_time(records),
-            "scrape_s": scrape_time[0], "requests": records, "spec": spec, "scrape_errors": scraper.errors[:20]}
+            "scrape_s": scrape_time[0], "requests": records, "spec": _level_counters(scraper, scrape),
+            "scrape_errors": scraper.errors[:20]}
+
+
+def _level_counters(scraper: Scraper, scrape: str) -> dict:
+    """The level's "spec" entry from its scrapes (see `run_level`); never raises, so a server that
+    restarted or wrote nonsense costs this level's acceptance, not the levels already measured."""
+    points = [c for _, c in scraper.points]
+    spec: dict[str, Any] = {"engine": None, "available": False, "total": None, "windows": [],
+                            "unavailable_reason": None}
+    if points:
+        spec["engine"] = points[-1].engine
+    if scrape == "none":
+        return spec
+    had_metrics = any(p.available for p in points)
+    if scraper.gave_up is not None:
+        reason = scraper.gave_up
+    elif len(points) < 2:
+        if not scraper.errors:
+            return spec
+        reason = f"fewer than two usable /metrics scrapes in this level (last error: {scraper.errors[-1]})"
+    elif had_metrics and not all(p.available for p in points):
+        reason = "the spec-decode metrics vanished from /metrics between two scrapes (the server restarted?)"
+    elif not had_metrics:
+        return spec
+    else:
+        try:
+            spec.update(available=True, total=prom.counters_delta(points[0], points[-1]).to_dict(),
+                        windows=[w.to_dict() for w in scraper.windows()])
+            return spec
+        except ValueError as e:
+            reason = str(e)
+    spec.update(available=False, total=None, windows=[], unavailable_reason=reason)
+    return spec
 
 
 def busy_time(records: Sequence[dict]) -> float:
@@ -430,6 +480,7 @@ def summarize_level(result: dict, level: float = 0.95) -> dict:
         "itl_s": latency_summary([r["itl_s"] for r in ok], level),
         "e2e_s": latency_summary([r["e2e_s"] for r in ok], level),
         "acceptance": summarize_acceptance(result.get("spec") or {}, level),
+        "acceptance_unavailable": (result.get("spec") or {}).get("unavailable_reason"),
         "units": UNITS,
     }
 

@@ -49,18 +49,22 @@ def arm_order(arms: Sequence[str], window: int) -> list[str]:
 def run_windows(eps: dict[str, Endpoint], models: dict[str, str], jobs: Sequence[core.BenchJob],
                 concurrency: Sequence[int], repeats: int, *, level_kwargs: dict, confidence: float = 0.95,
                 progress: Optional[Callable[[str], tuple]] = None,
-                log: Callable[[str], None] = print) -> list[dict]:
+                log: Callable[[str], None] = print,
+                on_level: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
     """Run `repeats` windows (see the module docstring). `progress(desc)` returns (bar, callback) or
-    (None, None). Returns one dict per window: {"index", "order", "levels": {arm: [run_level results,
-    one per concurrency, each with "window" and "summary"]}}."""
+    (None, None). `on_level(windows)` is called after every level of every arm with the windows so
+    far (the last one possibly unfinished), so that the caller can save what is measured. Returns
+    one dict per window: {"index", "order", "levels": {arm: [run_level results, one per
+    concurrency, each with "window" and "summary"]}}."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not eps:
         raise ValueError("run_windows needs at least one arm")
-    windows = []
+    windows: list[dict] = []
     for w in range(repeats):
         order = arm_order(list(eps), w)
         win = {"index": w, "order": order, "levels": {arm: [] for arm in eps}}
+        windows.append(win)
         for c in concurrency:
             for arm in order:
                 bar, update = progress(f"window {w + 1}/{repeats} {arm} c={c}") if progress else (None, None)
@@ -75,9 +79,12 @@ def run_windows(eps: dict[str, Endpoint], models: dict[str, str], jobs: Sequence
                 res["summary"] = core.summarize_level(res, confidence)
                 win["levels"][arm].append(res)
                 s = res["summary"]
+                why = s.get("acceptance_unavailable")
+                why = f"; acceptance unavailable: {why}" if why else ""
                 log(f"window {w + 1}/{repeats} {arm} c={c}: {s['ok']}/{s['requests']} ok, "
-                    f"{s['output_tok_s']:.1f} tok/s")
-        windows.append(win)
+                    f"{s['output_tok_s']:.1f} tok/s{why}")
+                if on_level is not None:
+                    on_level(windows)
     return windows
 
 
@@ -94,15 +101,19 @@ def _sum_counters(totals: Sequence[dict]) -> dict:
 def pool_levels(levels: Sequence[dict]) -> dict:
     """One level result from the same level of several windows: the requests of all of them (their
     `window` field tells them apart), wall / busy / scrape time summed, the spec-decode counters summed
-    and their scrape windows concatenated."""
+    and their scrape windows concatenated. When a window's acceptance was unavailable the pooled
+    level has none either, and `unavailable_reason` names the windows and why."""
     if not levels:
         raise ValueError("pool_levels needs at least one level result")
     cs = {lv["concurrency"] for lv in levels}
     if len(cs) != 1:
         raise ValueError(f"pool_levels: the levels have different concurrency {sorted(cs)}")
     specs = [lv.get("spec") or {} for lv in levels]
+    reasons = [f"window {lv.get('window', i)}: {s['unavailable_reason']}"
+               for i, (lv, s) in enumerate(zip(levels, specs)) if s.get("unavailable_reason")]
     spec: dict = {"engine": next((s.get("engine") for s in specs if s.get("engine")), None),
-                  "available": all(s.get("available") for s in specs), "total": None, "windows": []}
+                  "available": all(s.get("available") for s in specs), "total": None, "windows": [],
+                  "unavailable_reason": "; ".join(reasons)[:2000] if reasons else None}
     if spec["available"]:
         spec["total"] = _sum_counters([s["total"] for s in specs])
         spec["windows"] = [w for s in specs for w in s.get("windows") or []]

@@ -2,7 +2,11 @@
 
 Plots need matplotlib (the `bench` extra); without it `write_plots` says so in one line and
 writes none. Nothing here raises on a missing optional piece: a plot that fails is reported and
-skipped."""
+skipped. results.json and results.md are each written to a temporary file that is then renamed over
+the old one, so a reader (or a run killed while writing) sees the previous complete file or the
+new one, never half of one. Results of a run that did not finish (`status` other than "complete")
+open their markdown with what they hold; a level whose acceptance could not be measured shows the
+reason in the acceptance table."""
 from __future__ import annotations
 
 import json
@@ -40,6 +44,12 @@ def format_markdown(results: dict) -> str:
     windows and the task accuracy with its equivalence test when they were measured, and what the
     intervals do not cover."""
     lines = []
+    status = results.get("status", "complete")
+    if status != "complete":
+        done = sum(len(a.get("levels", [])) for a in results.get("arms", {}).values())
+        how = ("saved while it ran; if it runs no more, it ended before finishing" if status == "running"
+               else status)
+        lines += [f"**Incomplete run** ({how}): {done} finished level(s) below; the rest was not measured.", ""]
     if results.get("command"):
         lines += _setup_section(results) + ["## Throughput, latency and acceptance", ""]
     lines += _tables(results)
@@ -210,6 +220,11 @@ def _tables(results: dict) -> list[str]:
     for arm in arms:
         for lv in results["arms"][arm]["levels"]:
             a = lv["summary"].get("acceptance")
+            why = lv["summary"].get("acceptance_unavailable")
+            if not a and why:
+                cell = str(why).replace("|", "/").replace("\n", " ")[:300]
+                acc_rows.append(f"| {arm} | {lv['summary']['concurrency']} | – | unavailable: {cell} | – | – |")
+                continue
             if not a:
                 continue
             if a.get("engine") == "sglang":
@@ -243,19 +258,23 @@ def json_safe(x: Any) -> Any:
 def write_results(results: dict, out_dir: str, log: Callable[[str], None] = print, plots: bool = True) -> list[str]:
     """results.json, results.md and (with matplotlib) the plots into out_dir; returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    p = os.path.join(out_dir, "results.json")
-    with open(p + ".tmp", "w") as f:
-        json.dump(json_safe(results), f, indent=1, allow_nan=False)
-    os.replace(p + ".tmp", p)
-    paths.append(p)
-    p = os.path.join(out_dir, "results.md")
-    with open(p, "w") as f:
-        f.write(format_markdown(results))
-    paths.append(p)
+    paths = [_write_atomic(os.path.join(out_dir, "results.json"),
+                           lambda f: json.dump(json_safe(results), f, indent=1, allow_nan=False)),
+             _write_atomic(os.path.join(out_dir, "results.md"), lambda f: f.write(format_markdown(results)))]
     if plots:
         paths += write_plots(results, out_dir, log)
     return paths
+
+
+def _write_atomic(path: str, write: Callable) -> str:
+    """`write(file)` into path.tmp, flushed to disk, then renamed over `path`."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
 
 def _matplotlib():

@@ -106,3 +106,42 @@ def test_sglang_gauges():
     assert c.sglang_accept_length == 3.0 and c.sglang_accept_rate == pytest.approx(0.6)
     d = prom.counters_delta(c, c)  # gauges are carried, not differenced
     assert d.sglang_accept_length == 3.0
+
+
+def test_bounds_on_an_untrusted_page():
+    for page, msg in (
+            ("ok 1\nm " + "1" * (prom.MAX_LINE_CHARS + 1), r"line 2: longer than 65536 characters"),
+            ('m{a="' + "v" * (prom.MAX_LABEL_VALUE_CHARS + 1) + '"} 1', r"line 1: the value of label 'a' is longer "
+                                                                       r"than 4096 characters"),
+            ("m{" + ",".join(f'l{i}="0"' for i in range(prom.MAX_LABELS + 1)) + "} 1",
+             r"line 1: more than 256 labels on one sample")):
+        with pytest.raises(ValueError, match=msg):
+            prom.parse_prometheus(page)
+    with pytest.raises(ValueError, match=r"line 11: more than 10 samples"):
+        prom.parse_prometheus("\n".join(f"m{i} 1" for i in range(11)), max_samples=10)
+    # keep: only the spec-decode families are kept (the others are checked for a name only); the
+    # counters and the engine are the same as from the whole page
+    text = open(DATA).read()
+    kept = prom.parse_prometheus(text, keep=prom.SPEC_PREFIXES)
+    assert kept.samples and all(s.name.startswith("vllm:spec_decode_") for s in kept.samples)
+    assert len(kept.samples) < 447 and prom.detect_engine(kept) == "vllm"
+    assert prom.spec_counters(kept) == prom.spec_counters(prom.parse_prometheus(text))
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="10000000"} 1',
+     r"has a sample with position='10000000', not a draft position 0..1023"),
+    ('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="-1"} 1', r"position='-1', not a draft position"),
+    ('vllm:spec_decode_num_accepted_tokens_per_pos_total{position="two"} 1', r"position='two', not a draft position"),
+    ("vllm:spec_decode_num_accepted_tokens_per_pos_total 1", r"has a sample with no position label"),
+    ("vllm:spec_decode_num_accepted_tokens_total NaN", r"num_accepted_tokens_total is nan \(a counter is a finite"),
+    ("vllm:spec_decode_num_draft_tokens_total +Inf", r"num_draft_tokens_total is inf"),
+    ("vllm:spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"} -3", r"per_pos_total is -3.0"),
+])
+def test_spec_counters_refuse_impossible_values(bad, msg):
+    good = ["vllm:spec_decode_num_drafts_total 10", "vllm:spec_decode_num_draft_tokens_total 30",
+            "vllm:spec_decode_num_accepted_tokens_total 4",
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3']
+    assert prom.spec_counters(prom.parse_prometheus("\n".join(good))).accepted_per_pos == [3.0]
+    with pytest.raises(ValueError, match=msg):
+        prom.spec_counters(prom.parse_prometheus("\n".join(good + [bad])))

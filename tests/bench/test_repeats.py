@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _fake_server import DEFAULT_INCREMENTS, FakeServer  # noqa: E402
 
-from specjax.bench import cli, repeats  # noqa: E402
+from specjax.bench import accuracy, cli, repeats, report  # noqa: E402
 from specjax.eval import stats  # noqa: E402
 
 CHUNKS = (1, 3, 2, 3)  # 9 tokens per answer
@@ -146,6 +146,54 @@ def test_cli_repeats_against_two_fake_servers(tmp_path, capsys):
             assert (out / name).stat().st_size > 1000
 
 
+def test_repeats_save_every_level_and_the_finished_windows(tmp_path):
+    # what a save after each level holds: the pooled levels and summaries of the finished windows,
+    # the unfinished window whole (with its requests); written as results.json each time
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts, 2)
+    snapshots = []
+
+    def save(results):
+        report.write_results(results, str(tmp_path / "out"), plots=False)
+        snapshots.append(json.load(open(tmp_path / "out" / "results.json")))
+
+    args = cli.build_parser().parse_args(["--url", "x", "--prompts", str(prompts), "--concurrency", "1,2",
+                                          "--max-tokens", "9", "--repeats", "2", "--no-progress", "--warmup", "0"])
+    with FakeServer(ttft_s=0.0, gap_s=0.0, chunk_tokens=CHUNKS) as spec, \
+            FakeServer(spec=False, ttft_s=0.0, gap_s=0.0, chunk_tokens=CHUNKS) as base:
+        args.url, args.baseline_url = spec.url, base.url
+        final = cli.run_benchmark(args, log=lambda m: None, save=save)
+    assert len(snapshots) == 2 * 2 * 2  # windows x levels x arms
+    assert all(s["status"] == "running" for s in snapshots) and final["status"] == "complete"
+    first_level, end_of_window_1, mid_window_2 = snapshots[0], snapshots[3], snapshots[5]
+    assert first_level["repeats"]["windows"] == 0 and first_level["arms"]["spec"]["levels"] == []
+    wip = first_level["window_in_progress"]
+    assert wip["index"] == 0 and [len(lv["requests"]) for lv in wip["levels"]["spec"]] == [2]
+    assert end_of_window_1["repeats"]["windows"] == 1 and "window_in_progress" not in end_of_window_1
+    assert [len(lv["requests"]) for lv in end_of_window_1["arms"]["spec"]["levels"]] == [2, 2]
+    assert mid_window_2["repeats"]["windows"] == 1 and mid_window_2["window_in_progress"]["index"] == 1
+    assert final["repeats"]["windows"] == 2 and [len(lv["requests"]) for lv in final["arms"]["spec"]["levels"]] == [4, 4]
+
+
+def test_unsafe_exec_reaches_the_accuracy_task_and_the_sandbox_is_probed_first(tmp_path, monkeypatch):
+    # without --unsafe-exec the sandbox is probed before any measurement (a machine that cannot give
+    # it refuses at once); with it, the task is told so and probes (and warns) itself
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts, 1)
+    calls = []
+    monkeypatch.setattr(accuracy, "problems_for", lambda task, limit: ["problem"])
+    monkeypatch.setattr(accuracy, "execution_isolation", lambda task, unsafe, log: calls.append(("probe", unsafe)))
+    monkeypatch.setattr(accuracy, "run_accuracy",
+                        lambda *a, **kw: calls.append(("run", kw["unsafe_exec"])) or {"task": "humaneval"})
+    with FakeServer(ttft_s=0.0, gap_s=0.0, chunk_tokens=CHUNKS) as srv:
+        for flag in ([], ["--unsafe-exec"]):
+            args = cli.build_parser().parse_args(["--url", srv.url, "--prompts", str(prompts), "--concurrency", "1",
+                                                  "--max-tokens", "9", "--no-progress", "--accuracy", "humaneval",
+                                                  "--accuracy-temperatures", "0", *flag])
+            cli.run_benchmark(args, log=lambda m: None)
+    assert calls == [("probe", False), ("run", False), ("run", True)]
+
+
 # --- task accuracy ---------------------------------------------------------------------------------
 
 
@@ -255,6 +303,9 @@ def test_accuracy_without_variation_says_so(tmp_path, capsys):
      "pass --accuracy-runs 2 or more, or --accuracy-temperatures 0"),
     (["--accuracy-temperatures", "0,-1"], "temperatures must be >= 0"),
     (["--exec-timeout", "0"], "--exec-timeout must be > 0 seconds"),
+    (["--request-timeout", "0"], "--request-timeout 0.0: must be > 0 seconds"),
+    (["--idle-timeout", "-1"], "--idle-timeout -1.0: must be > 0 seconds"),
+    (["--max-reply-bytes", "10"], "--max-reply-bytes 10: must be >= 1024"),
 ])
 def test_cli_refuses_bad_arguments(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
