@@ -17,8 +17,10 @@ models, so this module writes the folder itself:
 * ``specjax_convert.json`` last: what was converted (source file, size, dtype). A folder without it
   is not a finished conversion.
 
-Everything is written to a hidden temporary folder next to ``out_dir`` and renamed into place at
-the end, so a killed conversion never leaves a folder that looks complete. Converting the same
+Everything is written to a hidden temporary folder next to ``out_dir`` and put in place at the end
+by ``specjax.folder_publish.publish`` (an existing folder, with ``--overwrite``, is swapped out in
+one step), so a killed conversion never leaves a folder that looks complete, ``out_dir`` is never
+missing, and the next conversion removes the hidden copies a killed one left. Converting the same
 file with the same dtype into an existing finished folder is a no-op.
 """
 from __future__ import annotations
@@ -31,8 +33,9 @@ import os
 import shutil
 import struct
 import sys
-import tempfile
 from typing import Any, Sequence
+
+from specjax import folder_publish
 
 __all__ = ["convert_gguf", "ensure_target_folder", "find_package_gguf", "read_gguf_metadata", "main", "SUPPORTED_GGUF_MODEL_TYPES", "MARKER_FILE"]
 
@@ -238,6 +241,7 @@ def convert_gguf(
     if os.path.exists(out_dir):
         if _same_conversion(_finished_record(out_dir), record):
             log.info("convert: %s is already a finished conversion of %s (%s); nothing to do", out_dir, gguf_path, dtype)
+            folder_publish.remove_stale_copies(out_dir)  # what a conversion killed after its swap left
             return out_dir
         if not os.path.isdir(out_dir):
             raise ConvertError(f"output path {out_dir} exists and is not a folder; choose another one")
@@ -256,9 +260,7 @@ def convert_gguf(
         )
     _require_deps()
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.converting-", dir=parent)
+    tmp = folder_publish.make_temp_folder(out_dir)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private (0700); the result is an ordinary folder
     try:
         _write_folder(gguf_path, tmp, dtype, meta)
@@ -283,22 +285,16 @@ def ensure_target_folder(path: str, gguf: str | None) -> str:
 
 
 def _move_into_place(tmp: str, out_dir: str, record: dict[str, Any]) -> None:
-    old = None
-    if os.path.exists(out_dir):  # overwrite (checked by the caller) or an empty folder
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rmdir(old)
-        os.rename(out_dir, old)
+    """specjax.folder_publish.publish: an existing out_dir (overwrite, checked by the caller, or an
+    empty folder) is swapped out in one step, and copies left by killed conversions are removed."""
     try:
-        os.rename(tmp, out_dir)
+        folder_publish.publish(tmp, out_dir)
     except OSError:
-        # another process finished the same conversion first: keep theirs if it is the same
+        # another process finished the same conversion first (out_dir appeared, not empty): keep theirs
         if _same_conversion(_finished_record(out_dir), record):
             shutil.rmtree(tmp, ignore_errors=True)
             return
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _numpy_dtype(dtype: str):

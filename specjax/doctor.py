@@ -60,6 +60,7 @@ def _check_env(rep: Report, cfg) -> None:
 
 def _check_target(rep: Report, cfg):
     from specjax.targets import SUPPORTED_ARCHITECTURES, get_target_class, validate_aux_layer_ids
+    from specjax.targets.loading import read_hf_config
 
     path = cfg.target.path
     conf_path = os.path.join(path, "config.json")
@@ -67,7 +68,11 @@ def _check_target(rep: Report, cfg):
         hint = " (it is built on the first run: target.build_demo=true)" if cfg.target.build_demo else ""
         (rep.warn if cfg.target.build_demo else rep.fail)("target folder", f"no config.json in {path!r}{hint}")
         return None
-    hf = json.load(open(conf_path, encoding="utf-8"))
+    try:  # the fields checked (types, sanity bounds) before anything is sized from them
+        hf = read_hf_config(path)
+    except ValueError as e:
+        rep.fail("target config", str(e))
+        return None
     arch = (hf.get("architectures") or [hf.get("model_type")])[0]
     try:
         cls = get_target_class(hf)

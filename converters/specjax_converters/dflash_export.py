@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -52,7 +51,8 @@ from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
 from specjax_converters.eagle3_validate import ExportValidationError, errors, validate_folder
-from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, publish_folder, write_manifest
+from specjax_converters.head_files import (MANIFEST_FILE, make_publish_folder, manifest_extra, publish_folder,
+                                           write_manifest)
 from specjax_converters.target_facts import rope_dict, target_text_config
 
 __all__ = ["ARCHITECTURE", "CONFIG_FILE", "FORMAT", "VARIANT", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict",
@@ -245,9 +245,7 @@ def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
     if os.path.exists(out_dir) and not _is_replaceable(out_dir):
         _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash export",
               "choose an empty or new folder (the export will not overwrite other files)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_publish_folder(out_dir)
     try:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:

@@ -119,9 +119,10 @@ def read_dflash_head(folder: str) -> DFlashHead:
     if Vd == V:
         vocab = DraftVocab.identity(V)
     elif "d2t" in tensors:
+        if tuple(tensors.shape("d2t")) != (Vd,):  # checked on the header: nothing read yet
+            _fail(folder, f"d2t has shape {tensors.shape('d2t')}, expected ({Vd},)",
+                  "export the head with its draft vocab")
         d2t = np.asarray(tensors.array("d2t"), np.int64)
-        if d2t.shape != (Vd,):
-            _fail(folder, f"d2t has shape {d2t.shape}, expected ({Vd},)", "export the head with its draft vocab")
         try:
             vocab = DraftVocab.from_ids(np.arange(Vd, dtype=np.int64) + d2t, V)
         except ValueError as e:

@@ -310,7 +310,8 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {e.file_shape}",
                 "export the config the weights were trained with (hidden_size, heads, head_dim, intermediate_size, "
                 "draft_vocab_size, num_hidden_layers, the number of target_layer_ids)")
-    check_weight_dtypes(config, tensors, [k for k in expected if k in tensors], bad, check_finite)
+    check_weight_dtypes(config, tensors, [k for k in expected if k in tensors], bad, check_finite,
+                        {k: e.file_shape for k, e in expected.items()})
     # the vocab maps: vLLM has a draft_id_to_target_id parameter only when Vd differs from the vocab
     if Vd == V:
         if "d2t" in tensors:

@@ -21,15 +21,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
 from specjax.drafts import weights
 from specjax_converters.eagle3_validate import ARCHITECTURE, ExportValidationError, check_head, errors, validate_folder
-from specjax_converters.head_files import (Finding, manifest_extra, publish_folder, target_config_sha256,
-                                           write_manifest)
+from specjax_converters.head_files import (Finding, make_publish_folder, manifest_extra, publish_folder,
+                                           target_config_sha256, write_manifest)
 from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
@@ -257,9 +256,7 @@ def export_eagle3(
     if os.path.exists(out_dir) and not _is_replaceable(out_dir):
         _fail("out_dir", f"{out_dir} exists and is not an earlier specjax export",
               "choose an empty or new folder (the export will not overwrite other files)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    tmp = make_publish_folder(out_dir)
     try:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:

@@ -191,10 +191,10 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
 
     # --- vocab
     if "d2t" in by_new:
-        d2t = tensors.array(by_new["d2t"]).astype(np.int64)
-        if d2t.shape != (Vd,):
-            _refuse(folder, "d2t", f"shape {d2t.shape}, expected ({Vd},)", "ship d2t for draft_vocab_size")
-        ids = np.arange(Vd, dtype=np.int64) + d2t
+        if tuple(tensors.shape(by_new["d2t"])) != (Vd,):  # checked on the header: nothing read yet
+            _refuse(folder, "d2t", f"shape {tensors.shape(by_new['d2t'])}, expected ({Vd},)",
+                    "ship d2t for draft_vocab_size")
+        ids = np.arange(Vd, dtype=np.int64) + tensors.array(by_new["d2t"]).astype(np.int64)
     elif Vd == V:
         ids = np.arange(V, dtype=np.int64)
     else:
@@ -207,8 +207,8 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     if not np.array_equal(vocab.draft_ids, ids):
         _refuse(folder, "d2t", "target ids are not in ascending order", "rebuild d2t from the sorted draft ids")
     if "t2d" in by_new:
-        t2d = tensors.array(by_new["t2d"]).astype(bool)
-        if t2d.shape != (V,) or not np.array_equal(np.flatnonzero(t2d), ids):
+        t2d = tensors.array(by_new["t2d"]).astype(bool) if tuple(tensors.shape(by_new["t2d"])) == (V,) else None
+        if t2d is None or not np.array_equal(np.flatnonzero(t2d), ids):
             _refuse(folder, "t2d", "does not match d2t (nonzero(t2d) != arange(Vd) + d2t)",
                     "rebuild both maps from the same draft ids")
     for n in notes:

@@ -19,7 +19,6 @@ is not an EAGLE-3 head: `validate_folder` hands it to specjax_converters.dflash_
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -28,6 +27,7 @@ import numpy as np
 
 from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
+from specjax.hf_config_checks import check_config_fields, read_config_json
 from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, NP_TO_ST, ST_TO_NP, Finding, HeadTensors,
                                            read_head_files)
 from specjax_converters.target_facts import is_hybrid_target, rope_dict, target_text_config, target_virtual_depth
@@ -443,13 +443,16 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {tuple(shape)}",
                 "export the config the weights were trained with (hidden_size, heads, head_dim, "
                 "intermediate_size, draft_vocab_size, target_hidden_size, aux count)")
-    check_weight_dtypes(cfg, tensors, [k for k in shapes if k in tensors], bad, check_finite)
+    check_weight_dtypes(cfg, tensors, [k for k in shapes if k in tensors], bad, check_finite, shapes)
     _check_vocab(cfg, tensors, bad)
 
 
-def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, check_finite: bool) -> None:
+def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, check_finite: bool,
+                        shapes: Optional[Mapping[str, tuple]] = None) -> None:
     """The stored weights (`weight_keys`): one float dtype, the one config.json declares, and (with
-    `check_finite`) no NaN/Inf. Shared by the EAGLE-3 and DFlash rules."""
+    `check_finite`) no NaN/Inf, read a block at a time, in the weights whose stored shape is the one
+    in `shapes` (a wrong shape is already an error; its data is not read). Shared by the EAGLE-3 and
+    DFlash rules."""
     dtypes = sorted({tensors.dtype(k) for k in weight_keys})
     non_float = [d for d in dtypes if d not in _FLOAT_DTYPES]
     if non_float:
@@ -463,7 +466,9 @@ def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, ch
             "write torch_dtype equal to the stored dtype", "warning")
     if check_finite and not non_float:
         for k in weight_keys:
-            if not np.all(np.isfinite(tensors.array(k).astype(np.float32))):
+            if shapes is not None and tuple(tensors.shape(k)) != tuple(shapes[k]):
+                continue
+            if not tensors.all_finite(k):  # a block at a time: memory stays bounded for any size
                 bad("weights.finite", k, "contains NaN or Inf", "export a checkpoint from before the divergence")
 
 
@@ -560,8 +565,9 @@ def _load_target_config(path: str) -> dict:
     cpath = path if path.endswith(".json") else os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cpath):
         raise ValueError(f"target {path}: no {CONFIG_FILE} there; pass the target model's local folder.")
-    with open(cpath) as f:
-        return json.load(f)
+    config = read_config_json(cpath, "model config")
+    check_config_fields(config, cpath)
+    return config
 
 
 def validate_folder(
@@ -590,10 +596,13 @@ def validate_folder(
     target_config = None
     if isinstance(target, Mapping):
         target_config, info["target_source"] = dict(target), "argument"
+        check_config_fields(target_config, "target config (argument)")
     elif target:
         target_config, info["target_source"] = _load_target_config(target), os.path.abspath(os.fspath(target))
     elif manifest and isinstance(manifest.get("target_config"), Mapping):
         target_config, info["target_source"] = dict(manifest["target_config"]), MANIFEST_FILE
+        check_config_fields(target_config, os.path.join(os.path.abspath(os.path.expanduser(os.fspath(folder))),
+                                                        MANIFEST_FILE), "target_config.")
     else:
         verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         if verifier and os.path.isfile(os.path.join(os.fspath(verifier), CONFIG_FILE)):

@@ -3,15 +3,22 @@
 `read_head_files` returns a head's config.json, its tensors (names, dtypes and shapes from the
 checked safetensors headers, arrays loaded only when asked), its specjax manifest and the
 file-level findings (manifest hashes). Pickled weights are refused, never unpickled; a safetensors
-file cut short fails by name (specjax.safetensors_io.UnreadableWeightsError).
+file cut short fails by name (specjax.safetensors_io.UnreadableWeightsError). Before any weight is
+looked at, config.json's fields pass specjax.hf_config_checks (types and sanity bounds: one line
+naming the file and field); the manifest and the shard index must be JSON objects whose file names
+stay inside the head folder (a name such as "../../etc/passwd" or "/dev/zero" is refused, never
+opened), and a weight's finiteness is checked a block at a time (`HeadTensors.all_finite`), so
+memory stays bounded whatever the files declare.
 
 `Finding` (one problem with a head: rule id, field, problem, fix) lives here because the file checks
 produce findings too; the rules themselves are in specjax_converters.eagle3_validate (EAGLE-3,
 EAGLE-3.1, P-EAGLE) and specjax_converters.dflash_validate (DFlash).
 
 Every exporter ends here too: `write_manifest` writes specjax_manifest.json (the sha256 the checks
-above compare against, the draft and target configs, the caller's extra keys) and `publish_folder`
-moves the finished folder into place.
+above compare against, the draft and target configs, the caller's extra keys), `make_publish_folder`
+makes the hidden sibling it writes into and `publish_folder` swaps the finished folder into place
+(specjax.folder_publish: the path always holds a complete export, and stale copies of dead
+publishes are removed).
 """
 from __future__ import annotations
 
@@ -20,12 +27,13 @@ import hashlib
 import importlib
 import json
 import os
-import shutil
-import tempfile
+import stat
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from specjax import folder_publish
+from specjax.hf_config_checks import check_config_fields, check_name_inside, read_config_json
 from specjax.safetensors_io import UnreadableWeightsError, read_safetensors_header
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "Finding",
     "HeadTensors",
     "file_sha256",
+    "make_publish_folder",
     "manifest_extra",
     "publish_folder",
     "read_head_files",
@@ -71,11 +80,14 @@ class Finding:
 # ---------------------------------------------------------------------------------------------
 class HeadTensors:
     """Names, dtypes (safetensors names: BF16, F32, I64, BOOL, ...) and shapes of a head's tensors,
-    with the arrays loaded only when a rule needs them."""
+    with the arrays loaded only when a rule needs them. `all_finite` reads a stored tensor a block at a
+    time (`finite`, when given), so checking a large weight never holds it whole."""
 
-    def __init__(self, meta: Mapping[str, tuple[str, tuple[int, ...]]], load: Callable[[str], np.ndarray]):
+    def __init__(self, meta: Mapping[str, tuple[str, tuple[int, ...]]], load: Callable[[str], np.ndarray],
+                 finite: Optional[Callable[[str], bool]] = None):
         self.meta = dict(meta)
         self._load = load
+        self._finite = finite
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any]) -> "HeadTensors":
@@ -99,44 +111,80 @@ class HeadTensors:
     def array(self, name: str) -> np.ndarray:
         return np.asarray(self._load(name))
 
+    def all_finite(self, name: str) -> bool:
+        """True when float tensor `name` holds no NaN or Inf."""
+        if self._finite is not None:
+            return self._finite(name)
+        return bool(np.all(np.isfinite(self.array(name).astype(np.float32))))
+
+
+# bytes of a stored tensor read at a time by the finiteness check
+FINITE_BLOCK_BYTES = 16 << 20
+
+
+def _numpy_dtype(st_dtype: str, path: str, key: str) -> np.dtype:
+    if st_dtype not in ST_TO_NP:
+        raise UnreadableWeightsError(path, f"tensor {key!r} is {st_dtype}, which specjax does not read "
+                                     f"(it reads {', '.join(ST_TO_NP)})")
+    importlib.import_module("ml_dtypes")  # registers numpy's "bfloat16"
+    return np.dtype(ST_TO_NP[st_dtype])
+
+
+def _index_files(folder: str, index_path: str) -> list[str]:
+    """The shard file names a safetensors index lists, each checked to be a file inside `folder`."""
+    index = read_config_json(index_path, "safetensors index", fix="download the head's index again")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path}: weight_map: {type(weight_map).__name__}, not an object of tensor -> shard "
+                         "file name. Fix: download the head's index again.")
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        check_name_inside(folder, name, index_path, "weight_map")
+        if not _is_regular_file(os.path.join(folder, name)):
+            raise ValueError(f"{index_path} names the shard {name}, which is not in {folder}. "
+                             "Fix: download every shard of the head.")
+    return files
+
 
 def _safetensors_tensors(folder: str) -> HeadTensors:
     index_path = os.path.join(folder, INDEX_FILE)
-    if os.path.isfile(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a 'weight_map' of "
-                             f"tensor -> file): {type(e).__name__}: {e}. Fix: download it again.") from None
-        for name in files:
-            if not os.path.isfile(os.path.join(folder, name)):
-                raise ValueError(f"{index_path} names the shard {name}, which is not in {folder}. "
-                                 "Fix: download every shard of the head.")
-    else:
-        files = [WEIGHTS_FILE]
+    files = _index_files(folder, index_path) if os.path.isfile(index_path) else [WEIGHTS_FILE]
     meta, where = {}, {}
     for name in files:
         path = os.path.join(folder, name)
-        for key, info in read_safetensors_header(path)[0].items():
+        header, data_start = read_safetensors_header(path)
+        for key, info in header.items():
             meta[key] = (info["dtype"], tuple(info["shape"]))
-            where[key] = path
+            where[key] = (path, data_start + info["data_offsets"][0], data_start + info["data_offsets"][1])
 
     def load(key: str) -> np.ndarray:
-        # Imported here, not at the top: names, dtypes and shapes come from the checked header, so only
-        # a rule that reads an array needs safetensors; ml_dtypes registers numpy's "bfloat16" dtype,
-        # which safetensors asks for.
-        importlib.import_module("ml_dtypes")
-        from safetensors import safe_open
+        # Read at the checked offsets into one array of the declared size (bounded by the file's size):
+        # no mapping of the whole file, which a large shard would need as address space.
+        path, begin, end = where[key]
+        dtype = _numpy_dtype(meta[key][0], path, key)
+        arr = np.empty(meta[key][1], dtype)
+        with open(path, "rb") as f:
+            f.seek(begin)
+            got = f.readinto(memoryview(arr.reshape(-1).view(np.uint8)))
+        if got != end - begin:
+            raise UnreadableWeightsError(path, f"tensor {key!r}: the file got shorter while it was read")
+        return arr
 
-        try:
-            with safe_open(where[key], framework="numpy") as f:
-                return f.get_tensor(key)
-        except Exception as e:  # noqa: BLE001 - SafetensorError is a bare Exception; the file changed since
-            raise UnreadableWeightsError(where[key], f"{type(e).__name__}: {e}") from None
+    def finite(key: str) -> bool:
+        path, begin, end = where[key]
+        dtype = _numpy_dtype(meta[key][0], path, key)
+        step = max(FINITE_BLOCK_BYTES // dtype.itemsize, 1) * dtype.itemsize
+        with open(path, "rb") as f:
+            f.seek(begin)
+            for at in range(begin, end, step):
+                raw = f.read(min(step, end - at))
+                if len(raw) != min(step, end - at):
+                    raise UnreadableWeightsError(path, "the file got shorter while it was read")
+                if not np.all(np.isfinite(np.frombuffer(raw, dtype).astype(np.float32))):
+                    return False
+        return True
 
-    return HeadTensors(meta, load)
+    return HeadTensors(meta, load, finite)
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -159,11 +207,8 @@ def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], lis
     cpath = os.path.join(folder, CONFIG_FILE)
     if not os.path.isfile(cpath):
         raise ValueError(f"{folder} has no {CONFIG_FILE}; an EAGLE-3 head folder needs config.json and weights.")
-    with open(cpath) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cpath} is not valid JSON ({e}); re-export the head.") from e
+    config = read_config_json(cpath, "model config", fix="re-export the head")
+    check_config_fields(config, cpath)
     findings: list[Finding] = []
     if os.path.isfile(os.path.join(folder, WEIGHTS_FILE)) or os.path.isfile(os.path.join(folder, INDEX_FILE)):
         tensors = _safetensors_tensors(folder)
@@ -175,21 +220,35 @@ def read_head_files(folder: str) -> tuple[dict, HeadTensors, Optional[dict], lis
     manifest = None
     mpath = os.path.join(folder, MANIFEST_FILE)
     if os.path.isfile(mpath):
-        with open(mpath) as f:
-            manifest = json.load(f)
-        for name, info in (manifest.get("files") or {}).items():
+        manifest = read_config_json(mpath, "specjax manifest", fix=f"re-export the head (or delete {MANIFEST_FILE})")
+        files = manifest.get("files")
+        files = {} if files is None else files
+        if not isinstance(files, Mapping):
+            raise ValueError(f"{mpath}: files: a JSON {type(files).__name__}, not an object of file name -> "
+                             f"{{sha256, bytes}}. Fix: re-export the head (or delete {MANIFEST_FILE})")
+        for name in files:  # every name first: nothing is opened before all are known to be inside
+            check_name_inside(folder, name, mpath, "files")
+        for name, info in files.items():
             path = os.path.join(folder, name)
             want = info.get("sha256") if isinstance(info, Mapping) else None
             if want is None:
                 continue
-            if not os.path.isfile(path):
-                findings.append(Finding("files.manifest_hash", name, f"listed in {MANIFEST_FILE} but missing",
-                                        "copy the whole export folder, or re-export"))
+            if not _is_regular_file(path):
+                findings.append(Finding("files.manifest_hash", name, f"listed in {MANIFEST_FILE} but missing "
+                                        "(or not a regular file)", "copy the whole export folder, or re-export"))
             elif file_sha256(path) != want:
                 findings.append(Finding("files.manifest_hash", name,
                                         f"sha256 differs from {MANIFEST_FILE} (the file changed after export)",
                                         "re-export instead of editing exported files"))
     return config, tensors, manifest, findings
+
+
+def _is_regular_file(path: str) -> bool:
+    """A regular file (after symlinks): never a FIFO, device or socket, which could block or never end."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def file_sha256(path: str) -> str:
@@ -265,20 +324,20 @@ def write_manifest(folder: str, *, format: str, variant: str, dtype: str, draft_
 # ---------------------------------------------------------------------------------------------
 # publishing an export folder (every exporter writes into a temporary sibling, then this)
 # ---------------------------------------------------------------------------------------------
+def make_publish_folder(out_dir: str) -> str:
+    """The hidden sibling of `out_dir` an exporter writes into before publish_folder (named with this
+    host and pid, so a later publish can tell a copy left by a killed export from a live one)."""
+    return folder_publish.make_temp_folder(out_dir)
+
+
 def publish_folder(tmp: str, out_dir: str) -> None:
-    """Give the finished temporary folder `tmp` (a sibling of `out_dir` made by tempfile.mkdtemp, so
-    private 0700) the modes a plain mkdir/open would, so a server running as another user can read
-    it, then rename it to `out_dir`. An existing `out_dir` is moved aside first and removed after, so
-    `out_dir` is never half-written."""
+    """Give the finished folder `tmp` (from make_publish_folder, so private 0700) the modes a plain
+    mkdir/open would, so a server running as another user can read it, then put it at `out_dir`
+    (specjax.folder_publish.publish: an existing `out_dir` is swapped out in one step, so the path
+    always holds a complete export, and copies left by killed exports of `out_dir` are removed)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     for name in os.listdir(tmp):
         os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rename(out_dir, os.path.join(old, "x"))
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
+    folder_publish.publish(tmp, out_dir)

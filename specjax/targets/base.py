@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.aux_ids import default_aux_layer_ids, validate_aux_layer_ids  # re-exported (jax-free home)
+from specjax.hf_config_checks import check_config_fields
 from specjax.targets import registry
 
 
@@ -37,10 +38,14 @@ def resolve_hf_config(
     architecture). ``hf`` is a config.json dict or a ``PretrainedConfig`` (``to_dict()``); the
     architecture is ``architectures[0]``, else the registry's model_type map. ValueError unless
     ``owner`` (the config class name) handles it, a flag in ``unsupported_flags`` is set, or an
-    activation in ``silu_keys`` is other than SiLU (the default when absent)."""
+    activation in ``silu_keys`` is other than SiLU (the default when absent). Every field is first
+    checked by specjax.hf_config_checks (types and sanity bounds, before anything is sized from them:
+    a config dict that did not come through ``loading.read_hf_config``, which names its file, is
+    named "target config")."""
     if not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
         hf = hf.to_dict()
     hf = dict(hf)
+    check_config_fields(hf, f"target config ({owner})")
     arch = registry.architecture_of(hf, strict=False)
     if arch not in handles:
         raise ValueError(f"{owner} handles {sorted(handles)}, got architecture {arch!r}")

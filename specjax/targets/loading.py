@@ -5,7 +5,10 @@ the params leaf by leaf: for each weight-map row it reads that tensor (every lay
 rows) from ``model.safetensors`` or the shards named in ``model.safetensors.index.json``,
 transposes to kernel layout, casts into one preallocated host buffer, then puts the buffer on
 device (optionally with a caller-supplied sharding) before the next leaf. Host memory therefore
-peaks at one stacked leaf, not the whole model.
+peaks at one stacked leaf, not the whole model. config.json's fields are checked first
+(specjax.hf_config_checks: types and sanity bounds, one line naming the file and the field), and
+every tensor's shape is compared from its shard's checked header (specjax.safetensors_io) before
+the tensor is read, so nothing is sized from a hostile config or header.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors' n
 import numpy as np
 from safetensors import safe_open
 
+from specjax.hf_config_checks import check_config_fields, check_name_inside, read_config_json
 from specjax.safetensors_io import read_safetensors_header
 from specjax.targets.base import Target, tree_get, tree_set
 from specjax.targets.registry import get_target_class
@@ -40,11 +44,15 @@ _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 # config / file discovery
 # ---------------------------------------------------------------------------------------------
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a target folder, its fields checked (specjax.hf_config_checks: types and
+    sanity bounds) before anything is sized from them; a bad field is one ValueError naming the file
+    and the field."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {hf_dir}")
-    with open(path) as f:
-        return json.load(f)
+    config = read_config_json(path, "model config")
+    check_config_fields(config, path)
+    return config
 
 
 def checkpoint_files(hf_dir: str | os.PathLike) -> dict[str, str]:
@@ -52,8 +60,12 @@ def checkpoint_files(hf_dir: str | os.PathLike) -> dict[str, str]:
     index_path = os.path.join(hf_dir, INDEX_FILE)
     single_path = os.path.join(hf_dir, SINGLE_FILE)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_config_json(index_path, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index_path}: weight_map: not an object of tensor -> shard file name. "
+                             "Fix: download the checkpoint's index again")
+        for fn in sorted(set(weight_map.values())):
+            check_name_inside(os.fspath(hf_dir), fn, index_path, "weight_map")
         missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, fn))})
         if missing:
             raise FileNotFoundError(
@@ -61,8 +73,7 @@ def checkpoint_files(hf_dir: str | os.PathLike) -> dict[str, str]:
             )
         return {name: os.path.join(hf_dir, fn) for name, fn in weight_map.items()}
     if os.path.isfile(single_path):
-        with safe_open(single_path, framework="numpy") as f:
-            return {name: single_path for name in f.keys()}
+        return {name: single_path for name in read_safetensors_header(single_path)[0]}
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {hf_dir} (only safetensors checkpoints load)")
 
 
@@ -79,22 +90,29 @@ def _read_raw_tensor(path: str, name: str) -> np.ndarray:
 
 
 class _Reader:
-    """Keeps each shard open while a checkpoint loads; returns numpy arrays one tensor at a time."""
+    """Keeps each shard open while a checkpoint loads; returns numpy arrays one tensor at a time.
+    Names and shapes come from each shard's checked header (specjax.safetensors_io), read before the
+    shard is opened for its data, so a tensor of the wrong shape is refused before any of it is read."""
 
     def __init__(self, files: Mapping[str, str], stack: contextlib.ExitStack):
         self._files = files
         self._stack = stack
+        self._headers: dict[str, dict[str, Any]] = {}
         self._handles: dict[str, Any] = {}
 
-    def _handle(self, name: str):
+    def _header(self, name: str) -> tuple[str, dict[str, Any]]:
         path = self._files[name]
-        if path not in self._handles:
-            handle = self._stack.enter_context(safe_open(path, framework="numpy"))
-            self._handles[path] = (handle, set(handle.keys()))
-        handle, names = self._handles[path]
-        if name not in names:
+        if path not in self._headers:
+            self._headers[path] = read_safetensors_header(path)[0]
+        if name not in self._headers[path]:
             raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but missing from {os.path.basename(path)}")
-        return path, handle
+        return path, self._headers[path]
+
+    def _handle(self, name: str):
+        path, _ = self._header(name)
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="numpy"))
+        return path, self._handles[path]
 
     def get(self, name: str) -> np.ndarray:
         path, handle = self._handle(name)
@@ -104,8 +122,8 @@ class _Reader:
             return _read_raw_tensor(path, name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        _, handle = self._handle(name)
-        return tuple(handle.get_slice(name).get_shape())
+        _, header = self._header(name)
+        return tuple(header[name]["shape"])
 
     def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) along axis 0, without reading the rest of the tensor."""
@@ -188,10 +206,11 @@ def load_params(
         for spec in specs:
             buf = np.empty(spec.shape, np.dtype(spec.dtype) if spec.dtype else np_dtype)
             for index, name in spec.hf_tensors(L):
-                if spec.hf_chunk is None:
+                if spec.hf_chunk is None:  # the shape from the header first: nothing of a wrong size is read
+                    file_shape = reader.shape(name)
+                    if file_shape != spec.hf_shape:
+                        raise ValueError(f"tensor {name} has shape {file_shape}, expected {spec.hf_shape}")
                     t = reader.get(name)
-                    if tuple(t.shape) != spec.hf_shape:
-                        raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {spec.hf_shape}")
                 else:  # one chunk of a fused tensor: check the whole shape, read only the rows needed
                     file_shape = reader.shape(name)
                     if file_shape != spec.hf_file_shape:
