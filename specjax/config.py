@@ -140,6 +140,18 @@ class DataConfig(_Checked):
     # thread per row); null: one per CPU core, at most 16; 0 or 1: in the launching process. Workers
     # start only for the rows still left after 5 s in-process (a worker takes seconds to start)
     prepare_workers: Optional[int] = _ranged(None, ge=0)
+    # per-row limits of the readers: a row over one is a counted skip, found before it is decoded and
+    # in bounded memory (specjax.data.sources.RowLimits). Size: bytes of a JSONL line, characters of a
+    # JSON list element, Arrow bytes of a parquet row; depth: nested lists / objects. A 128k-token
+    # conversation is a few MB and under 10 levels; a row costs ~200x its size in memory to tokenize
+    max_row_bytes: int = _ranged(16 * 2**20, ge=1)
+    max_row_depth: int = _ranged(256, ge=1)
+    # bounds of one rendering of the chat template (specjax.data.chat.TemplateLimits): seconds of CPU
+    # time (a suspended run is not blamed on its template), and characters of the rendered text and of
+    # any value the template builds. Past one, the run stops naming the template (a real template
+    # renders a conversation in milliseconds)
+    template_time_limit_s: float = _ranged(10.0, gt=0.0)
+    max_template_chars: int = _ranged(64 * 2**20, ge=1)
 
     def prepare_processes(self) -> int:
         """`prepare_workers` as a number of processes (null -> the CPU cores this process may use, <= 16)."""

@@ -127,10 +127,10 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         rep.ok("tokenizer", f"{len(tok)} tokens from {tok_path}")
     from specjax.data import prepare_examples
     from specjax.data.chat import check_chat_template, template_source
-    from specjax.train.setup import resolve_path
+    from specjax.train.setup import resolve_path, row_limits, template_limits
 
     try:  # jinja2 importable, the template compiles and renders a probe conversation
-        check_chat_template(tok, cfg.data.chat_template)
+        check_chat_template(tok, cfg.data.chat_template, template_limits(cfg))
         rep.ok("chat template", template_source(tok, cfg.data.chat_template))
     except ValueError as e:
         rep.fail("chat template", str(e))
@@ -143,7 +143,8 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         prep = prepare_examples(files, tok, cfg.data.seq_length, 0.0, 0, max_rows=n_rows,
                                 truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
                                 mask_reasoning_content=cfg.data.mask_reasoning_content,
-                                mask_generation_prompt=cfg.data.mask_generation_prompt)
+                                mask_generation_prompt=cfg.data.mask_generation_prompt,
+                                row_limits=row_limits(cfg), template_limits=template_limits(cfg))
     except (ValueError, FileNotFoundError) as e:
         rep.fail("data sample", str(e))
         return

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterator
 
 from specjax.regen.common import (LOGGER_NAME, ConversationFlow, Item, RegenerateError, Redactor, answer_every_turn,
                                   prompt_messages)
-from specjax.regen.inputs import canonical_input, iter_rows
-from specjax.regen.output import finished_shards, prepare_output_dir, read_shard_stats, shard_name, write_shard
+from specjax.regen.inputs import canonical_input, input_files, iter_rows
+from specjax.regen.output import (fingerprint_files, finished_shards, prepare_output_dir, read_shard_stats, shard_name,
+                                  write_shard)
 
 __all__ = ["regenerate", "run_from_config", "Summary", "RegenerateError", "main"]
 
@@ -80,8 +81,8 @@ def _count(d: dict, key: str, n: int = 1) -> None:
     d[key] = d.get(key, 0) + n
 
 
-def _items(source: str, limit: int | None, summary: Summary) -> Iterator[Item]:
-    for row in iter_rows(source):
+def _items(source: str, limit: int | None, summary: Summary, row_limits=None) -> Iterator[Item]:
+    for row in iter_rows(source, row_limits):
         if limit is not None and summary.conversations >= limit:
             return
         summary.rows_in += 1
@@ -141,9 +142,14 @@ def regenerate(
     generate_fn: Callable | None = None,
     turns: str = "last",
     decode_attention: str = "auto",
+    row_limits=None,
+    template_limits=None,
 ) -> Summary:
     """Run the stage; see the module docstring. Unset sampling values come from the target's
-    generation_config.json (jax back end), else greedy with 512 new tokens."""
+    generation_config.json (jax back end), else greedy with 512 new tokens. ``row_limits`` (a
+    `specjax.data.sources.RowLimits`) make the input's oversized rows counted skips;
+    ``template_limits`` (a `specjax.data.chat.TemplateLimits`) bound each rendering of the chat
+    template (jax back end). Both default to the config defaults."""
     t0 = time.time()
     if backend not in ("jax", "openai"):
         raise RegenerateError(f"unknown back end {backend!r}: use jax or openai")
@@ -159,10 +165,14 @@ def regenerate(
     key = os.environ.get(api_key_env) if backend == "openai" else None
     redactor = Redactor(key, urllib.parse.urlsplit(endpoint).password if endpoint else None)
     log.addFilter(redactor)
+    from specjax.data.chat import ChatTemplateUnusable
+
     try:
         return _run(**locals())
     except RegenerateError:
         raise
+    except ChatTemplateUnusable as e:  # e.g. a rendering past a limit: the template's problem, one line
+        raise RegenerateError(str(e)) from e
     except Exception as e:  # never let the key through in an unexpected error's text
         text = str(e)
         if redactor.redact(text) != text:
@@ -175,8 +185,11 @@ def regenerate(
 def _run(*, t0, redactor, key, **a) -> Summary:
     from specjax.regen.client import public_endpoint
 
+    from specjax.data.sources import RowLimits
+
     source = canonical_input(a["input"])
     out_dir = os.path.abspath(a["out_dir"])
+    row_limits = RowLimits(*(a["row_limits"] or RowLimits()))
     backend = a["backend"]
 
     if backend == "jax":
@@ -221,6 +234,10 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         "specjax_version": _version(),
         "columns": ["messages", "source_index"],
         "turns": a["turns"],
+        "max_row_bytes": row_limits.max_bytes,
+        "max_row_depth": row_limits.max_depth,
+        # the source's content: a resume whose source files differ is refused (regen.output)
+        "input_files": fingerprint_files(input_files(source)),
     }
     manifest = json.loads(redactor.redact(json.dumps(manifest)))
     resumed = prepare_output_dir(out_dir, manifest, a["resume"])
@@ -230,7 +247,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
 
     summary = Summary(out_dir=out_dir)
     all_turns = a["turns"] == "all"
-    chunks = list(enumerate(_chunks(_items(source, a["limit"], summary), int(a["shard_size"]))))
+    chunks = list(enumerate(_chunks(_items(source, a["limit"], summary, row_limits), int(a["shard_size"]))))
     todo = []
     for k, chunk in chunks:
         if k in done:
@@ -345,7 +362,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
     from specjax.data.chat import ChatTemplateUnusable, check_chat_template
 
     try:  # before the target is loaded: a missing jinja2 is not a row's problem
-        check_chat_template(tok, a["chat_template"])
+        check_chat_template(tok, a["chat_template"], a["template_limits"])
     except ChatTemplateUnusable as e:
         raise RegenerateError(str(e)) from e
     target = load_target(a["target"], dtype=a["dtype"], decode_attention_implementation=a["decode_attention"])
@@ -358,6 +375,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         max_prompt_tokens=a["max_prompt_tokens"], batch_size=a["batch_size"], seed=a["seed"],
         segment_steps=a["segment_steps"],
         keep_reasoning=a["keep_reasoning"], generate_fn=a["generate_fn"], long_prompts=a["long_prompts"],
+        template_limits=a["template_limits"],
     )
 
 
@@ -369,6 +387,9 @@ def output_dir(cfg) -> str:
 def run_from_config(cfg) -> str:
     """Run the `regenerate.*` section of a `specjax.config.Config` (always resumable: a rerun
     continues, a changed setting is refused). Returns the output directory."""
+    from specjax.data.chat import TemplateLimits
+    from specjax.data.sources import RowLimits
+
     r = cfg.regenerate
     out_dir = output_dir(cfg)
     if r.backend == "jax" and cfg.target.build_demo and cfg.target.path:
@@ -384,6 +405,8 @@ def run_from_config(cfg) -> str:
         max_prompt_tokens=r.max_prompt_tokens,
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
         keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns, decode_attention=cfg.kernels.decode_attention,
+        row_limits=RowLimits(cfg.data.max_row_bytes, cfg.data.max_row_depth),
+        template_limits=TemplateLimits(cfg.data.template_time_limit_s, cfg.data.max_template_chars),
     )
     return summary.out_dir
 

@@ -30,8 +30,9 @@ from typing import NamedTuple
 import grain
 import numpy as np
 
-from specjax.data.chat import Example, SkipRow, resolve_chat_template, tokenize_conversation
-from specjax.data.sources import format_skip, read_conversations
+from specjax.data.chat import (ChatTemplateUnusable, Example, SkipRow, TemplateLimits, resolve_chat_template,
+                               tokenize_conversation)
+from specjax.data.sources import RowLimits, format_skip, read_conversations
 
 __all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "SKIP_REPORT_FILE", "make_train_iterator",
            "make_eval_batches", "split_is_val", "batches_per_epoch"]
@@ -100,6 +101,8 @@ def prepare_examples(
     skip_report_dir: str | os.PathLike | None = None,
     workers: int = 0,
     inline_s: float | None = None,
+    row_limits: RowLimits | None = None,
+    template_limits: TemplateLimits | None = None,
 ) -> Prepared:
     """Read, template, tokenize and split. Bad rows are counted in ``skipped`` and listed in
     ``skips``, never raised; a missing file, a tokenizer without a chat template, or no usable
@@ -111,12 +114,18 @@ def prepare_examples(
     ``workers`` > 1 templates and tokenizes in that many processes (`data.prepare_workers`), in chunks
     of rows: the first ``inline_s`` seconds of rows (default `PARALLEL_AFTER_S`) are done here, so
     small data never waits for workers to start, and the rows left after that go to the workers. The
-    result is the same in every respect: examples, skips and their order."""
+    result is the same in every respect: examples, skips and their order.
+
+    ``row_limits`` (`data.max_row_bytes`, `data.max_row_depth`) make an oversized or too deeply nested
+    row a counted skip (see `specjax.data.sources`); ``template_limits`` (`data.template_time_limit_s`,
+    `data.max_template_chars`) bound every rendering of the chat template: a rendering past one raises
+    ChatTemplateLimitExceeded, naming the template, the limit and the first row it happened on (see
+    `specjax.data.chat`). Both default to the config defaults."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_rows is not None and max_rows <= 0:
         raise ValueError(f"max_rows must be positive or None, got {max_rows}")
-    template = resolve_chat_template(tokenizer, chat_template)  # fail before reading anything
+    template = resolve_chat_template(tokenizer, chat_template, template_limits)  # fail before reading anything
 
     train: list[Example] = []
     val: list[Example] = []
@@ -131,27 +140,33 @@ def prepare_examples(
 
     def rows():
         nonlocal n_rows
-        for row in read_conversations(paths):
+        for row in read_conversations(paths, limits=row_limits):
             if max_rows is not None and n_rows >= max_rows:
                 return
             n_rows += 1
             yield row
 
     options = _TokenizeOptions(seq_length, truncate, template, mask_reasoning_content, mask_generation_prompt)
-    for row, outcome in _tokenized(rows(), tokenizer, options, workers, inline_s):
-        if row.error is not None:
-            err = row.error
-            where = getattr(err, "where", None)
-            if where is None:  # a plain string error from another reader
-                skip(row, getattr(err, "kind", "bad row"), f"{row.source}:{row.index + 1}", str(err))
-            else:
-                skip(row, err.kind, where, err.detail)
-            continue
-        if isinstance(outcome, SkipRow):
-            skip(row, outcome.reason, f"{row.source}:{row.index + 1}", outcome.detail)
-            continue
-        ex = dataclasses.replace(outcome, source=str(row.source), row=int(row.index) + 1)  # as in file:N
-        (val if split_is_val(row.source, row.index, seed, val_fraction, row.group) else train).append(ex)
+    outcomes = _tokenized(rows(), tokenizer, options, workers, inline_s)
+    try:
+        for row, outcome in outcomes:
+            if row.error is not None:
+                err = row.error
+                where = getattr(err, "where", None)
+                if where is None:  # a plain string error from another reader
+                    skip(row, getattr(err, "kind", "bad row"), f"{row.source}:{row.index + 1}", str(err))
+                else:
+                    skip(row, err.kind, where, err.detail)
+                continue
+            if isinstance(outcome, SkipRow):
+                skip(row, outcome.reason, f"{row.source}:{row.index + 1}", outcome.detail)
+                continue
+            if isinstance(outcome, ChatTemplateUnusable):  # the config's or the machine's problem: stop here
+                raise type(outcome)(f"{outcome} (first met rendering {row.source}:{row.index + 1})") from outcome
+            ex = dataclasses.replace(outcome, source=str(row.source), row=int(row.index) + 1)  # as in file:N
+            (val if split_is_val(row.source, row.index, seed, val_fraction, row.group) else train).append(ex)
+    finally:
+        outcomes.close()  # stops the workers now when the loop ends early, not when the traceback goes
 
     prepared = Prepared(train=train, val=val, skipped=skipped, n_rows=n_rows, skips=skips)
     first = [s.message for s in skips[:_LOGGED_SKIPS]]
@@ -190,7 +205,9 @@ class _TokenizeOptions(NamedTuple):
     mask_generation_prompt: bool
 
 
-def _tokenize_one(tokenizer, messages: list[dict], o: _TokenizeOptions) -> Example | SkipRow:
+def _tokenize_one(tokenizer, messages: list[dict], o: _TokenizeOptions) -> Example | SkipRow | ChatTemplateUnusable:
+    """The row's example, or why not: a SkipRow (counted), or a ChatTemplateUnusable that stops the run
+    (returned, so the caller can say which row met it, also from a worker)."""
     try:
         return tokenize_conversation(
             tokenizer, messages, o.seq_length, truncate=o.truncate, chat_template=o.template,
@@ -198,6 +215,8 @@ def _tokenize_one(tokenizer, messages: list[dict], o: _TokenizeOptions) -> Examp
         )
     except SkipRow as e:
         return SkipRow(e.reason, e.detail)
+    except ChatTemplateUnusable as e:
+        return e
 
 
 _worker: tuple | None = None  # (tokenizer, options) of a worker process
@@ -224,15 +243,20 @@ def _saved_for_workers(tokenizer, folder: str) -> str | None:
     return folder
 
 
-def _tokenize_chunk(chunk: list[list[dict] | None]) -> list[Example | SkipRow | None]:
+def _tokenize_chunk(chunk: list[list[dict] | None]) -> list[Example | SkipRow | ChatTemplateUnusable | None]:
     tokenizer, options = _worker
-    return [None if m is None else _tokenize_one(tokenizer, m, options) for m in chunk]
+    out = []
+    for m in chunk:
+        out.append(None if m is None else _tokenize_one(tokenizer, m, options))
+        if isinstance(out[-1], ChatTemplateUnusable):
+            break  # the run stops at this row: the rest of the chunk is not worth a time limit each
+    return out
 
 
 def _tokenized(rows, tokenizer, options: _TokenizeOptions, workers: int, inline_s: float | None):
-    """(row, Example | SkipRow | None) for every row, in reading order; None for a row the reader
-    already failed. An exception other than SkipRow (ChatTemplateUnusable: the machine's or the
-    config's problem) propagates from the first row that raises it, here or in a worker."""
+    """(row, Example | SkipRow | ChatTemplateUnusable | None) for every row, in reading order; None for
+    a row the reader already failed. A ChatTemplateUnusable (the machine's or the config's problem)
+    ends the rows: the caller raises it."""
     rows = iter(rows)
     deadline = time.perf_counter() + (PARALLEL_AFTER_S if inline_s is None else inline_s)
     for row in rows:
@@ -271,8 +295,9 @@ def _tokenized(rows, tokenizer, options: _TokenizeOptions, workers: int, inline_
 def _tokenized_in_workers(chunks, ctx, workers: int, tokenizer, options: _TokenizeOptions):
     import concurrent.futures
 
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(tokenizer, options)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                   initargs=(tokenizer, options))
+    try:
         pending = []  # (rows, future), oldest first; at most 2 chunks per worker in flight
         for chunk in chunks:
             pending.append((chunk, pool.submit(_tokenize_chunk, [r.messages if r.error is None else None
@@ -282,6 +307,10 @@ def _tokenized_in_workers(chunks, ctx, workers: int, tokenizer, options: _Tokeni
                 yield from zip(done_rows, fut.result())
         for done_rows, fut in pending:
             yield from zip(done_rows, fut.result())
+    finally:
+        # when the caller stops early (a ChatTemplateUnusable), queued chunks are dropped and the
+        # running ones end at their first row that meets it, instead of all of them running to the end
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write_report(skips: Sequence[Skip], out_dir: str | os.PathLike) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from specjax.regen.common import RegenerateError
 
-__all__ = ["PRESET_SCHEME", "canonical_input", "iter_rows"]
+__all__ = ["PRESET_SCHEME", "canonical_input", "input_files", "iter_rows"]
 
 PRESET_SCHEME = "preset://"
 
@@ -52,13 +52,30 @@ def canonical_input(source: str) -> str:
     return path
 
 
-def iter_rows(source: str) -> Iterator:
-    """specjax.data.sources.Row objects of the (canonical) input, in order."""
+def input_files(source: str) -> list[str]:
+    """The files the (canonical) input's conversations are read from: a preset's packaged file, the
+    file itself, or a directory's parquet shards."""
+    if source.startswith(PRESET_SCHEME):
+        try:
+            return [_presets().preset_file(source[len(PRESET_SCHEME):])]
+        except FileNotFoundError as e:
+            raise RegenerateError(str(e)) from e
+    from specjax.data.sources import resolve_data_paths
+
+    try:
+        return resolve_data_paths(source)
+    except (FileNotFoundError, ValueError) as e:
+        raise RegenerateError(str(e)) from e
+
+
+def iter_rows(source: str, limits=None) -> Iterator:
+    """specjax.data.sources.Row objects of the (canonical) input, in order; a file's rows over
+    ``limits`` (a `specjax.data.sources.RowLimits`, default its defaults) are bad rows."""
     if source.startswith(PRESET_SCHEME):
         return iter(_presets().preset_rows(source[len(PRESET_SCHEME):]))
     from specjax.data.sources import read_conversations
 
     try:
-        return read_conversations(source)
+        return read_conversations(source, limits=limits)
     except (FileNotFoundError, ValueError) as e:
         raise RegenerateError(str(e)) from e

@@ -81,6 +81,7 @@ class JaxBackend:
         generate_fn: Callable | None = None,
         long_prompts: str = "skip",
         segment_steps: int = 16,
+        template_limits=None,
     ):
         if max_new_tokens <= 0:
             raise RegenerateError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -96,7 +97,8 @@ class JaxBackend:
         self.target = target
         self.tokenizer = tokenizer
         try:
-            self.template = resolve_chat_template(tokenizer, chat_template)
+            # every prompt is rendered under template_limits (a TemplateLimits; default: its defaults)
+            self.template = resolve_chat_template(tokenizer, chat_template, template_limits)
         except ValueError as e:
             raise RegenerateError(str(e)) from None
         self.eos_ids = tuple(int(i) for i in eos_ids)
@@ -182,8 +184,9 @@ class JaxBackend:
         """(prompt ids, shortened prompt) to generate from, or the Answer that skips this item."""
         try:
             fitted = self.fit_prompt(item.prompt)
-        except ChatTemplateUnusable:
-            raise  # jinja2 missing, a template that does not compile: not this row's problem
+        except ChatTemplateUnusable as e:  # jinja2 missing, a template that does not compile or runs past a
+            # limit: not this row's problem, and the run stops (specjax.regenerate makes it one line)
+            raise type(e)(f"{e} (first met rendering the conversation of input row {item.source_index + 1})") from e
         except Exception as e:  # noqa: BLE001 - a template that rejects this conversation
             log.debug("row %d: chat template error: %s", item.source_index, e)
             return Answer(None, "chat template error")

@@ -3,21 +3,34 @@
 Each shard is written to a temporary name in the same directory and renamed into place, so a
 shard file that exists is complete; a process killed mid-write leaves only a `.tmp` file, which
 is ignored (and overwritten) by the next run. The manifest is written before any shard and holds
-the settings that decide the output; `--resume` with other settings is refused, naming them."""
+the settings that decide the output; `--resume` with other settings is refused, naming them.
+
+It also holds the content of the source: ``input_files``, the path, size and sha256 of every file
+the conversations are read from (`fingerprint_files`). Shards are numbered chunks of the source's
+conversations, so a source edited between a kill and ``--resume`` would pair the finished shards
+with other conversations (some answered twice, some never): such a resume is refused, naming each
+changed file and both fingerprints. A manifest written before fingerprints were recorded cannot be
+checked: the resume goes on with a warning saying so (refusing would leave an interrupted run no way
+to finish but starting over, and the source is unchanged in nearly every resume), and the current
+fingerprints are added to the manifest, so later resumes are checked."""
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
 from typing import Any
 
-from specjax.regen.common import ManifestMismatch, RegenerateError
+from specjax.regen.common import LOGGER_NAME, ManifestMismatch, RegenerateError
 
 __all__ = [
     "MANIFEST", "COMPARED_KEYS", "shard_name", "prepare_output_dir", "finished_shards",
-    "write_shard", "read_shard_stats",
+    "write_shard", "read_shard_stats", "fingerprint_files",
 ]
+
+log = logging.getLogger(LOGGER_NAME)
 
 MANIFEST = "manifest.json"
 _SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
@@ -26,7 +39,11 @@ _SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 COMPARED_KEYS = (
     "input", "limit", "backend", "model", "temperature", "top_p", "seed", "max_new_tokens",
     "max_prompt_tokens", "long_prompts", "shard_size", "keep_reasoning", "extra_body", "turns",
+    "max_row_bytes", "max_row_depth",  # which rows are skipped, so which conversations each shard holds
 )
+# Compared keys that runs before them did not have (they read every row whatever its size): not compared
+# when the old manifest lacks them.
+_UNRECORDED_BEFORE = ("max_row_bytes", "max_row_depth")
 # Compared keys added after the first manifests were written: (value those runs behaved as, the back end
 # it applies to, None = any).
 _LATER_KEYS = {"long_prompts": ("skip", "jax"), "turns": ("last", None)}
@@ -65,6 +82,36 @@ def _fmt(v: Any) -> str:
     return json.dumps(v, sort_keys=True)
 
 
+def fingerprint_files(paths: list[str]) -> list[dict]:
+    """``{"path", "bytes", "sha256"}`` of each file (read a MiB at a time)."""
+    out = []
+    for path in paths:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        out.append({"path": path, "bytes": os.path.getsize(path), "sha256": digest.hexdigest()})
+    return out
+
+
+def _source_changes(old: list, new: list) -> list[str]:
+    """One line per source file whose fingerprint differs between two manifests (or that is only in one)."""
+    before = {f.get("path"): f for f in old if isinstance(f, dict)}
+    now = {f["path"]: f for f in new}
+    lines = []
+    for path in sorted(set(before) | set(now), key=str):
+        a, b = before.get(path), now.get(path)
+        if a is None:
+            lines.append(f"{path}: not a source file when the run began, now sha256 {b['sha256']} "
+                         f"({b['bytes']:,} bytes)")
+        elif b is None:
+            lines.append(f"{path}: sha256 {a.get('sha256')} ({a.get('bytes', 0):,} bytes) when the run began, now gone")
+        elif (a.get("sha256"), a.get("bytes")) != (b["sha256"], b["bytes"]):
+            lines.append(f"{path}: sha256 {a.get('sha256')} ({a.get('bytes', 0):,} bytes) when the run began, "
+                         f"sha256 {b['sha256']} ({b['bytes']:,} bytes) now")
+    return lines
+
+
 def prepare_output_dir(out_dir: str, manifest: dict, resume: bool) -> bool:
     """Create ``out_dir`` and write the manifest, or check it on resume. Returns True when an
     earlier run's manifest was found (and matches).
@@ -92,7 +139,8 @@ def prepare_output_dir(out_dir: str, manifest: dict, resume: bool) -> bool:
             )
         diffs = [
             f"{k}: {_fmt(_old_value(old, k))} in {path} != {_fmt(manifest.get(k))} now"
-            for k in COMPARED_KEYS if _fmt(_old_value(old, k)) != _fmt(manifest.get(k))
+            for k in COMPARED_KEYS
+            if _fmt(_old_value(old, k)) != _fmt(manifest.get(k)) and (k in old or k not in _UNRECORDED_BEFORE)
         ]
         if diffs:
             raise ManifestMismatch(
@@ -100,6 +148,24 @@ def prepare_output_dir(out_dir: str, manifest: dict, resume: bool) -> bool:
                 + "; ".join(diffs)
                 + "). Use the original settings, or a new output directory for the new ones."
             )
+        if "input_files" in manifest:
+            if isinstance(old.get("input_files"), list):
+                changes = _source_changes(old["input_files"], manifest["input_files"])
+                if changes:
+                    raise ManifestMismatch(
+                        f"cannot resume into {out_dir}: the source changed since the run began ("
+                        + "; ".join(changes)
+                        + "). Its finished shards hold the old conversations, numbered in the old order: resuming "
+                        "would answer some conversations twice and others never. Restore the original file, or "
+                        "regenerate the edited source into a new output directory (or delete this one first)."
+                    )
+            else:
+                log.warning(
+                    "%s was written before regeneration recorded its source files' sha256, so this resume cannot check "
+                    "that %s is unchanged since the run began; if it was edited, delete %s and regenerate. Recording "
+                    "the fingerprints now: later resumes are checked.", path, manifest.get("input"), out_dir)
+                _write_atomic(path, (json.dumps({**old, "input_files": manifest["input_files"]}, indent=1,
+                                                sort_keys=True) + "\n").encode())
         return True
     leftovers = [n for n in os.listdir(out_dir) if not n.endswith(".tmp")]
     if leftovers:

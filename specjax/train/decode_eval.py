@@ -37,7 +37,7 @@ from specjax.eval.report import summarize
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.export import export_from_state
 from specjax.serve_cmd import vllm_argv, vllm_launcher
-from specjax.train.setup import resolve_path
+from specjax.train.setup import resolve_path, template_limits
 
 log = logging.getLogger("specjax")
 
@@ -97,7 +97,7 @@ class JaxDecodeEval:
         self.cfg, self.target, self.tokenizer, self.draft_cfg, self.vocab = de, target, tokenizer, draft_cfg, vocab
         self.mesh = mesh
         self.prompts = _load_prompts(de)
-        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template, template_limits(cfg))
         self.eos = eos_token_ids(cfg.target.path, tokenizer)
 
     def due(self, step: int, total_steps: int, final: bool) -> bool:

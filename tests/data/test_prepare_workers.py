@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 
-from _tok import build_tokenizer
+from _tok import CHATML, build_tokenizer
 from specjax.config import DataConfig
 from specjax.data import prepare_examples
 from specjax.data import pipeline
-from specjax.data.chat import ChatTemplateUnusable
+from specjax.data.chat import ChatTemplateLimitExceeded, TemplateLimits
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_worker_start_arguments_fit_a_pipe(tmp_path, tok, monkeypatch):
     has read them, which it does while importing specjax and transformers. So the arguments must fit
     a pipe's buffer (64 KiB on Linux): a transformers tokenizer travels as a saved folder, not as an
     argument. Else the workers start one after another (2.6 s each here; 111 s of data preparation with
-    16 on the H200). Other tokenizer objects still travel as an argument (the next test's wrapper)."""
+    16 on the H200). Other tokenizer objects still travel as an argument (the next test's `_Wrapped`)."""
     import concurrent.futures
     import pickle
 
@@ -119,39 +119,44 @@ def test_worker_start_arguments_fit_a_pipe(tmp_path, tok, monkeypatch):
     assert len(pickle.dumps(seen[0])) < 16 * 1024
 
 
-class _BrokenEnvTokenizer:
-    """A tokenizer that fails as transformers does without jinja2, on the rows holding ``poison``: an
-    environment problem that first shows in a worker's chunk. Picklable (module level)."""
+class _Wrapped:
+    """A tokenizer that is not a transformers object, so it travels to the workers as a start argument
+    (not as a saved folder). Picklable (module level)."""
 
-    def __init__(self, inner, poison: str):
-        self.inner, self.poison = inner, poison
+    def __init__(self, inner):
+        self.inner = inner
 
     def __getattr__(self, name):
-        if name in ("inner", "poison"):  # unpickling looks these up before they are set
+        if name == "inner":  # unpickling looks it up before it is set
             raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __len__(self):
         return len(self.inner)
 
-    def apply_chat_template(self, messages, *args, **kwargs):
-        if any(self.poison in m["content"] for m in messages):
-            raise ImportError("No module named 'jinja2'")  # what transformers raises without jinja2
-        return self.inner.apply_chat_template(messages, *args, **kwargs)
-
     def __call__(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
 
 
+# renders ChatML, but its rendering of a row that mentions POISON builds a string past the
+# data.max_template_chars limit set below (small, so a regression cannot take much memory), which
+# stops the run: a template problem, not a row's
+_POISONED_TEMPLATE = CHATML + "{% for m in messages %}{% if 'POISON' in m['content'] %}{{ 'x' * 5000 }}{% endif %}{% endfor %}"
+_SMALL = TemplateLimits(max_chars=4000)
+
+
 def test_an_environment_problem_in_a_worker_stops_the_run(tmp_path, tok):
+    """A chat template past a rendering limit first shows in a worker's chunk: the run stops with the
+    same error as in-process, naming the limit and the row (not a counted skip, not a hang)."""
     rows = _rows(2 * pipeline._CHUNK_ROWS)
     rows[pipeline._CHUNK_ROWS + 5] = conv(("user", "POISON here"), ("assistant", "fine"))
     p = _write(tmp_path / "e.jsonl", rows)
-    broken = _BrokenEnvTokenizer(tok, "POISON")
-    with pytest.raises(ChatTemplateUnusable, match="jinja2"):
-        prepare_examples([p], broken, 96, 0.0, 0)  # in-process: the reference behaviour
-    with pytest.raises(ChatTemplateUnusable, match="jinja2"):
-        prepare_examples([p], broken, 96, 0.0, 0, workers=2, inline_s=0)
+    where = f"{p}:{pipeline._CHUNK_ROWS + 6}"
+    with pytest.raises(ChatTemplateLimitExceeded, match=rf"data\.max_template_chars.*first met rendering {where}"):
+        prepare_examples([p], tok, 96, 0.0, 0, chat_template=_POISONED_TEMPLATE, template_limits=_SMALL)  # in-process
+    with pytest.raises(ChatTemplateLimitExceeded, match=rf"data\.max_template_chars.*first met rendering {where}"):
+        prepare_examples([p], _Wrapped(tok), 96, 0.0, 0, chat_template=_POISONED_TEMPLATE, template_limits=_SMALL,
+                         workers=2, inline_s=0)
 
 
 def test_config_prepare_workers():

@@ -3,6 +3,7 @@ import re
 import shutil
 
 import numpy as np
+import pytest
 
 from specjax.doctor import main
 
@@ -157,3 +158,23 @@ def test_doctor_fails_a_template_that_does_not_compile(tiny_target, tmp_path, ca
     line = next(x for x in out.splitlines() if x.startswith("[FAIL] chat template"))
     assert f"the chat template file {bad}" in line and "does not compile (line 1" in line, line
     assert "data sample" not in _statuses(out)  # the data pass is not attempted
+
+
+def test_the_row_and_template_limits_of_the_config_reach_the_checks(tiny_target, tmp_path, capsys):
+    """data.max_template_chars and data.max_row_depth are the bounds the doctor's template check and data
+    sample use, and the run's preflight (train.setup.preflight) too: set low, each is named where it bites.
+    Fails when a caller renders or reads under the built-in defaults instead of the config's."""
+    from specjax.config import load_config
+    from specjax.data.chat import ChatTemplateLimitExceeded
+    from specjax.train.setup import preflight
+
+    cfg = _yaml(tmp_path, tiny_target)
+    assert main(["--config", cfg, "data.max_template_chars=20", "--rows", "20"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\[FAIL\] chat template: .*over data\.max_template_chars = 20\b", out, re.M), out
+    # every demo row is a list of message objects: 3 levels deep
+    assert main(["--config", cfg, "data.max_row_depth=2", "--rows", "20"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\[FAIL\] data sample: .*row nested too deep", out, re.M), out
+    with pytest.raises(ChatTemplateLimitExceeded, match=r"data\.max_template_chars = 20\b"):
+        preflight(load_config(cfg, ["data.max_template_chars=20"]))

@@ -92,3 +92,29 @@ def test_a_rows_template_error_is_still_a_counted_skip(tiny_target):
             {"role": "assistant", "content": "hello"}]
     with pytest.raises(SkipRow, match="chat template error.*no system turns"):
         tokenize_conversation(tok, msgs, 64, chat_template=tmpl)
+
+
+def test_a_template_past_a_rendering_limit_stops_the_cli_before_the_target(tmp_path, tiny_target):
+    """A chat template that would build a 10 GB string is found by the preflight's probe conversation:
+    one error line naming the template file and the limit's config key, before the target is loaded and
+    in bounded memory (the real CLI, in a subprocess under RLIMIT_AS). Its time limit is checked the same
+    way (tests/data/test_template_limits.py)."""
+    template = tmp_path / "explodes.jinja"
+    template.write_text("{{ 'x' * 10**10 }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    argv = ["specjax.launch", "--config", os.path.join(ROOT, "configs", "demo_cpu.yaml"),
+            f"run.output_dir={tmp_path / 'run'}", f"target.path={tiny_target}", "target.build_demo=false",
+            f"data.train_files=[{data}]", f"data.chat_template={template}"]
+    bounded = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30)); "
+               f"sys.argv = {argv!r}; runpy.run_module('specjax.launch', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", bounded], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the chat template file {template} built a str repeated with * of 10,000,000,000 "
+                      "characters, over data.max_template_chars = 67,108,864 (the bound on the rendered text and on "
+                      "every value a template builds; a row within data.max_row_bytes renders to far less). Fix the "
+                      "template, or raise data.max_template_chars."], out
+    assert "skipped" not in out and "train:" not in out

@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -170,3 +171,21 @@ def test_kernel_names_are_the_ops_implementations():
         assert set(typing.get_args(hints[key])) == {"auto"} | set(mod.IMPLEMENTATIONS), key
     with pytest.raises(ConfigError, match="`kernels.ttt_attention` = 'trition' is not one of 'auto'"):
         load_config(DEMO, ["kernels.ttt_attention=trition"])
+
+
+def test_row_and_template_limits_match_the_readers_and_are_range_checked():
+    """data.max_row_bytes / max_row_depth / template_time_limit_s / max_template_chars default to the
+    data modules' defaults (the config does not import them), and a value out of range fails at load."""
+    from specjax.config import DataConfig
+    from specjax.data.chat import TemplateLimits
+    from specjax.data.sources import RowLimits
+
+    d = DataConfig()
+    assert RowLimits(d.max_row_bytes, d.max_row_depth) == RowLimits()
+    assert TemplateLimits(d.template_time_limit_s, d.max_template_chars) == TemplateLimits()
+    for override, message in (("data.max_row_bytes=0", "`data.max_row_bytes` = 0 must be >= 1."),
+                              ("data.max_row_depth=0", "`data.max_row_depth` = 0 must be >= 1."),
+                              ("data.template_time_limit_s=0", "`data.template_time_limit_s` = 0.0 must be > 0.0."),
+                              ("data.max_template_chars=0", "`data.max_template_chars` = 0 must be >= 1.")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(DEMO, [override])
