@@ -8,6 +8,18 @@ sha256 of every file of the step folder goes into `specjax_checksums.json` besid
 that fails any of this is moved aside (`<step>.damaged-<time>`, kept for inspection, invisible to
 orbax and its retention) and the next older one is tried, so one damaged checkpoint can neither be
 trained from nor make retention delete the good ones.
+
+The checksum list is itself untrusted: one that is missing, unreadable, malformed or that names a
+path outside its step folder (absolute, `..`, through a link, not a regular file) makes that
+checkpoint *unverified*, never a crash or a hang. Nothing outside the step folder is opened. An
+unverified checkpoint is passed over (moved aside as `<step>.unverified-<time>`) when an older one
+verifies, and used with a warning only when none does.
+
+Identity: the meta of each checkpoint records its step and the identity of its run (config, a
+hash of the training examples' token ids, a hash of the draft vocabulary; `examples_sha256`,
+`vocab_sha256`), so a resumed run can refuse a checkpoint of another run (specjax.train.loop
+compares them); a folder whose name is not the step of the state it holds is refused
+(`check_restored_step`).
 """
 from __future__ import annotations
 
@@ -17,8 +29,9 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import grain
 import jax
@@ -105,8 +118,29 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, data_iter=None, met
 # ---------------------------------------------------------------------------------------------
 # integrity
 # ---------------------------------------------------------------------------------------------
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
+# A checksum list longer than this is not one specjax wrote (a large draft's checkpoint lists a few
+# hundred files, ~150 bytes each); reading is bounded so a hostile list cannot exhaust memory.
+MAX_CHECKSUMS_BYTES = 16 << 20
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
+class FileCheck(NamedTuple):
+    """What `check_files` found. `damage`: the checkpoint must never be resumed (a file missing,
+    changed or added, or no checkpoint at all). `unverified`: its files could not be checked, because
+    its checksum list is missing, unreadable, malformed, or names a path outside the step folder;
+    such a checkpoint is used only when no older one verifies. Both None: every file matches."""
+
+    damage: Optional[str] = None
+    unverified: Optional[str] = None
+
+
+def _sha256_of_regular_file(path: str) -> str:
+    # O_NOFOLLOW + the fstat check: a file swapped for a symlink, FIFO or device after the listing
+    # was walked is refused instead of followed or read forever
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -120,51 +154,129 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
+def _folder_entries(root: str) -> tuple[dict[str, int], set[str]]:
+    """The step folder as it is, without following any link: {relative path: size} of its regular
+    files, and the relative paths of everything else (symlinks, FIFOs, devices, sockets)."""
+    regular, other = {}, set()
+    for d, dirs, names in os.walk(root):  # os.walk lists a symlink to a folder but does not enter it
+        for n in names + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            rel = os.path.relpath(os.path.join(d, n), root)
+            if rel == CHECKSUMS_FILE or rel.startswith(CHECKSUMS_FILE):
+                continue
+            st = os.lstat(os.path.join(d, n))
+            if stat.S_ISREG(st.st_mode):
+                regular[rel] = st.st_size
+            else:
+                other.add(rel)
+    return regular, other
+
+
 def write_checksums(directory: str, step: int) -> None:
     """sha256 + size of every file of checkpoint `step`, written atomically beside them."""
     root = os.path.join(directory, str(step))
-    sums = {rel: {"size": os.path.getsize(os.path.join(root, rel)), "sha256": _sha256(os.path.join(root, rel))}
-            for rel in _files(root)}
+    sums = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
+                  "sha256": _sha256_of_regular_file(os.path.join(root, rel))} for rel in _files(root)}
     tmp = os.path.join(root, CHECKSUMS_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": 1, "files": sums}, f, indent=0)
     os.replace(tmp, os.path.join(root, CHECKSUMS_FILE))
 
 
-def verify(directory: str, step: int) -> Optional[str]:
-    """None when checkpoint `step` matches its checksums, else what is wrong (for the log). A step
-    folder without checksums (written before they existed) passes here; the restored state is
-    still checked for finiteness."""
-    root = os.path.join(directory, str(step))
-    if not os.path.isdir(root):
-        return f"{root} does not exist"
-    path = os.path.join(root, CHECKSUMS_FILE)
-    if not os.path.exists(path):
-        return None if os.path.exists(os.path.join(root, "_CHECKPOINT_METADATA")) else \
-            f"{root} is not a complete checkpoint (no {CHECKSUMS_FILE}, no _CHECKPOINT_METADATA)"
-    try:
-        with open(path) as f:
-            listed = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{path} cannot be read ({e})"
-    for rel, want in sorted(listed.items()):
-        p = os.path.join(root, rel)
-        if not os.path.exists(p):
-            return f"{p} is missing"
-        if os.path.getsize(p) != want["size"]:
-            return f"{p} has {os.path.getsize(p)} bytes, {want['size']} were written"
-        if _sha256(p) != want["sha256"]:
-            return f"{p} does not match the sha256 written when it was saved"
-    extra = sorted(set(_files(root)) - set(listed))
-    if extra:
-        return f"{root} has files that were not part of the save: {extra[:5]}"
+def _entry_problem(rel, want) -> Optional[str]:
+    """Why one entry of a checksum list is not one specjax wrote, or None. A listed path must stay
+    inside the step folder by its spelling alone: relative, no `..`, `.` or empty parts."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        return f"entry {rel!r} is not a file name"
+    parts = rel.split("/")
+    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        return f"entry {rel!r} is outside the step folder (absolute, or with '..', '.' or an empty part)"
+    if rel == CHECKSUMS_FILE or rel.startswith(CHECKSUMS_FILE):
+        return f"entry {rel!r} lists the checksum list itself"
+    if not isinstance(want, dict):
+        return f"entry {rel!r} is {type(want).__name__}, not an object with size and sha256"
+    size, digest = want.get("size"), want.get("sha256")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return f"entry {rel!r} has size {size!r}, not a byte count"
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _SHA256_HEX:
+        return f"entry {rel!r} has sha256 {str(digest)[:80]!r}, not 64 hex digits"
     return None
 
 
-def quarantine(directory: str, step: int) -> str:
-    """Move a damaged checkpoint out of orbax's sight (and out of its retention): <step>.damaged-<time>."""
+def _read_checksum_list(path: str) -> tuple[Optional[dict], Optional[str]]:
+    """(the `files` object of a checksum list, None), or (None, why it cannot be used). The list is
+    read only if it is a regular file of bounded size; every entry is validated before any listed
+    path is looked at."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file (a link, FIFO or device)"
+        if st.st_size > MAX_CHECKSUMS_BYTES:
+            return None, f"{path} is {st.st_size} bytes, more than a checksum list can be ({MAX_CHECKSUMS_BYTES})"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            listed = json.loads(f.read(MAX_CHECKSUMS_BYTES + 1))
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"{path} cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    if not isinstance(listed, dict) or listed.get("format") != 1 or not isinstance(listed.get("files"), dict):
+        shape = (f"'files' is {type(listed.get('files')).__name__}" if isinstance(listed, dict) and "files" in listed
+                 else f"keys {sorted(listed)[:5]}" if isinstance(listed, dict) else f"a JSON {type(listed).__name__}")
+        return None, f"{path} is not a checksum list of format 1 with a 'files' object ({shape})"
+    files = listed["files"]
+    for rel, want in files.items():
+        problem = _entry_problem(rel, want)
+        if problem is not None:
+            return None, f"{path}: {problem}"
+    return files, None
+
+
+def check_files(directory: str, step: int) -> FileCheck:
+    """Check checkpoint `step`'s files against its `specjax_checksums.json` without opening anything
+    outside the step folder: a listed path is opened only when it is a regular file reached from the
+    folder through no link. See FileCheck for what the outcomes mean."""
+    root = os.path.join(directory, str(step))
+    if not os.path.isdir(root):
+        return FileCheck(damage=f"{root} does not exist")
+    path = os.path.join(root, CHECKSUMS_FILE)
+    if not os.path.lexists(path):
+        if os.path.exists(os.path.join(root, "_CHECKPOINT_METADATA")):
+            return FileCheck(unverified=f"{path} is missing (deleted, or the checkpoint predates checksums)")
+        return FileCheck(damage=f"{root} is not a complete checkpoint (no {CHECKSUMS_FILE}, no _CHECKPOINT_METADATA)")
+    listed, problem = _read_checksum_list(path)
+    if problem is not None:
+        return FileCheck(unverified=problem)
+    regular, other = _folder_entries(root)
+    for rel, want in sorted(listed.items()):
+        p = os.path.join(root, rel)
+        parts = rel.split("/")
+        if rel in other or any("/".join(parts[:i]) in other for i in range(1, len(parts))):
+            return FileCheck(unverified=f"{path} lists {rel}, which is a link or not a regular file")
+        if rel not in regular:
+            return FileCheck(damage=f"{p} is missing")
+        if regular[rel] != want["size"]:
+            return FileCheck(damage=f"{p} has {regular[rel]} bytes, {want['size']} were written")
+        try:
+            digest = _sha256_of_regular_file(p)
+        except OSError as e:
+            return FileCheck(damage=f"{p} cannot be read ({e})")
+        if digest != want["sha256"]:
+            return FileCheck(damage=f"{p} does not match the sha256 written when it was saved")
+    extra = sorted((set(regular) | other) - set(listed))
+    if extra:
+        return FileCheck(damage=f"{root} has files that were not part of the save: {extra[:5]}")
+    return FileCheck()
+
+
+def verify(directory: str, step: int) -> Optional[str]:
+    """None when every file of checkpoint `step` matches its checksum list, else what is wrong: its
+    damage, or why it could not be verified (see `check_files`)."""
+    result = check_files(directory, step)
+    return result.damage or result.unverified
+
+
+def quarantine(directory: str, step: int, label: str = "damaged") -> str:
+    """Move a checkpoint out of orbax's sight (and out of its retention): <step>.<label>-<time>."""
     src = os.path.join(directory, str(step))
-    dst = f"{src}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    dst = f"{src}.{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     if jax.process_index() == 0:
         os.replace(src, dst)
     return dst
@@ -207,34 +319,101 @@ def _remove_tree(path: str, timeout_s: float = 10.0, quiet_s: float = 1.5) -> No
         log.warning("could not remove the partial checkpoint %s; delete it by hand", path)
 
 
-def restore_verified(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter=None):
+class CheckpointFromAnotherRun(CheckpointMismatch):
+    """A checkpoint this run must not resume: written by another run (another draft vocabulary, or
+    data and settings the override does not cover), or kept under a folder name that is not its step."""
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The small JSON saved beside checkpoint `step`'s state (step, metrics, run identity), read
+    without touching the state."""
+    meta = mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    return meta if isinstance(meta, dict) else {}
+
+
+def check_restored_step(directory: str, step: int, state: Any) -> None:
+    """CheckpointFromAnotherRun unless the state in folder `step` is the state of that step: a
+    checkpoint copied in or renamed under another number would resume at the wrong step, and the
+    run's own save of that number would then collide with it on every rerun."""
+    if not isinstance(state, dict) or "step" not in state:
+        return
+    held = int(np.asarray(jax.device_get(state["step"])))
+    if held != step:
+        where = os.path.join(directory, str(step))
+        raise CheckpointFromAnotherRun(
+            f"checkpoint {where} does not belong here:\n  step: folder {step} holds step {held}\n"
+            f"A checkpoint folder is named after the step it saved; this one was copied in or renamed. Move "
+            f"{where} out of {directory} (the run then resumes from its own checkpoints), or set "
+            f"checkpoint.restore_from=none to start fresh.")
+
+
+def restore_verified(mngr: ocp.CheckpointManager, abstract_state: Any, data_iter=None,
+                     check_meta: Optional[Callable[[int, dict], None]] = None):
     """Restore the newest checkpoint that verifies (checksums, readable, finite), moving each damaged
     newer one aside with a warning. Returns (state, meta, step), or (None, None, None) when there is
-    no checkpoint at all. CheckpointMismatch (another configuration) is raised, not skipped;
-    CheckpointDamaged when checkpoints exist but none verifies."""
+    no checkpoint at all.
+
+    A checkpoint whose checksum list is missing, malformed or points outside its folder
+    (`check_files`: unverified) is passed over while an older one verifies: the older one is resumed
+    and the unverified newer ones are moved aside as `<step>.unverified-<time>` (left in place they
+    would collide with this run's next saves). When none verifies, the newest unverified one that
+    restores is used, with a warning that nothing was verified.
+
+    `check_meta(step, meta)` sees each candidate's saved meta before its state is restored and raises
+    CheckpointMismatch to refuse it (a checkpoint of another run). CheckpointMismatch (another
+    configuration, another run) is raised, not skipped; CheckpointDamaged when checkpoints exist but
+    none can be used."""
     directory = str(mngr.directory)
-    tried = []
-    for step in sorted(mngr.all_steps(), reverse=True):
-        problem = verify(directory, step)
-        if problem is None:
-            try:
-                state, meta = restore(mngr, abstract_state, data_iter, step=step)
-            except CheckpointMismatch:
-                raise
-            except Exception as e:  # noqa: BLE001 - any failure to read is damage here
-                problem = f"it cannot be restored ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-            else:
-                if all_finite({"params": state["params"], "opt_state": state["opt_state"]}):
-                    return state, meta, step
-                problem = "its params or optimizer state hold NaN/Inf"
-        moved = quarantine(directory, step)
-        tried.append(f"{step}: {problem}")
-        log.warning("checkpoint %s/%d is damaged: %s. Moved aside to %s; trying the next older checkpoint.",
-                    directory, step, problem, moved)
+    damaged, unverified = [], []
+
+    def attempt(step: int):
+        """(state, meta) of `step`, or the problem that makes it unusable."""
+        try:
+            meta = read_meta(mngr, step)
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage here
+            return f"its meta cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+        if check_meta is not None:
+            check_meta(step, meta)
+        try:
+            state, meta = restore(mngr, abstract_state, data_iter, step=step)
+        except CheckpointMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to read is damage here
+            return f"it cannot be restored ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+        check_restored_step(directory, step, state)
+        if not all_finite({"params": state["params"], "opt_state": state["opt_state"]}):
+            return "its params or optimizer state hold NaN/Inf"
+        return state, meta
+
+    def set_aside(step: int, problem: str, label: str, then: str) -> None:
+        moved = quarantine(directory, step, label)
+        log.warning("checkpoint %s/%d %s: %s. Moved aside to %s; %s.", directory, step,
+                    "is damaged" if label == "damaged" else "could not be verified", problem, moved, then)
         mngr.reload()
-    if tried:
+
+    for step in sorted(mngr.all_steps(), reverse=True):
+        files = check_files(directory, step)
+        if files.unverified is not None:
+            unverified.append((step, files.unverified))
+            continue
+        got = files.damage or attempt(step)
+        if isinstance(got, tuple):
+            for newer, why in unverified:
+                set_aside(newer, why, "unverified", f"resuming from the older checkpoint {step}, which verifies")
+            return (*got, step)
+        damaged.append(f"{step}: {got}")
+        set_aside(step, got, "damaged", "trying the next older checkpoint")
+    for step, why in unverified:  # none verifies: the newest unverified one that restores
+        log.warning("checkpoint %s/%d could not be verified: %s. No older checkpoint verifies, so it is used "
+                    "unverified: a changed byte in it would go unnoticed.", directory, step, why)
+        got = attempt(step)
+        if isinstance(got, tuple):
+            return (*got, step)
+        damaged.append(f"{step}: {got}")
+        set_aside(step, got, "damaged", "trying the next older checkpoint")
+    if damaged:
         raise CheckpointDamaged(
-            f"no checkpoint in {directory} verifies ({'; '.join(tried)}); they were moved aside as "
+            f"no checkpoint in {directory} verifies ({'; '.join(damaged)}); they were moved aside as "
             f"<step>.damaged-*. Set checkpoint.restore_from=none to start fresh, or point it at a good copy.")
     return None, None, None
 
@@ -324,3 +503,34 @@ def abstract_like(tree) -> Any:
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), tree
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# run identity: what a checkpoint was trained on, recorded in its meta (see specjax.train.loop)
+# ---------------------------------------------------------------------------------------------
+IDENTITY = "identity"  # the meta key
+
+
+def examples_sha256(examples) -> str:
+    """sha256 over the prepared training examples in order (each one's length, token ids and loss
+    mask): what the saved data position indexes into. Any change of the data files or of how they
+    are templated, tokenized, truncated or split changes it; moving the files does not."""
+    h = hashlib.sha256()
+    for ex in examples:
+        ids = np.ascontiguousarray(ex.input_ids, dtype="<i4")
+        h.update(int(ids.shape[0]).to_bytes(8, "little"))
+        h.update(ids.tobytes())
+        h.update(np.ascontiguousarray(ex.loss_mask, dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+def vocab_sha256(vocab) -> str:
+    """sha256 of a draft vocabulary (its target vocab size and draft ids, which fix d2t and t2d): the
+    rows of the draft's lm_head are in this vocabulary's order."""
+    h = hashlib.sha256(f"V={int(vocab.t2d.shape[0])};".encode())
+    h.update(np.ascontiguousarray(vocab.draft_ids, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def config_sha256(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()

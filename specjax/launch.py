@@ -138,14 +138,16 @@ def main(argv=None) -> int:
 
     from specjax.convert import ConvertError, ensure_target_folder
 
+    from specjax.run_lock import holding
     from specjax.train.setup import preflight
 
     try:
         preflight(cfg)  # jinja2, tokenizer, template: before conversion, regeneration, the target build
         if cfg.target.gguf:
             ensure_target_folder(cfg.target.path, cfg.target.gguf)
-        cfg = run_regenerate_stage(cfg)
-        result = train(cfg)
+        with holding(cfg.run.output_dir):  # the regeneration stage writes into the run folder too
+            cfg = run_regenerate_stage(cfg)
+            result = train(cfg)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError, CheckpointMismatch,
             CheckpointSaveError, NonFiniteTrainingError, RegenerateError, ConvertError) as e:
         # known, user-fixable problems: the message names the problem and the fix

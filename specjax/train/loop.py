@@ -1,9 +1,16 @@
 """The training loop: a run set-up (specjax.train.setup), then steps with periodic hooks.
 
-Order: preflight -> target -> tokenizer -> data -> draft vocab -> run set-up (draft config, TTT
-config, optimizer, jitted step) -> restore (latest checkpoint, data position) -> steps, each
-followed by the hooks that are due (log, validate, decode_eval, checkpoint) -> final validation,
-decode_eval and checkpoint -> export.
+Order: the run-folder lock (specjax.run_lock: one run per run.output_dir, held to the end) ->
+preflight -> target -> tokenizer -> data -> draft vocab -> run set-up (draft config, TTT config,
+optimizer, jitted step) -> restore (latest checkpoint, data position) -> steps, each followed by
+the hooks that are due (log, validate, decode_eval, checkpoint) -> final validation, decode_eval and
+checkpoint -> export.
+
+Every checkpoint records the run's identity (`run_identity`: config, a hash of the training
+examples' token ids, a hash of the draft vocabulary) and its step. A resume compares them with this
+run's (`resume_differences`): differences of settings or data are refused unless
+checkpoint.allow_config_change; a checkpoint of another draft vocabulary, or one whose folder name
+is not its step, is always refused, with every difference listed.
 
 The mutable state of a run (train state, step, timing, the non-finite guard) lives in one `_Loop`
 object that the hooks read and update, instead of closures over `nonlocal` variables.
@@ -29,6 +36,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from specjax import checkpoint as ckpt
+from specjax import run_lock
 from specjax.config import Config, config_to_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 from specjax.data.pipeline import batches_per_epoch
@@ -39,7 +47,7 @@ from specjax.train.decode_eval import make_decode_eval
 from specjax.train.metrics import MetricsWriter, summarize
 from specjax.train.setup import (
     VOCAB_FILE, build_run_setup, build_target, build_tokenizer, build_vocab, check_batch_fits, check_writable,
-    make_mesh, preflight, resolve_path,
+    make_mesh, preflight, resolve_path, row_limits, template_limits,
 )
 from specjax.train.step import BATCH_KEYS, init_state
 
@@ -147,12 +155,14 @@ def _disk_full(e: BaseException) -> bool:
     return getattr(e, "errno", None) == 28 or "RESOURCE_EXHAUSTED" in text or "No space left" in text
 
 
-def _save(mngr, step, state, data_iter, result) -> None:
-    """A checkpoint, or one error that says the previous one is intact. A full disk reaches us as an
-    OSError, or as orbax/tensorstore's ValueError(RESOURCE_EXHAUSTED ...); what the failed save left
-    behind is removed so it does not keep the disk full."""
+def _save(mngr, step, state, data_iter, result, identity: dict) -> None:
+    """A checkpoint (its meta: the step, the last metrics and the run's `identity`), or one error that
+    says the previous one is intact. A full disk reaches us as an OSError, or as orbax/tensorstore's
+    ValueError(RESOURCE_EXHAUSTED ...); what the failed save left behind is removed so it does not
+    keep the disk full."""
     try:
-        ckpt.save(mngr, step, state, data_iter, {"step": step, "metrics": result.last_metrics})
+        ckpt.save(mngr, step, state, data_iter,
+                  {"step": step, "metrics": result.last_metrics, ckpt.IDENTITY: identity})
     except ckpt.NonFiniteState:
         raise
     except (OSError, ValueError) as e:
@@ -192,6 +202,40 @@ def config_differences(saved: dict, now: dict) -> list[str]:
             if old != new:
                 out.append(f"{name}: {old!r} -> {new!r}")
     return out
+
+
+def run_identity(cfg: Config, train_examples, vocab) -> dict:
+    """What a checkpoint of this run records about the run, to be compared on resume
+    (`resume_differences`): the config, a hash of the training examples' token ids and one of the
+    draft vocabulary."""
+    config = config_to_dict(cfg)
+    return {"format": 1, "config": config, "config_sha256": ckpt.config_sha256(config),
+            "data_sha256": ckpt.examples_sha256(train_examples), "train_examples": len(train_examples),
+            "draft_vocab_sha256": ckpt.vocab_sha256(vocab)}
+
+
+def _short(digest) -> str:
+    return f"{digest[:12]}…" if isinstance(digest, str) else repr(digest)
+
+
+def resume_differences(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """The differences between the identity a checkpoint recorded (`saved`) and this run's (`now`), as
+    (what checkpoint.allow_config_change may accept, what nothing accepts). Settings and data may
+    change on purpose (any data.* change alters the token ids, and the override exists for such
+    changes); the draft vocabulary never changes within a run folder (draft_vocab.npz is reused on
+    every resume), and the draft's lm_head rows are in its order, so a different one means the
+    checkpoint's params belong to another run."""
+    config = saved.get("config")
+    allowed = [f"config {d}" for d in config_differences(config if isinstance(config, dict) else {}, now["config"])]
+    if saved.get("data_sha256") != now["data_sha256"]:
+        allowed.append(f"data sha256 {_short(saved.get('data_sha256'))} -> {_short(now['data_sha256'])} (the "
+                       f"training examples' token ids: {saved.get('train_examples')} -> {now['train_examples']} "
+                       f"examples)")
+    never = []
+    if saved.get("draft_vocab_sha256") != now["draft_vocab_sha256"]:
+        never.append(f"draft vocabulary sha256 {_short(saved.get('draft_vocab_sha256'))} -> "
+                     f"{_short(now['draft_vocab_sha256'])} ({VOCAB_FILE})")
+    return allowed, never
 
 
 def _global_batch(np_batch: dict, sharding) -> dict:
@@ -267,7 +311,7 @@ class _Trainer:
         if tokenizer is None:  # written by the build (demo, GGUF): check it now, before the data pass
 
             tokenizer = build_tokenizer(cfg)
-            check_chat_template(tokenizer, cfg.data.chat_template)
+            check_chat_template(tokenizer, cfg.data.chat_template, template_limits(cfg))
         if len(tokenizer) > target.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
@@ -285,7 +329,7 @@ class _Trainer:
             mask_reasoning_content=cfg.data.mask_reasoning_content,
             mask_generation_prompt=cfg.data.mask_generation_prompt,
             skip_report_dir=out_dir,  # every skipped row, file:line and reason: <output_dir>/skipped_rows.jsonl
-            workers=cfg.data.prepare_processes(),
+            workers=cfg.data.prepare_processes(), row_limits=row_limits(cfg), template_limits=template_limits(cfg),
         )
         n_skipped = sum(prepared.skipped.values())
         log.info("data: %d rows -> %d train / %d val examples; skipped %d %s (%.1f s)", prepared.n_rows,
@@ -302,6 +346,7 @@ class _Trainer:
             cfg = self.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
 
         self.vocab = vocab = build_vocab(cfg, prepared.train, target.config.vocab_size, out_dir)
+        self.identity = run_identity(cfg, prepared.train, vocab)  # recorded in every checkpoint
         check_batch_fits(cfg, mesh)
         self.setup = setup = build_run_setup(cfg, target, mesh)
         self.target, self.mesh, self.fns = target, mesh, setup.fns
@@ -337,31 +382,85 @@ class _Trainer:
         self.hooks = self._hooks()
 
     # ---- set-up pieces -------------------------------------------------------------------------
-    def _check_config_unchanged(self, step: int) -> None:
-        """A resumed run trains what the checkpoint's run trained: the same data, model, objective and
-        schedule. Differences are refused with the list and the override that allows them."""
-        path = os.path.join(self.out_dir, RUN_META_FILE)
-        if not os.path.exists(path):
+    def _check_resume(self, ckpt_dir: str, step: int, meta: dict) -> None:
+        """A resumed run trains what the checkpoint's run trained: the same data, model, objective,
+        schedule and draft vocabulary, from the step its folder names. The checkpoint's recorded
+        identity is compared with this run's (`resume_differences`); a checkpoint from before
+        identities is compared by its run folder's run_meta.json, with a warning that its data and
+        vocabulary cannot be checked. Settings and data differences are refused unless
+        checkpoint.allow_config_change; another draft vocabulary or step is always refused."""
+        where = os.path.join(ckpt_dir, str(step))
+        explicit = self.cfg.checkpoint.restore_from != "latest"
+        saved, saved_step = meta.get(ckpt.IDENTITY), meta.get("step")
+        other_step = ([f"step: folder {step} holds step {saved_step}"]
+                      if isinstance(saved_step, int) and saved_step != step else [])
+        other_vocab = []
+        if isinstance(saved, dict):
+            allowed, other_vocab = resume_differences(saved, self.identity)
+        else:
+            run_meta = os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), RUN_META_FILE)
+            log.warning("checkpoint %s records no run identity (written by an older specjax): its data and draft "
+                        "vocabulary could not be checked against this run's; only the settings in %s are compared.",
+                        where, run_meta)
+            allowed = [f"config {d}" for d in self._run_meta_differences(run_meta)]
+        if other_vocab or other_step:
+            raise ckpt.CheckpointFromAnotherRun(self._foreign_checkpoint_message(
+                where, step, allowed + other_vocab + other_step, bool(other_vocab), bool(other_step)))
+        if not allowed:
             return
+        if not self.cfg.checkpoint.allow_config_change:
+            head = (f"starting {self.out_dir} from checkpoint {where} (checkpoint.restore_from), which was trained "
+                    f"with a different configuration or data:" if explicit else
+                    f"resuming {self.out_dir} at step {step} with a different configuration or data than it was "
+                    f"trained with:")
+            fix = ("Give a checkpoint of a run with these settings, set checkpoint.restore_from=none to start fresh, "
+                   "or set checkpoint.allow_config_change=true to start from it with this run's settings and data "
+                   "(a warm start)." if explicit else
+                   "Use a new run.output_dir, set checkpoint.restore_from=none to start fresh, or set "
+                   "checkpoint.allow_config_change=true to resume with the new settings and data.")
+            raise ValueError(f"{head}\n  " + "\n  ".join(allowed) + f"\n{fix}")
+        path = os.path.join(self.out_dir, RUN_META_FILE)
+        kept = os.path.join(self.out_dir, f"run_meta.before_step{step}.json")
+        moved = os.path.exists(path)
+        if self.proc == 0 and moved:
+            os.replace(path, kept)
+        log.warning("%s at step %d with a changed configuration or data (checkpoint.allow_config_change): %s%s",
+                    f"starting from {where}" if explicit else "resuming", step, "; ".join(allowed),
+                    f"; the previous run_meta.json is kept as {kept}" if moved else "")
+
+    def _run_meta_differences(self, path: str) -> list[str]:
+        """config_differences between the run_meta.json at `path` (none: nothing to compare) and now."""
+        if not os.path.exists(path):
+            return []
         try:
             with open(path) as f:
                 saved = json.load(f).get("config") or {}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, AttributeError) as e:
             raise ValueError(f"{path} cannot be read ({e}); it records the configuration the checkpoints were "
                              f"trained with. Restore it, or set checkpoint.restore_from=none to start fresh.") from e
-        diff = config_differences(saved, config_to_dict(self.cfg))
-        if not diff:
-            return
-        if not self.cfg.checkpoint.allow_config_change:
-            raise ValueError(
-                f"resuming {self.out_dir} at step {step} with a different configuration than it was trained with:\n  "
-                + "\n  ".join(diff) + "\nUse a new run.output_dir, set checkpoint.restore_from=none to start "
-                "fresh, or set checkpoint.allow_config_change=true to resume with the new settings.")
-        kept = os.path.join(self.out_dir, f"run_meta.before_step{step}.json")
-        if self.proc == 0:
-            os.replace(path, kept)
-        log.warning("resuming at step %d with a changed configuration (checkpoint.allow_config_change): %s; "
-                    "the previous run_meta.json is kept as %s", step, "; ".join(diff), kept)
+        return config_differences(saved, config_to_dict(self.cfg))
+
+    def _foreign_checkpoint_message(self, where: str, step: int, differences: list[str], other_vocab: bool,
+                                    other_step: bool) -> str:
+        ckpt_dir, run_dir = os.path.dirname(where), os.path.dirname(os.path.dirname(where))
+        why = " ".join(
+            ([f"Its draft's lm_head rows are in the order of another draft vocabulary, so no setting can resume it "
+              f"with this run's {VOCAB_FILE}."] if other_vocab else [])
+            + (["A checkpoint folder is named after the step it saved; this one was copied in or renamed."]
+               if other_step else []))
+        if self.cfg.checkpoint.restore_from != "latest":
+            fix = (f"To continue that run, start in a new run.output_dir holding a copy of "
+                   f"{os.path.join(run_dir, VOCAB_FILE)} (add checkpoint.allow_config_change=true if its settings or "
+                   "data differ); to start from its weights only, set draft.init_from to its export."
+                   if other_vocab else
+                   "Give the checkpoint folder whose name is its step.")
+        else:
+            fix = (f"Move {where} out of {ckpt_dir} (the run then resumes from its own older checkpoints), use a new "
+                   "run.output_dir, or set checkpoint.restore_from=none to start fresh"
+                   + ("; to start from another run's weights, set draft.init_from to its export." if other_vocab
+                      else "."))
+        return (f"checkpoint {where} does not belong to this run ({self.out_dir}) as step {step}:\n  "
+                + "\n  ".join(differences) + f"\n{why} {fix}")
 
     def _write_run_meta(self, resumed_at: int = 0) -> None:
         meta = {
@@ -381,7 +480,8 @@ class _Trainer:
 
     def _restore(self, state):
         """latest: the newest checkpoint that verifies (damaged ones are moved aside, see
-        specjax.checkpoint); an explicit <run>/checkpoints/<step>: that one, or an error naming its damage."""
+        specjax.checkpoint); an explicit <run>/checkpoints/<step>: that one, or an error naming its
+        damage. Either way the checkpoint must be of this run (`_check_resume`)."""
         restore_from = self.cfg.checkpoint.restore_from
         if restore_from == "none" or (not self.mngr.all_steps() and restore_from == "latest"):
             return state, 0
@@ -393,33 +493,44 @@ class _Trainer:
                 raise
             except Exception:  # noqa: BLE001 - unreadable metadata: restore_verified handles the damage
                 pass
-            self._check_config_unchanged(self.mngr.latest_step())
-            restored, _, _ = ckpt.restore_verified(self.mngr, abstract, self.data_iter)
+            rdir = str(self.mngr.directory)
+            restored, _, _ = ckpt.restore_verified(
+                self.mngr, abstract, self.data_iter, check_meta=lambda step, meta: self._check_resume(rdir, step, meta))
             if restored is None:  # every step folder was damaged and moved aside: start fresh
                 return state, 0
-            rdir = self.mngr.directory
         else:
-            rdir, step = os.path.split(os.path.abspath(restore_from))
-            if not step.isdigit() or not os.path.isdir(restore_from):
-                raise FileNotFoundError(
-                    f"checkpoint.restore_from={restore_from!r} is not a saved checkpoint; give a "
-                    f"<run>/checkpoints/<step> folder, 'latest' (default) or 'none'.")
-            problem = ckpt.verify(rdir, int(step))
-            if problem is not None:
-                raise ckpt.CheckpointDamaged(
-                    f"checkpoint.restore_from={restore_from!r} is damaged: {problem}. Give an older "
-                    f"<run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
-            rmngr = ckpt.manager(rdir, read_only=True)
-            ckpt.check_compatible(rmngr, int(step), abstract)
-            self._check_config_unchanged(int(step))
-            restored, _ = ckpt.restore(rmngr, abstract, self.data_iter, step=int(step))
-            if not ckpt.all_finite({"params": restored["params"], "opt_state": restored["opt_state"]}):
-                raise ckpt.CheckpointDamaged(
-                    f"checkpoint.restore_from={restore_from!r} holds NaN/Inf params or optimizer state; give an "
-                    f"older <run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
+            restored, rdir = self._restore_explicit(restore_from, abstract)
         start_step = int(restored["step"])
         log.info("resumed from %s at step %d", rdir, start_step)
         return restored, start_step
+
+    def _restore_explicit(self, restore_from: str, abstract):
+        """checkpoint.restore_from=<run>/checkpoints/<step>: that checkpoint or an error; one whose
+        checksum list is missing or unusable is used with a warning (it was asked for by name)."""
+        rdir, step = os.path.split(os.path.abspath(restore_from))
+        if not step.isdigit() or not os.path.isdir(restore_from):
+            raise FileNotFoundError(
+                f"checkpoint.restore_from={restore_from!r} is not a saved checkpoint; give a "
+                f"<run>/checkpoints/<step> folder, 'latest' (default) or 'none'.")
+        step = int(step)
+        files = ckpt.check_files(rdir, step)
+        if files.damage is not None:
+            raise ckpt.CheckpointDamaged(
+                f"checkpoint.restore_from={restore_from!r} is damaged: {files.damage}. Give an older "
+                f"<run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
+        if files.unverified is not None:
+            log.warning("checkpoint.restore_from=%s could not be verified: %s. It is used as asked, unverified: a "
+                        "changed byte in it would go unnoticed.", restore_from, files.unverified)
+        rmngr = ckpt.manager(rdir, read_only=True)
+        ckpt.check_compatible(rmngr, step, abstract)
+        self._check_resume(rdir, step, ckpt.read_meta(rmngr, step))
+        restored, _ = ckpt.restore(rmngr, abstract, self.data_iter, step=step)
+        ckpt.check_restored_step(rdir, step, restored)
+        if not ckpt.all_finite({"params": restored["params"], "opt_state": restored["opt_state"]}):
+            raise ckpt.CheckpointDamaged(
+                f"checkpoint.restore_from={restore_from!r} holds NaN/Inf params or optimizer state; give an "
+                f"older <run>/checkpoints/<step>, or 'latest' to take the newest one that verifies.")
+        return restored, rdir
 
     def _hooks(self) -> list[Hook]:
         cfg, L = self.cfg, self.loop
@@ -466,7 +577,7 @@ class _Trainer:
                  ", ".join(f"{n} tau {d['tau']:.3f} [{d['tau_lo']:.3f}, {d['tau_hi']:.3f}]" for n, d in short.items()))
 
     def _checkpoint(self, step: int) -> None:
-        _save(self.mngr, step, self.loop.state, self.data_iter, self.loop.result)
+        _save(self.mngr, step, self.loop.state, self.data_iter, self.loop.result, self.identity)
 
     # ---- the non-finite guard (one step behind, so the host never waits on the device) ----------
     def _settle(self) -> None:
@@ -603,7 +714,8 @@ class _Trainer:
 
 def train(cfg: Config) -> RunResult:
     """Build the run from `cfg`, train (resuming from the latest checkpoint by default), export.
-    SIGTERM/SIGINT are handled from the first line to the export (see _StopSignal)."""
+    SIGTERM/SIGINT are handled from the first line to the export (see _StopSignal). The run holds
+    run.output_dir's lock throughout: a second run on the folder is refused (specjax.run_lock)."""
     stop = _StopSignal()
-    with stop.installed():
+    with stop.installed(), run_lock.holding(cfg.run.output_dir):  # one run per folder (specjax.run_lock)
         return _Trainer(cfg, stop).fit()

@@ -97,3 +97,34 @@ def assert_same_tensors(a, b, atol=0.0):
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0, err_msg=k)
+
+
+def small_state(step, width=4):
+    """A train state of a tiny draft (a [width, 3] weight, Adam), its step counter set to `step`; the
+    weight is filled with `step`, so a restored state tells which checkpoint it came from."""
+    import jax.numpy as jnp
+    import optax
+
+    from specjax.train.step import init_state
+
+    state = init_state({"w": jnp.full((width, 3), float(step), jnp.float32)}, optax.adam(1e-3))
+    return dict(state, step=jnp.asarray(step, jnp.int32))
+
+
+def small_abstract_state(width=4):
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                                  small_state(0, width))
+
+
+def save_small_checkpoints(directory, steps, keep=3):
+    """Checkpoints of `small_state(step)` at each of `steps` in `directory`, as specjax saves them
+    (with their checksum lists)."""
+    from specjax import checkpoint as ckpt
+
+    mngr = ckpt.manager(str(directory), keep=keep)
+    for step in steps:
+        ckpt.save(mngr, step, small_state(step), meta={"step": step})
+    return mngr

@@ -8,6 +8,7 @@ checkpoint must end exactly where it ends (CPU, fp32: bit-identical params)."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -158,15 +159,18 @@ def test_non_finite_state_is_never_saved_nor_resumed(stopped_run, tmp_path):
     mngr = ckpt.manager(str(d), keep=2)
     state = mngr.restore(6, args=ocp.args.Composite(**{ckpt.STATE: ocp.args.StandardRestore()}))[ckpt.STATE]
     abstract = ckpt.abstract_like(state)
-    bad = dict(state, params=jax.tree_util.tree_map(lambda x: x * jnp.nan, state["params"]))
+    bad = dict(state, params=jax.tree_util.tree_map(lambda x: x * jnp.nan, state["params"]),
+               step=jnp.asarray(7, state["step"].dtype))
     with pytest.raises(ckpt.NonFiniteState, match=r"refusing to save checkpoint 7 .*NaN/Inf; the previous "
                                                   r"checkpoint \(step 6\) is kept"):
         ckpt.save(mngr, 7, bad)
     assert sorted(mngr.all_steps()) == [4, 6]
-    # a NaN checkpoint written behind the guard's back (orbax directly) is moved aside on resume
+    # a NaN checkpoint written behind the guard's back (orbax directly, with its checksums, so that only
+    # the finiteness check can tell) is moved aside on resume
     mngr.save(7, args=ocp.args.Composite(**{ckpt.STATE: ocp.args.StandardSave(bad),
                                             ckpt.META: ocp.args.JsonSave({})}), force=True)
     mngr.wait_until_finished()
+    ckpt.write_checksums(str(d), 7)
     got, _, step = ckpt.restore_verified(ckpt.manager(str(d), keep=2), abstract)
     assert step == 6 and ckpt.all_finite(got["params"])
     assert len(glob.glob(str(d / "7.damaged-*"))) == 1
@@ -299,3 +303,190 @@ def test_second_sigint_during_compile_exits_promptly_and_cleanly(tiny_target, tm
     assert p.returncode == 130, (p.returncode, log[-3000:])  # not -11 (segfault)
     assert time.time() - t_second < 30
     assert "second interrupt: exiting now; the last saved checkpoint is intact" in log
+
+
+# ---- the checksum list itself ------------------------------------------------------------------------
+# Each case edits checkpoint 6's specjax_checksums.json (4 is intact). A list that is missing,
+# malformed or points outside the step folder makes 6 unverified: a warning, 6 moved aside as
+# 6.unverified-*, and the run resumes from 4, which verifies. Entries that point at /dev/zero, at a
+# FIFO outside the folder or through a link would hang a reader that opened them, and a list that is a
+# link to /dev/zero would fill memory: the cases run in a subprocess under a time limit and a 3 GiB
+# address-space limit, so a regression fails instead of hanging or eating the machine.
+def _edit_list(step_dir, edit):
+    path = step_dir / ckpt.CHECKSUMS_FILE
+    listed = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(listed)))
+
+
+def _list_deleted(step_dir):
+    os.remove(step_dir / ckpt.CHECKSUMS_FILE)
+    return "specjax_checksums.json is missing"
+
+
+def _files_is_a_list(step_dir):
+    _edit_list(step_dir, lambda listed: dict(listed, files=[]))
+    return "'files' is list"
+
+
+def _whole_list_is_x5(step_dir):
+    (step_dir / ckpt.CHECKSUMS_FILE).write_text('{"x": 5}')
+    return "keys ['x']"
+
+
+def _entry_is_a_number(step_dir):
+    _edit_list(step_dir, lambda listed: dict(listed, files=dict(listed["files"], x=5)))
+    return "entry 'x' is int"
+
+
+def _entry_dev_zero(step_dir):  # size 0 is what os.path.getsize says of /dev/zero: only reading it can tell
+    _edit_list(step_dir, lambda listed: dict(listed, files={**listed["files"], "/dev/zero": {"size": 0,
+                                                                                          "sha256": "0" * 64}}))
+    return "entry '/dev/zero' is outside the step folder"
+
+
+def _entry_dotdot_fifo(step_dir):  # opening a FIFO with no writer blocks forever
+    os.mkfifo(step_dir.parent.parent / "outside.fifo")
+    _edit_list(step_dir, lambda listed: dict(listed, files={**listed["files"], "../../outside.fifo": {
+        "size": 0, "sha256": "0" * 64}}))
+    return "entry '../../outside.fifo' is outside the step folder"
+
+
+def _entry_link_to_dev_zero(step_dir):
+    os.symlink("/dev/zero", step_dir / "zero")
+    _edit_list(step_dir, lambda listed: dict(listed, files={**listed["files"], "zero": {"size": 0,
+                                                                                     "sha256": "0" * 64}}))
+    return "lists zero, which is a link or not a regular file"
+
+
+def _list_is_a_link_to_dev_zero(step_dir):
+    os.remove(step_dir / ckpt.CHECKSUMS_FILE)
+    os.symlink("/dev/zero", step_dir / ckpt.CHECKSUMS_FILE)
+    return "specjax_checksums.json is not a regular file"
+
+
+_LIST_EDITS = {f.__name__.lstrip("_"): f for f in (
+    _list_deleted, _files_is_a_list, _whole_list_is_x5, _entry_is_a_number, _entry_dev_zero, _entry_dotdot_fifo,
+    _entry_link_to_dev_zero, _list_is_a_link_to_dev_zero)}
+
+_RESTORE_EACH = r"""
+import json, logging, os, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+sys.path.insert(0, sys.argv[1])
+from _runs import small_abstract_state
+from specjax import checkpoint as ckpt
+
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("specjax").addHandler(Keep(level=logging.WARNING))
+for case, directory in json.loads(sys.argv[2]).items():
+    warnings.clear()
+    t0 = time.monotonic()
+    try:
+        state, _, step = ckpt.restore_verified(ckpt.manager(directory, keep=3), small_abstract_state())
+        got = {"step": step, "w": float(state["params"]["w"][0, 0])}
+    except Exception as e:
+        got = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(dict(got, case=case, warnings=list(warnings), seconds=time.monotonic() - t0,
+                          folders=sorted(os.listdir(directory)))), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def restored_after_list_edits(tmp_path_factory):
+    """{case: what restore_verified did} for every edit in _LIST_EDITS, from one bounded subprocess."""
+    import sys
+
+    from _runs import env, save_small_checkpoints
+
+    root = tmp_path_factory.mktemp("lists")
+    dirs, reasons = {}, {}
+    for case, edit in _LIST_EDITS.items():
+        d = root / case / "checkpoints"
+        save_small_checkpoints(d, (4, 6))
+        reasons[case] = edit(d / "6")
+        dirs[case] = str(d)
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", _RESTORE_EACH, here, json.dumps(dirs)], env=env(), cwd=root,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["case"]] = r
+    return results, reasons, out
+
+
+@pytest.mark.parametrize("case", sorted(_LIST_EDITS))
+def test_unusable_checksum_list_warns_and_falls_back_to_the_older_verified_checkpoint(restored_after_list_edits,
+                                                                                     case):
+    results, reasons, out = restored_after_list_edits
+    assert case in results, f"no result (hung, or crashed):\n{out[-3000:]}"
+    r = results[case]
+    assert r.get("step") == 4 and r.get("w") == 4.0, r
+    assert r["seconds"] < 15, r  # nothing listed was read forever
+    warned = [w for w in r["warnings"] if "checkpoints/6 could not be verified" in w]
+    assert len(warned) == 1 and reasons[case] in warned[0], r["warnings"]
+    assert "resuming from the older checkpoint 4, which verifies" in warned[0]
+    # moved out of orbax's sight: the resumed run's own save of step 6 cannot collide with it
+    assert "4" in r["folders"] and "6" not in r["folders"], r["folders"]
+    assert [f for f in r["folders"] if f.startswith("6.unverified-")], r["folders"]
+
+
+def test_unverified_checkpoint_is_used_with_a_warning_when_none_verifies(tmp_path, caplog):
+    from _runs import save_small_checkpoints, small_abstract_state
+
+    d = tmp_path / "checkpoints"
+    save_small_checkpoints(d, (6,))
+    os.remove(d / "6" / ckpt.CHECKSUMS_FILE)
+    with caplog.at_level(logging.WARNING, logger="specjax"):
+        state, _, step = ckpt.restore_verified(ckpt.manager(str(d)), small_abstract_state())
+    assert step == 6 and float(state["params"]["w"][0, 0]) == 6.0
+    warned = [r.getMessage() for r in caplog.records if "could not be verified" in r.getMessage()]
+    assert len(warned) == 1 and "specjax_checksums.json is missing" in warned[0], warned
+    assert "used unverified: a changed byte in it would go unnoticed" in warned[0]
+    assert ckpt.verify(str(d), 6) is not None  # verify() never calls it verified
+
+
+def test_checksum_list_entries_are_never_opened_outside_the_step_folder(tmp_path, monkeypatch):
+    """check_files opens only the step folder's own regular files, whatever the list names."""
+    import builtins
+
+    from _runs import save_small_checkpoints
+
+    d = tmp_path / "checkpoints"
+    save_small_checkpoints(d, (6,))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a checkpoint file")
+    digest = hashlib.sha256(secret.read_bytes()).hexdigest()
+    os.symlink(secret, d / "6" / "via_link")
+    entries = {str(secret): {"size": secret.stat().st_size, "sha256": digest},
+               "../../secret.txt": {"size": secret.stat().st_size, "sha256": digest},
+               "via_link": {"size": secret.stat().st_size, "sha256": digest}}
+    root = os.path.realpath(d / "6")
+    opened = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def watch(opener):
+        def wrapped(path, *a, **k):
+            opened.append(os.path.realpath(path) if isinstance(path, (str, os.PathLike)) else path)
+            return opener(path, *a, **k)
+        return wrapped
+
+    for name, want in entries.items():
+        _edit_list(d / "6", lambda listed: dict(listed, files={**{k: v for k, v in listed["files"].items()
+                                                                 if k not in entries}, name: want}))
+        opened.clear()
+        monkeypatch.setattr(builtins, "open", watch(real_open))
+        monkeypatch.setattr(os, "open", watch(real_os_open))
+        result = ckpt.check_files(str(d), 6)
+        monkeypatch.undo()
+        assert result.damage is None and result.unverified, (name, result)
+        assert all(isinstance(p, int) or p.startswith(root + os.sep) for p in opened), (name, opened)
+        assert str(secret) not in opened
