@@ -158,32 +158,32 @@ def _fenced_blocks(reply: str) -> tuple[list[tuple[str, str]], Optional[tuple[st
     closing ```, ends the search: no later fence could close either."""
     blocks = []
     pos = 0
-    while True:
-        start = reply.find(_FENCE_MARK, pos)
-        if start < 0:
-            break
-        nl = reply.find("\n", start + 3)
-        if nl < 0:
-            break
-        end = reply.find(_FENCE_MARK, nl + 1)
+    while (opening := _fence_opening(reply, pos)) is not None:
+        tag, body = opening
+        end = reply.find(_FENCE_MARK, body)
         if end < 0:
             break
-        blocks.append((_TAG.match(reply, start + 3, nl).group(1).lower(), reply[nl + 1:end]))
+        blocks.append((tag, reply[body:end]))
         pos = end + 3
     if blocks:
         return blocks, None
     last = None
     pos = 0
-    while True:  # the last opening fence that has a newline after it
-        start = reply.find(_FENCE_MARK, pos)
-        if start < 0:
-            break
-        nl = reply.find("\n", start + 3)
-        if nl < 0:
-            break
-        last = (_TAG.match(reply, start + 3, nl).group(1).lower(), nl + 1)
-        pos = nl + 1
+    while (opening := _fence_opening(reply, pos)) is not None:  # the last one with a newline after it
+        last, pos = opening, opening[1]
     return blocks, last
+
+
+def _fence_opening(reply: str, pos: int) -> Optional[tuple[str, int]]:
+    """(tag, where its body starts) of the first ``` at or after `pos` that has a newline after it;
+    None when there is none, or the first ``` has no newline after it (nothing later can open)."""
+    start = reply.find(_FENCE_MARK, pos)
+    if start < 0:
+        return None
+    nl = reply.find("\n", start + 3)
+    if nl < 0:
+        return None
+    return _TAG.match(reply, start + 3, nl).group(1).lower(), nl + 1
 
 
 def extract_code(reply: str, entry_point: str) -> tuple[str, str]:

@@ -27,7 +27,26 @@ DEFAULT_INCREMENTS = (
 )
 
 
-class FakeServer:
+class LocalServer:
+    """An http.server on 127.0.0.1 (a free port) serving from a daemon thread while in a `with` block."""
+
+    def _serve(self, handler) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+class FakeServer(LocalServer):
     def __init__(self, *, spec: bool = True, model: str = "fake-model", ttft_s: float = 0.05, gap_s: float = 0.02,
                  chunk_tokens=(1, 3, 2, 3), increments=DEFAULT_INCREMENTS, num_spec_tokens: int = 3,
                  total_suffix: bool = True, usage: bool = True, engines: int = 1, reply=None):
@@ -120,10 +139,7 @@ class FakeServer:
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._serve(Handler)
 
     # counters --------------------------------------------------------------------------------
     def expected_increment(self, tag: int) -> tuple[int, tuple[int, ...]]:
@@ -170,13 +186,3 @@ class FakeServer:
                           for e, x in enumerate(split(v))]
                 lines += [f'{fam}_created{{engine="0",{lab},position="{pos}"}} 1.7e9']
         return "\n".join(lines) + "\n"
-
-    # lifecycle -------------------------------------------------------------------------------
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from _fake_server import LocalServer
 
 BEHAVIOURS = ("ok", "keepalive", "slow-tokens", "slow-headers", "silent", "no-done", "no-done-chunked",
               "cut-chunk", "mid-event", "huge-events", "huge-line", "huge-error", "deep-json", "not-object")
@@ -56,7 +58,7 @@ THREE_TOKENS = _token("a ") + _token("b ") + _token("c", "stop")
 USAGE = _event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
 
 
-class HostileServer:
+class HostileServer(LocalServer):
     def __init__(self, *, limit_s: float = 15.0, tick_s: float = 0.2, huge_bytes: int = 200 << 20,
                  metrics_page=POSITION_BOMB_PAGE, model: str = "m"):
         self.limit_s, self.tick_s, self.huge_bytes = limit_s, tick_s, huge_bytes
@@ -190,16 +192,4 @@ class HostileServer:
                 self._send(f"unknown behaviour {what!r}; one of {BEHAVIOURS}".encode())
                 return 0
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
+        self._serve(Handler)
