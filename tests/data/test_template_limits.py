@@ -324,7 +324,8 @@ def test_hostile_templates_end_quickly_naming_the_template_and_the_limit(tmp_pat
     for name, (path, key) in cases.items():
         message, seconds = out[name]
         assert message.startswith(f"the chat template file {path} ") and key in message, (name, message)
-        assert seconds < 3, (name, seconds)
+        # the time limit is 1 s of this thread's CPU time: the wall clock allows for a loaded 2-core machine
+        assert seconds < 6, (name, seconds)
     assert out["peak_rss_mb"] < 1500, out["peak_rss_mb"]
 
 
@@ -373,10 +374,10 @@ print(json.dumps(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (loop_msg, loop_s), (six_msg, six_s), (row_msg, row_s), peak_mb = json.loads(proc.stdout.strip().splitlines()[-1])
     assert loop_msg.startswith(f"the chat template file {loop} ran for more than 2 s of CPU time rendering one "
-                               "conversation (data.template_time_limit_s = 2)") and loop_s < 5, (loop_msg, loop_s)
+                               "conversation (data.template_time_limit_s = 2)") and loop_s < 10, (loop_msg, loop_s)
     assert six_msg.startswith(f"the chat template file {six} built a str repeated with * of 6,000,000,000 "
                               "characters, over data.max_template_chars = 67,108,864") and six_s < 1, six_msg
-    assert row_msg.startswith(f"the chat template file {on_row} ran for more than 2 s") and row_s < 8, row_msg
+    assert row_msg.startswith(f"the chat template file {on_row} ran for more than 2 s") and row_s < 12, row_msg
     assert row_msg.endswith(f"(first met rendering {data}:3)"), row_msg
     assert peak_mb < 1500, peak_mb
 
