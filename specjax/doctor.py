@@ -126,11 +126,12 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
     else:
         rep.ok("tokenizer", f"{len(tok)} tokens from {tok_path}")
     from specjax.data import prepare_examples
-    from specjax.data.chat import check_chat_template, template_source
-    from specjax.train.setup import resolve_path, row_limits, template_limits
+    from specjax.data.chat import TemplateLimits, check_chat_template, template_source
+    from specjax.data.sources import RowLimits
+    from specjax.train.setup import resolve_path
 
     try:  # jinja2 importable, the template compiles and renders a probe conversation
-        check_chat_template(tok, cfg.data.chat_template, template_limits(cfg))
+        check_chat_template(tok, cfg.data.chat_template, TemplateLimits.of(cfg.data))
         rep.ok("chat template", template_source(tok, cfg.data.chat_template))
     except ValueError as e:
         rep.fail("chat template", str(e))
@@ -144,7 +145,7 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
                                 truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
                                 mask_reasoning_content=cfg.data.mask_reasoning_content,
                                 mask_generation_prompt=cfg.data.mask_generation_prompt,
-                                row_limits=row_limits(cfg), template_limits=template_limits(cfg))
+                                row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data))
     except (ValueError, FileNotFoundError) as e:
         rep.fail("data sample", str(e))
         return

@@ -405,8 +405,7 @@ def run_from_config(cfg) -> str:
         max_prompt_tokens=r.max_prompt_tokens,
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
         keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns, decode_attention=cfg.kernels.decode_attention,
-        row_limits=RowLimits(cfg.data.max_row_bytes, cfg.data.max_row_depth),
-        template_limits=TemplateLimits(cfg.data.template_time_limit_s, cfg.data.max_template_chars),
+        row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data),
     )
     return summary.out_dir
 

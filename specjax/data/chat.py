@@ -122,6 +122,11 @@ class TemplateLimits(NamedTuple):
     time_s: float = DEFAULT_TEMPLATE_TIME_LIMIT_S
     max_chars: int = DEFAULT_MAX_TEMPLATE_CHARS
 
+    @classmethod
+    def of(cls, data) -> "TemplateLimits":
+        """The bounds a config's `data` section sets (`data.template_time_limit_s`, `data.max_template_chars`)."""
+        return cls(data.template_time_limit_s, data.max_template_chars)
+
 
 class ChatTemplateLimitExceeded(ChatTemplateUnusable):
     """A rendering ran past a `TemplateLimits` bound. The message names the template, the limit and

@@ -173,6 +173,11 @@ class RowLimits(NamedTuple):
     max_bytes: int = DEFAULT_MAX_ROW_BYTES
     max_depth: int = DEFAULT_MAX_ROW_DEPTH
 
+    @classmethod
+    def of(cls, data) -> "RowLimits":
+        """The bounds a config's `data` section sets (`data.max_row_bytes`, `data.max_row_depth`)."""
+        return cls(data.max_row_bytes, data.max_row_depth)
+
 
 def _too_large(where: str, size: str, limits: RowLimits) -> RowError:
     return RowError("row too large", where, f"{size}, over the limit data.max_row_bytes = {limits.max_bytes:,}; "

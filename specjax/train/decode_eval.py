@@ -30,14 +30,14 @@ from specjax.bench import core
 from specjax.bench.client import Endpoint, list_models
 from specjax.bench.server import EngineServer
 from specjax.config import Config
-from specjax.data.chat import resolve_chat_template
+from specjax.data.chat import TemplateLimits, resolve_chat_template
 from specjax.data.presets import load_eval_prompts
 from specjax.eval.measure import eos_token_ids, measure
 from specjax.eval.report import summarize
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.export import export_from_state
 from specjax.serve_cmd import vllm_argv, vllm_launcher
-from specjax.train.setup import resolve_path, template_limits
+from specjax.train.setup import resolve_path
 
 log = logging.getLogger("specjax")
 
@@ -97,7 +97,7 @@ class JaxDecodeEval:
         self.cfg, self.target, self.tokenizer, self.draft_cfg, self.vocab = de, target, tokenizer, draft_cfg, vocab
         self.mesh = mesh
         self.prompts = _load_prompts(de)
-        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template, template_limits(cfg))
+        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
         self.eos = eos_token_ids(cfg.target.path, tokenizer)
 
     def due(self, step: int, total_steps: int, final: bool) -> bool:

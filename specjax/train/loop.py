@@ -40,14 +40,15 @@ from specjax import run_lock
 from specjax.config import Config, config_to_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 from specjax.data.pipeline import batches_per_epoch
-from specjax.data.chat import check_chat_template
+from specjax.data.chat import TemplateLimits, check_chat_template
+from specjax.data.sources import RowLimits
 from specjax.drafts import draft_types
 from specjax.export import export_from_state
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.metrics import MetricsWriter, summarize
 from specjax.train.setup import (
     VOCAB_FILE, build_run_setup, build_target, build_tokenizer, build_vocab, check_batch_fits, check_writable,
-    make_mesh, preflight, resolve_path, row_limits, template_limits,
+    make_mesh, preflight, resolve_path,
 )
 from specjax.train.step import BATCH_KEYS, init_state
 
@@ -311,7 +312,7 @@ class _Trainer:
         if tokenizer is None:  # written by the build (demo, GGUF): check it now, before the data pass
 
             tokenizer = build_tokenizer(cfg)
-            check_chat_template(tokenizer, cfg.data.chat_template, template_limits(cfg))
+            check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
         if len(tokenizer) > target.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
@@ -329,7 +330,8 @@ class _Trainer:
             mask_reasoning_content=cfg.data.mask_reasoning_content,
             mask_generation_prompt=cfg.data.mask_generation_prompt,
             skip_report_dir=out_dir,  # every skipped row, file:line and reason: <output_dir>/skipped_rows.jsonl
-            workers=cfg.data.prepare_processes(), row_limits=row_limits(cfg), template_limits=template_limits(cfg),
+            workers=cfg.data.prepare_processes(),
+            row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data),
         )
         n_skipped = sum(prepared.skipped.values())
         log.info("data: %d rows -> %d train / %d val examples; skipped %d %s (%.1f s)", prepared.n_rows,

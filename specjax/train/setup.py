@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from specjax import mesh as meshlib
 from specjax.config import Config
 from specjax.data.chat import TemplateLimits, check_chat_template
-from specjax.data.sources import RowLimits
 from specjax.drafts import dflash, draft_types, eagle3
 from specjax.drafts.ttt import TTTConfig
 from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
@@ -81,16 +80,6 @@ def build_tokenizer(cfg: Config):
             f"(or target.path) at a folder with tokenizer.json / tokenizer_config.json.") from e
 
 
-def row_limits(cfg: Config) -> RowLimits:
-    """The readers' per-row bounds of this run (data.max_row_bytes, data.max_row_depth)."""
-    return RowLimits(cfg.data.max_row_bytes, cfg.data.max_row_depth)
-
-
-def template_limits(cfg: Config) -> TemplateLimits:
-    """The bounds of one chat-template rendering (data.template_time_limit_s, data.max_template_chars)."""
-    return TemplateLimits(cfg.data.template_time_limit_s, cfg.data.max_template_chars)
-
-
 def preflight(cfg: Config):
     """Problems of the machine or the config that no row causes, checked before any expensive stage
     (GGUF conversion, regeneration, the target build, compilation): jinja2 importable, and, when the
@@ -103,7 +92,7 @@ def preflight(cfg: Config):
     if not tok_path or not any(os.path.isfile(os.path.join(tok_path, f)) for f in _TOKENIZER_FILES):
         return None
     tokenizer = build_tokenizer(cfg)
-    check_chat_template(tokenizer, cfg.data.chat_template, template_limits(cfg))
+    check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
     return tokenizer
 
 
