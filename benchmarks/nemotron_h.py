@@ -14,6 +14,7 @@ precision).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -28,6 +29,8 @@ import numpy as np  # noqa: E402
 
 from specjax.targets import nemotron_h as nh  # noqa: E402
 from specjax.targets.base import tree_set  # noqa: E402
+from specjax.targets.decoder import StackInputs  # noqa: E402
+from specjax.targets.layers.attention import segment_causal_mask  # noqa: E402
 from specjax_kernels.ssd import ssd  # noqa: E402
 
 PEAK = 789e12  # bf16 matmul ceiling measured on the H200 (device README)
@@ -117,17 +120,17 @@ def bench_blocks(cfg, params, b, t, out):
     """One block of each type at slot 0, alone (no residual stream effects)."""
     x = (0.5 * jax.random.normal(jax.random.key(1), (b, t, cfg.hidden_size), jnp.float32)).astype(jnp.bfloat16)
     seg = jnp.ones((b, t), jnp.int32)
-    mask = nh.segment_causal_mask(seg)
+    inputs = StackInputs(segment_causal_mask(seg), None, segment_ids=seg)
     for kind in nh.BLOCK_TYPES:
         if kind not in cfg.layer_types:
             continue
         lp = jax.tree.map(lambda a: a[0], params[nh._PARAM_KEY[kind]])
-        f = jax.jit(lambda lp, x, kind=kind: nh._block(kind, lp, cfg, x, seg, mask))
+        f = jax.jit(lambda lp, x, kind=kind: nh.block(kind, lp, cfg, x, inputs)[0])
         row = {"block": kind, "B": b, "T": t, "ms": 1e3 * timeit(f, lp, x)}
         if kind == nh.MOE:
             for impl in ("xla", "reference"):
-                c2 = nh.NemotronHTargetConfig(**{**cfg.__dict__, "moe_implementation": impl})
-                g = jax.jit(lambda lp, x, c2=c2: nh._block(kind, lp, c2, x, seg, mask))
+                c2 = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, moe=impl))
+                g = jax.jit(lambda lp, x, c2=c2: nh.block(kind, lp, c2, x, inputs)[0])
                 try:
                     row[f"ms_moe_{impl}"] = 1e3 * timeit(g, lp, x, iters=3)
                 except Exception as e:  # noqa: BLE001

@@ -94,8 +94,8 @@ class Bench:
         shape = dict(TINY if args.tiny else LLAMA_8B, num_hidden_layers=args.layers)
         self.shape = shape
         self.dtype = jnp.float32 if args.tiny else jnp.bfloat16
-        self.cfg = dataclasses.replace(LlamaTargetConfig.create(architecture="LlamaForCausalLM", **shape),
-                                       attention_q_block=512)
+        base = LlamaTargetConfig.create(architecture="LlamaForCausalLM", **shape)
+        self.cfg = dataclasses.replace(base, kernels=dataclasses.replace(base.kernels, target_attention_q_block=512))
         t = time.time()
         self.target = LlamaTarget.init(self.cfg, jax.random.key(0), self.dtype)
         jax.block_until_ready(self.target.params)

@@ -398,7 +398,7 @@ def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
     of tensors written; every model parameter must be written once (else ValueError)."""
     import torch
 
-    from specjax.targets.shapes import make_target
+    from specjax.targets.abstract import make_target
 
     target = make_target(hf)
     params = dict(model.named_parameters())
@@ -484,7 +484,7 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     from specjax.config import OptimConfig
     from specjax.drafts import eagle3
     from specjax.drafts.ttt import TTTConfig, teacher_from_hidden
-    from specjax.targets.shapes import make_target
+    from specjax.targets.abstract import make_target
     from specjax.train.optim import make_optimizer
     from specjax.train.step import build_step_fns, init_state, make_loss_fn
 

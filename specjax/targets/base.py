@@ -3,7 +3,8 @@ rows, Target wrapper.
 
 A concrete architecture (see ``llama.py``) subclasses :class:`Target`, registers it
 (``registry.register``) and supplies ``config_class`` (whose ``from_hf`` starts with
-:func:`resolve_hf_config`), ``weight_specs`` and static ``forward_fn`` / ``embed_fn`` / ``lm_head_fn``.
+:func:`resolve_hf_config`), ``weight_specs`` and its ``decoder`` (``decoder.Decoder``), from which
+the static ``forward_fn`` / ``decode_fn`` / ``init_cache_fn`` / ``embed_fn`` / ``lm_head_fn`` come.
 The wrapper holds ``config``/``hf_config``/``params`` and a jitted ``__call__`` (one trace per
 config, static ``aux_layer_ids`` and input shapes, shared by all instances).
 """
@@ -14,10 +15,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.aux_ids import default_aux_layer_ids, validate_aux_layer_ids  # re-exported (jax-free home)
 from specjax.hf_config_checks import check_config_fields
 from specjax.targets import registry
+from specjax.targets.kernel_choices import KernelChoices
 
 
 class TargetOutput(NamedTuple):
@@ -119,6 +122,12 @@ class WeightSpec:
         return [((j, e), self.hf_name.format(i=i, e=e)) for j, i in enumerate(layers) for e in range(n_experts)]
 
 
+def layer_depth(config: Any) -> int:
+    """Depth that aux ids and cache rows address: the decoder layers, or for looped (weight-shared)
+    targets the unrolled virtual depth (their config's ``num_virtual_layers``)."""
+    return getattr(config, "num_virtual_layers", config.num_hidden_layers)
+
+
 def tree_get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
     for key in path:
         tree = tree[key]
@@ -161,10 +170,12 @@ _jitted_target_call = jax.jit(_target_call, static_argnames=("target_cls", "conf
 class Target:
     """A frozen target model: config, raw HF config, params and a pure forward.
 
-    An architecture subclass provides ``config_from_hf``, ``weight_specs`` and the static functions
+    An architecture subclass provides ``config_class``, ``weight_specs`` and ``decoder`` (a
+    ``decoder.Decoder``), which sets the static functions
     ``forward_fn(params, config, input_ids, *, aux_layer_ids, positions, segment_ids)``,
-    ``embed_fn(params, config)`` and ``lm_head_fn(params, config)``. Its config must be a hashable
-    (frozen) dataclass with ``num_hidden_layers`` and ``architecture``.
+    ``embed_fn(params, config)``, ``lm_head_fn(params, config)`` and cached decoding's ``decode_fn``
+    and ``init_cache_fn``. Its config must be a hashable (frozen) dataclass with
+    ``num_hidden_layers``, ``architecture`` and ``kernels`` (a KernelChoices).
     """
 
     forward_fn: Callable[..., Any]
@@ -180,6 +191,18 @@ class Target:
     # start.., make the accepted root-to-node path (chunk rows path[0..accepted]) the linear sequence
     # at slots start..start+accepted (see commit_tree_path; a target with recurrent state overrides it)
     commit_path_fn: Callable[..., Any] = staticmethod(commit_tree_path)
+    # init_params(config, key, dtype) -> random params, for architectures with toy targets (``init``)
+    init_params: Callable[..., Any] | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        decoder = cls.__dict__.get("decoder")
+        if decoder is not None:  # every family's forward and cached decoding are its Decoder's
+            cls.forward_fn = staticmethod(decoder.forward)
+            cls.embed_fn = staticmethod(decoder.embed_table)
+            cls.lm_head_fn = staticmethod(decoder.lm_head_weight)
+            cls.decode_fn = staticmethod(decoder.decode_chunk)
+            cls.init_cache_fn = staticmethod(decoder.init_cache)
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
         self.config = config
@@ -192,7 +215,16 @@ class Target:
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Any:
-        return cls.config_class.from_hf(hf_config, **overrides)
+        """The config for an HF config dict; ``overrides`` are config fields, or the kernel keywords
+        of ``kernel_choices.KEYWORDS`` (``moe_implementation=``, ``attention_q_block=``, ...)."""
+        return cls.config_class.from_hf(hf_config, **KernelChoices.take_keywords(overrides))
+
+    @classmethod
+    def init(cls, config: Any, key: jax.Array, dtype=jnp.float32) -> "Target":
+        """A random toy target (hf_config = ``config.to_hf()``), for architectures with ``init_params``."""
+        if cls.init_params is None:
+            raise NotImplementedError(f"{cls.__name__} has no init_params; build random params from its weight_specs")
+        return cls(config, config.to_hf(np.dtype(dtype).name), cls.init_params(config, key, dtype))
 
     @classmethod
     def weight_specs(cls, config: Any) -> list[WeightSpec]:  # pragma: no cover
@@ -210,7 +242,7 @@ class Target:
     def num_layers(self) -> int:
         """Depth that aux ids address: the decoder layers, or for looped (weight-shared) targets the
         unrolled virtual depth (their config's ``num_virtual_layers``)."""
-        return getattr(self.config, "num_virtual_layers", self.config.num_hidden_layers)
+        return layer_depth(self.config)
 
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
         return default_aux_layer_ids(self.num_layers)

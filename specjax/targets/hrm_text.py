@@ -1,6 +1,7 @@
 """HRM-Text frozen target (``HrmTextForCausalLM``, transformers' HRM-Text by Sapient) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> block -> forward -> cached decoding -> Target class.
+Read top to bottom: config -> HF weight map -> block and the H/L cycles -> Target class (embedding,
+RoPE, logits and cached decoding: the shared skeleton, decoder.py).
 
 Two stacks of Llama-style blocks (weightless RMSNorms, MHA with a sigmoid output gate per head dim,
 SwiGLU MLP), the L(ow) and the H(igh) module, each ending in a weightless RMSNorm. With
@@ -27,17 +28,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
-from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
-from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
-from specjax.targets.layers.mlp import swiglu_mlp
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config
+from specjax.targets.decoder import Decoder, StackInputs, attention_ffn_block, swiglu
+from specjax.targets.hf_keys import attention_keys, read_hf_keys
+from specjax.targets.kernel_choices import KernelChoices
+from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, scan_layers
-from specjax.targets.llama import embed_table, lm_head_weight  # same embedding / lm_head layout
 from specjax.targets.registry import register
 
 HRM_ARCH = "HrmTextForCausalLM"
+# config.json keys -> config fields; HRM attention is MHA, so num_key_value_heads is not read
+# (the stack depth, cycles and embedding scale: HrmTextTargetConfig.from_hf; rope: layers/rope.py)
+HF_KEYS = tuple(row for row in attention_keys(max_position_embeddings=2048) if row.key != "num_key_value_heads")
 
 
 # =============================================================================================
@@ -61,9 +65,7 @@ class HrmTextTargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     rope: RopeSpec = RopeSpec()
-    attention_q_block: int = 0  # runtime option, see LlamaTargetConfig
-    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
-    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
+    kernels: KernelChoices = KernelChoices()  # runtime option, not part of the HF config
 
     @property
     def num_key_value_heads(self) -> int:
@@ -107,26 +109,11 @@ class HrmTextTargetConfig:
                 f"{arch}: num_hidden_layers={hf['num_hidden_layers']} should be num_layers_per_stack * H_cycles * "
                 f"(L_cycles + 1) = {n * H * (Lc + 1)}"
             )
-        heads = int(hf["num_attention_heads"])
         scale = hf.get("embedding_scale")
         if scale is None:
             scale = 1.0 / float(hf.get("initializer_range", 0.02))
-        kw = dict(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers_per_stack=n,
-            num_attention_heads=heads,
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            H_cycles=H,
-            L_cycles=Lc,
-            embedding_scale=float(scale),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            rope=rope_spec_from_hf(hf),
-        )
+        kw = dict(architecture=arch, num_layers_per_stack=n, H_cycles=H, L_cycles=Lc, embedding_scale=float(scale),
+                  rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         return cls(**kw)
 
@@ -161,51 +148,25 @@ def hrm_weight_specs(cfg: HrmTextTargetConfig) -> list[WeightSpec]:
 
 
 # =============================================================================================
-# Block
+# Block and schedule (the H/L cycles)
 # =============================================================================================
 def _unit_rms_norm(x, eps):
     """HRM's RMSNorm has no weight (normalise in fp32, cast back)."""
     return rms_norm(x, jnp.ones((), x.dtype), eps)
 
 
-def hrm_block(lp: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, *, cache: dict | None = None, layer=None,
-              slots_bt=None):
-    """x + gated attn(norm(x)), then + SwiGLU(norm(x)), both norms weightless: (new x, new cache or
-    None). ``cache``/``layer``/``slots_bt``: cached decoding (see layers/attention.attention_block)."""
-    h = _unit_rms_norm(x_btd, cfg.rms_norm_eps)
-    o, cache = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=cache, layer=layer,
-                               slots_bt=slots_bt)
-    x_btd = x_btd + o
-    h = _unit_rms_norm(x_btd, cfg.rms_norm_eps)
-    mlp = lp["mlp"]
-    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
-    return x_btd, cache
+def hrm_block(lp: dict, cfg: HrmTextTargetConfig, x_btd, inputs: StackInputs, cache=None, layer=None):
+    """x + gated attn(norm(x)), then + SwiGLU(norm(x)), both norms weightless: (new x, new cache or None)."""
+    unit = jnp.ones((), x_btd.dtype)
+    return attention_ffn_block(lp["self_attn"], cfg, x_btd, inputs, (unit, unit), swiglu(lp["mlp"]), cache, layer)
 
 
-# =============================================================================================
-# Forward
-# =============================================================================================
-def hrm_forward(
-    params: dict,
-    cfg: HrmTextTargetConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward: (final z_H after the last H stack's norm, aux tuple over virtual depth)."""
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
-    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
-    z_h, aux, _ = _run_cycles(params, cfg, x, rope, mask, aux_ids)
-    return z_h, aux
-
-
-def _run_cycles(params: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, aux_ids, *, cache: dict | None = None,
-                slots_bt=None):
-    """The H/L cycles from the scaled embeddings: (final z_H, aux tuple, new cache or None). Virtual
-    layer v = j * n + i (layer i of stack invocation j) taps aux id v and uses cache row v."""
+def run_cycles(params: dict, cfg: HrmTextTargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+    """The H/L cycles from the scaled embeddings: ((final z_H after its stack's norm, cache), aux).
+    Virtual layer v = j * n + i (layer i of stack invocation j) taps aux id v and uses cache row v.
+    The taps split each invocation's scan; the stack itself is not one tap-split scan, since the
+    state entering each invocation is the sum of the two carried states (input injection)."""
+    x_btd, cache = carry
     n = cfg.num_layers_per_stack
     z = {"H_module": x_btd, "L_module": jnp.broadcast_to(params["z_L_init"].astype(x_btd.dtype), x_btd.shape)}
     other = {"L_module": "H_module", "H_module": "L_module"}
@@ -215,7 +176,7 @@ def _run_cycles(params: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, aux_i
 
         def step(carry, layer, layers=layers):
             (h, c), (i, v) = carry, layer
-            return hrm_block(index_layer(layers, i), cfg, h, rope, mask, cache=c, layer=v, slots_bt=slots_bt)
+            return hrm_block(index_layer(layers, i), cfg, h, inputs, c, v)
 
         h = z[stack] + z[other[stack]]  # input injection: the other state is added on entry
         taps = [k - j * n for k in aux_ids]  # virtual ids of this invocation -> its layer ids
@@ -223,44 +184,17 @@ def _run_cycles(params: dict, cfg: HrmTextTargetConfig, x_btd, rope, mask, aux_i
         (h, cache), tapped = scan_layers(step, (h, cache), xs, taps, tapped=lambda carry: carry[0])
         aux.extend(tapped)
         z[stack] = _unit_rms_norm(h, cfg.rms_norm_eps)
-    return z["H_module"], tuple(aux), cache
+    return (z["H_module"], cache), tuple(aux)
 
 
-# =============================================================================================
-# Cached decoding: a KV cache row per virtual layer
-# =============================================================================================
-# Every block attends causally over the sequence (the prefix-LM option is unused), and z_L / z_H
-# of a token depend on earlier tokens only through those attentions, so each stack invocation's
-# layer has a well-defined K/V per token: {"k", "v"} [Lv, B, S, H, D], virtual layer v = j * n + i
-# writes and reads row v. Layout, slot rules and mask: layers/attention.py "KV cache"; rollback =
-# a shorter valid length.
-def hrm_init_cache(cfg: HrmTextTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache for `max_len` slots per row (rounded up), one row per virtual layer."""
-    return init_kv_cache(cfg.num_virtual_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
+def _scale_embeddings(cfg: HrmTextTargetConfig, x):
+    return x * cfg.embedding_scale
 
 
-def hrm_decode_chunk(
-    params: dict,
-    cfg: HrmTextTargetConfig,
-    cache: dict,
-    input_ids_bt: jax.Array,
-    positions_bt: jax.Array,
-    start_b: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    chunk_mask_btt: jax.Array | None = None,
-    valid_from_b: jax.Array | None = None,
-    logits_index: jax.Array | None = None,
-) -> tuple[jax.Array, tuple, jax.Array, dict]:
-    """PURE cached forward of a chunk: (fp32 logits, aux tuple at virtual `aux_layer_ids`, final
-    z_H, new cache); arguments as ``llama.decode_chunk``. Same blocks and op order as
-    :func:`hrm_forward`."""
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0) * cfg.embedding_scale
-    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-    final, aux, cache = _run_cycles(params, cfg, x, rope, mask, aux_ids, cache=cache, slots_bt=slots)
-    return picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
+# Cached decoding: every block attends causally over the sequence (the prefix-LM option is unused),
+# and z_L / z_H of a token depend on earlier tokens only through those attentions, so each stack
+# invocation's layer has a well-defined K/V per token: a KV cache row per virtual layer.
+DECODER = Decoder(run_cycles, scale_embeddings=_scale_embeddings, final_norm=None)  # z_H ends in its stack's norm
 
 
 # =============================================================================================
@@ -271,11 +205,5 @@ class HrmTextTarget(Target):
     """Frozen HRM-Text target (see module docstring)."""
 
     config_class = HrmTextTargetConfig
-    forward_fn = staticmethod(hrm_forward)
-    embed_fn = staticmethod(embed_table)
-    lm_head_fn = staticmethod(lm_head_weight)
-    decode_fn, init_cache_fn = staticmethod(hrm_decode_chunk), staticmethod(hrm_init_cache)  # cached decoding
-
-    @classmethod
-    def weight_specs(cls, config: HrmTextTargetConfig) -> list[WeightSpec]:
-        return hrm_weight_specs(config)
+    decoder = DECODER
+    weight_specs = staticmethod(hrm_weight_specs)

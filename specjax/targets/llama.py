@@ -1,7 +1,8 @@
 """Llama-family frozen target (``LlamaForCausalLM`` and ``Qwen3ForCausalLM``) in plain JAX.
 
-Read top to bottom: config -> HF weight map (+ init and HF export) -> decoder layer -> forward ->
-cached decoding -> Target class.
+Read top to bottom: config -> HF weight map (+ init and HF export) -> decoder layer and its
+schedule -> Target class. Embedding, RoPE, the tap-split scan, final norm, logits and cached
+decoding are the shared skeleton's (decoder.py).
 
 Differences handled by one code path:
   * Qwen3 adds a per-head RMSNorm on q and k (``q_norm``/``k_norm`` over head_dim, before RoPE) and
@@ -25,17 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_get, tree_set, validate_aux_layer_ids
+from specjax.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_get, tree_set
+from specjax.targets.decoder import Decoder, StackInputs, attention_ffn_block, swiglu
+from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, hf_values, read_hf_keys
+from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers import decoding
-from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
-from specjax.targets.layers.mlp import swiglu_mlp
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
+from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, scan_layers
 from specjax.targets.loading import write_safetensors
 from specjax.targets.registry import model_type_of, register
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# config.json keys <-> config fields (from_hf reads them, to_hf writes them; rope: layers/rope.py)
+HF_KEYS = (HFKey("num_hidden_layers"),) + attention_keys(max_position_embeddings=2048)
 
 
 # =============================================================================================
@@ -57,26 +61,32 @@ class LlamaTargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     rope: RopeSpec = RopeSpec()
-    # Runtime option, not part of the HF config: split attention queries into blocks of this many
-    # tokens (0 = never) to bound the [B, N, Tq, T] score buffer on long sequences.
-    attention_q_block: int = 0
-    # Runtime option (kernels.target_attention): the training forward's self-attention path, "auto",
-    # "plain" or a specjax_kernels.ttt_attention implementation (see layers/attention.py)
-    attention_implementation: str = "auto"
-    # Runtime option (kernels.decode_attention): cached decoding's attention (layers/attention.py)
-    decode_attention_implementation: str = "auto"
+    kernels: KernelChoices = KernelChoices()  # runtime option, not part of the HF config
+
+    @property
+    def base_architecture(self) -> str:
+        """The dense architecture whose layers run (a looped config names its loop's)."""
+        return self.architecture
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "Qwen3ForCausalLM"
+        return self.base_architecture == "Qwen3ForCausalLM"
 
     @property
     def model_type(self) -> str:
-        return model_type_of(self.architecture)
+        return model_type_of(self.base_architecture)
 
     @property
     def attention(self) -> AttentionConfig:
         return AttentionConfig.of(self, qk_norm=self.qk_norm)
+
+    @property
+    def num_virtual_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def virtual_layers(self) -> tuple[int, ...]:
+        """Physical layer id of each layer application, in order (looped.py repeats a span)."""
+        return tuple(range(self.num_hidden_layers))
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "LlamaTargetConfig":
@@ -86,28 +96,10 @@ class LlamaTargetConfig:
         layer_types = hf.get("layer_types") or []
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
             raise ValueError(f"{arch} with sliding-window attention layers is not supported")
-        heads = int(hf["num_attention_heads"])
-        kw = dict(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            rope=rope_spec_from_hf(hf),
-        )
+        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         cfg = cls(**kw)
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={cfg.num_key_value_heads}"
-            )
+        check_gqa(cfg)
         return cfg
 
     @classmethod
@@ -117,21 +109,8 @@ class LlamaTargetConfig:
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read."""
-        return hf_config_dict(
-            architecture=self.architecture,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=self.rope.to_hf(),
-            dtype=dtype,
-        )
+        return hf_config_dict(self.architecture, **hf_values(HF_KEYS, self), rope_parameters=self.rope.to_hf(),
+                              dtype=dtype)
 
 
 def hf_config_dict(
@@ -284,125 +263,36 @@ def save_hf_checkpoint(
 
 
 # =============================================================================================
-# Decoder layer
+# Decoder layer and schedule (the skeleton around them: decoder.py)
 # =============================================================================================
-def decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, rope, mask, *, cache: dict | None = None, layer=None,
-                  slots_bt=None):
-    """x + attn(norm(x)), then + SwiGLU(norm(x)): (new x, new cache or None). ``cache``/``layer``/
-    ``slots_bt``: cached decoding (see layers/attention.attention_block)."""
-    eps = cfg.rms_norm_eps
-    h = rms_norm(x_btd, lp["input_layernorm"]["scale"], eps)
-    o, cache = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=cache, layer=layer,
-                               slots_bt=slots_bt)
-    x_btd = x_btd + o
-    h = rms_norm(x_btd, lp["post_attention_layernorm"]["scale"], eps)
-    mlp = lp["mlp"]
-    x_btd = x_btd + swiglu_mlp(h, mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"], mlp["down_proj"]["kernel"])
-    return x_btd, cache
+def decoder_layer(lp: dict, cfg: LlamaTargetConfig, x_btd, inputs: StackInputs, cache=None, layer=None):
+    """x + attn(norm(x)), then + SwiGLU(norm(x)): (new x, new cache or None)."""
+    norms = (lp["input_layernorm"]["scale"], lp["post_attention_layernorm"]["scale"])
+    return attention_ffn_block(lp["self_attn"], cfg, x_btd, inputs, norms, swiglu(lp["mlp"]), cache, layer)
 
 
-# =============================================================================================
-# Forward
-# =============================================================================================
-def forward(
-    params: dict,
-    cfg: LlamaTargetConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward. Returns (final_hidden [B,T,D] after the final norm, aux tuple of [B,T,D]).
+def run_layers(params: dict, cfg: LlamaTargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+    """The decoder layers in ``cfg.virtual_layers()`` order (every layer once for Llama; the unroll
+    for a looped target), one scan per span between taps; virtual layer v uses cache row v."""
 
-    aux id k is the residual stream after decoder layer k (HF ``hidden_states[k+1]``; for
-    k = L-1 this is the pre-final-norm state, whereas HF's last hidden_states entry is post-norm).
-    The layer stack is split at the taps, so only the tapped states are kept, not all L outputs.
-    Compute runs in the params dtype; RMSNorm statistics and the softmax run in fp32.
-    """
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    return forward_over(params, cfg, input_ids_bt, range(cfg.num_hidden_layers), aux_ids, positions, segment_ids)
+    def step(carry, layer):
+        (x, cache), (i, v) = carry, layer  # physical layer i applied as virtual layer v
+        return decoder_layer(index_layer(params["layers"], i), cfg, x, inputs, cache, v)
+
+    xs = (np.asarray(cfg.virtual_layers(), np.int32), np.arange(cfg.num_virtual_layers, dtype=np.int32))
+    return scan_layers(step, carry, xs, aux_ids, tapped=lambda carry: carry[0])
 
 
-def forward_over(params: dict, cfg: LlamaTargetConfig, input_ids_bt: jax.Array, layer_ids: Sequence[int],
-                 aux_ids: Sequence[int], positions: jax.Array | None, segment_ids: jax.Array | None):
-    """:func:`forward` through the decoder layers ``layer_ids`` in this order (every layer once for
-    Llama; the unroll for a looped target); aux id k is the state after the k-th of them."""
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
-
-    def step(x, i):
-        return decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask)[0]
-
-    x, aux = scan_layers(step, x, np.asarray(layer_ids, np.int32), aux_ids)
-    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), aux
-
-
-def embed_table(params: dict, cfg: LlamaTargetConfig | None = None) -> jax.Array:
-    """[V, D] token embedding table."""
-    return params["embed_tokens"]["embedding"]
-
-
-def lm_head_weight(params: dict, cfg: LlamaTargetConfig) -> jax.Array:
-    """[V, D] output projection in HF layout (tied -> the embedding table)."""
-    if cfg.tie_word_embeddings:
-        return params["embed_tokens"]["embedding"]
-    return params["lm_head"]["kernel"].T
+# Cached decoding: a static-size KV cache {"k", "v"} [Lv, B, S, Hkv, D] with one row per (virtual)
+# layer; rollback = a shorter valid length (layers/attention.py "KV cache").
+DECODER = Decoder(run_layers)
+forward, decode_chunk, init_cache = DECODER.forward, DECODER.decode_chunk, DECODER.init_cache
+embed_table, lm_head_weight = DECODER.embed_table, DECODER.lm_head_weight
 
 
 def logits(params: dict, cfg: LlamaTargetConfig, final_hidden_btd: jax.Array) -> jax.Array:
     """fp32 logits with fp32 accumulation."""
-    return jnp.einsum(
-        "btd,vd->btv", final_hidden_btd, lm_head_weight(params, cfg), preferred_element_type=jnp.float32
-    )
-
-
-# =============================================================================================
-# Cached decoding (generation, regeneration, speculative decoding)
-# =============================================================================================
-# A static-size KV cache {"k", "v"} [L, B, S, Hkv, D]; rollback = a shorter valid length. The
-# layout, the slot rules and the mask: layers/attention.py "KV cache".
-def init_kv_cache(cfg: LlamaTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache for `max_len` slots per row (rounded up by ``layers.attention.cache_size_for``)."""
-    return decoding.init_kv_cache(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                                  dtype)
-
-
-def decode_chunk(
-    params: dict,
-    cfg: LlamaTargetConfig,
-    cache: dict,
-    input_ids_bt: jax.Array,
-    positions_bt: jax.Array,
-    start_b: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    chunk_mask_btt: jax.Array | None = None,
-    valid_from_b: jax.Array | None = None,
-    logits_index: jax.Array | None = None,
-) -> tuple[jax.Array, tuple, jax.Array, dict]:
-    """PURE cached forward of a chunk of new tokens. Returns (fp32 logits, aux tuple [B,T,D] at
-    `aux_layer_ids`, final hidden [B,T,D] after the final norm, new cache).
-
-    input_ids/positions [B,T] int (positions are the RoPE positions, independent of slots);
-    start [B]: the row's valid cache length, where the chunk is written. chunk_mask [B,T,T] bool
-    (default causal). logits [B,T,V], or [B,n,V] at chunk indices `logits_index` [B,n] (a prefill
-    then never forms [B,T,V]). Same layers and op order as :func:`forward`.
-    """
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
-                                                 cfg.attention)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-
-    def step(carry, i):
-        x, c = carry
-        return decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask, cache=c, layer=i, slots_bt=slots)
-
-    (x, cache), aux = scan_layers(step, (x, cache), np.arange(cfg.num_hidden_layers, dtype=np.int32), aux_ids,
-                                  tapped=lambda carry: carry[0])
-    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
-    return decoding.picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
+    return decoding.picked_logits(final_hidden_btd, lm_head_weight(params, cfg))
 
 
 # =============================================================================================
@@ -413,19 +303,9 @@ class LlamaTarget(Target):
     """Frozen Llama / Qwen3 target (see module docstring)."""
 
     config_class = LlamaTargetConfig
-    forward_fn = staticmethod(forward)
-    embed_fn = staticmethod(embed_table)
-    lm_head_fn = staticmethod(lm_head_weight)
-    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_kv_cache)  # cached decoding
-
-    @classmethod
-    def weight_specs(cls, config: LlamaTargetConfig) -> list[WeightSpec]:
-        return weight_specs(config)
-
-    @classmethod
-    def init(cls, config: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> "LlamaTarget":
-        """A random toy target (hf_config = ``config.to_hf()``)."""
-        return cls(config, config.to_hf(np.dtype(dtype).name), init_params(config, key, dtype))
+    decoder = DECODER
+    weight_specs = staticmethod(weight_specs)
+    init_params = staticmethod(init_params)
 
     def save_hf_checkpoint(self, out_dir: str | os.PathLike) -> None:
         save_hf_checkpoint(self.params, self.config, out_dir, hf_config=self.hf_config)

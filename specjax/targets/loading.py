@@ -239,7 +239,10 @@ def load_target(
 
     dtype: params/compute dtype ("bfloat16" or "float32"; the on-disk dtype is cast).
     shardings: optional pytree like the params (leaves jax.sharding.Sharding or None).
-    config_overrides: runtime config fields, e.g. ``attention_q_block=1024``.
+    config_overrides: runtime config fields, e.g. ``kernels=KernelChoices(...)``, or the kernel keywords
+    ``moe_implementation=``, ``ssd_implementation=``, ``attention_implementation=``,
+    ``attention_q_block=``, ``decode_attention_implementation=`` (Target.config_from_hf folds them
+    into the config's KernelChoices).
     """
     hf_config = read_hf_config(hf_dir)
     cls = get_target_class(hf_config)

@@ -21,26 +21,18 @@ or Qwen3 checkpoint (same tensors on disk) whose config.json adds the loop field
 Unroll: layers [0, loop_start), then [loop_start, loop_end) num_loops times, then [loop_end, L).
 Lv = L + (num_loops - 1) * (loop_end - loop_start). Positions, RoPE and the segment mask are the
 same on every pass; the final norm runs once at the end. Cached decoding keeps one KV cache row per
-virtual layer (each application of a shared layer sees different inputs, so its K/V differ). Read
-top to bottom: config -> weight map (the Llama one) -> forward (``llama.forward_over`` the unroll)
--> cached decoding -> Target class.
+virtual layer (each application of a shared layer sees different inputs, so its K/V differ). Only
+the config is this file's: the weight map, the decoder layer and its schedule are Llama's
+(``llama.run_layers`` walks ``config.virtual_layers()``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
-
-import jax
-import jax.numpy as jnp
-import numpy as np
+from typing import Any, Mapping
 
 from specjax.targets import llama
-from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
-from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import inverse_frequencies, rope_cos_sin
-from specjax.targets.layers.scan import index_layer, scan_layers
-from specjax.targets.registry import model_type_of, register
+from specjax.targets.base import Target, resolve_hf_config
+from specjax.targets.registry import register
 
 # looped architecture name -> the dense architecture whose layers it loops
 LOOPED_LLAMA_ARCHS = {"LoopedLlamaForCausalLM": "LlamaForCausalLM", "LoopedQwen3ForCausalLM": "Qwen3ForCausalLM"}
@@ -61,14 +53,6 @@ class LoopedLlamaConfig(llama.LlamaTargetConfig):
     @property
     def base_architecture(self) -> str:
         return LOOPED_LLAMA_ARCHS[self.architecture]
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.base_architecture == "Qwen3ForCausalLM"
-
-    @property
-    def model_type(self) -> str:
-        return model_type_of(self.base_architecture)
 
     @property
     def num_virtual_layers(self) -> int:
@@ -110,87 +94,14 @@ class LoopedLlamaConfig(llama.LlamaTargetConfig):
 
 
 # =============================================================================================
-# HF weight map
-# =============================================================================================
-def looped_llama_weight_specs(cfg: LoopedLlamaConfig) -> list[WeightSpec]:
-    """Exactly the Llama / Qwen3 tensors: the loop reuses the physical layers' weights."""
-    return llama.weight_specs(cfg)
-
-
-# =============================================================================================
-# Forward: the Llama decoder layers in the unrolled order
-# =============================================================================================
-def looped_llama_forward(
-    params: dict,
-    cfg: LoopedLlamaConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward: (final_hidden after the last virtual layer and the final norm, aux tuple)."""
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    return llama.forward_over(params, cfg, input_ids_bt, cfg.virtual_layers(), aux_ids, positions, segment_ids)
-
-
-# =============================================================================================
-# Cached decoding: the Llama KV cache with one row per virtual layer
-# =============================================================================================
-# {"k", "v"} [Lv, B, S, Hkv, D]: virtual layer v (physical layer virtual_layers()[v]) writes and
-# reads row v. Layout, slot rules and mask: layers/attention.py "KV cache"; rollback = a shorter
-# valid length.
-def looped_llama_init_cache(cfg: LoopedLlamaConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache for `max_len` slots per row (rounded up), one row per virtual layer."""
-    return init_kv_cache(cfg.num_virtual_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
-
-
-def looped_llama_decode_chunk(
-    params: dict,
-    cfg: LoopedLlamaConfig,
-    cache: dict,
-    input_ids_bt: jax.Array,
-    positions_bt: jax.Array,
-    start_b: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    chunk_mask_btt: jax.Array | None = None,
-    valid_from_b: jax.Array | None = None,
-    logits_index: jax.Array | None = None,
-) -> tuple[jax.Array, tuple, jax.Array, dict]:
-    """PURE cached forward of a chunk: ``llama.decode_chunk`` over the unroll. Returns (fp32 logits,
-    aux tuple at virtual `aux_layer_ids`, final hidden after the final norm, new cache); arguments
-    as ``llama.decode_chunk``. Same layers and op order as :func:`looped_llama_forward`."""
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_virtual_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
-
-    def step(carry, layer):
-        (x, c), (i, v) = carry, layer  # physical layer i applied as virtual layer v
-        return llama.decoder_layer(index_layer(params["layers"], i), cfg, x, rope, mask, cache=c, layer=v,
-                                   slots_bt=slots)
-
-    xs = (np.asarray(cfg.virtual_layers(), np.int32), np.arange(cfg.num_virtual_layers, dtype=np.int32))
-    (x, cache), aux = scan_layers(step, (x, cache), xs, aux_ids, tapped=lambda carry: carry[0])
-    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
-    return picked_logits(final, llama.lm_head_weight(params, cfg), logits_index), aux, final, cache
-
-
-# =============================================================================================
-# Target wrapper
+# Target wrapper: the Llama / Qwen3 weight map and decoder (llama.run_layers walks
+# config.virtual_layers(); the KV cache has a row per virtual layer, each application of a shared
+# layer seeing different inputs)
 # =============================================================================================
 @register(*LOOPED_LLAMA_ARCHS)  # aux ids address the unrolled virtual depth
 class LoopedLlamaTarget(Target):
     """Frozen looped Llama / Qwen3 target (see module docstring)."""
 
     config_class = LoopedLlamaConfig
-    forward_fn = staticmethod(looped_llama_forward)
-    embed_fn = staticmethod(llama.embed_table)
-    lm_head_fn = staticmethod(llama.lm_head_weight)
-    decode_fn = staticmethod(looped_llama_decode_chunk)  # cached decoding, a cache row per virtual layer
-    init_cache_fn = staticmethod(looped_llama_init_cache)
-
-    @classmethod
-    def weight_specs(cls, config: LoopedLlamaConfig) -> list[WeightSpec]:
-        return looped_llama_weight_specs(config)
+    decoder = llama.DECODER
+    weight_specs = staticmethod(llama.weight_specs)  # the loop reuses the physical layers' weights

@@ -1,7 +1,8 @@
 """Nemotron-H frozen target (``NemotronHForCausalLM``): hybrid Mamba-2 / attention / MoE / MLP stack.
 
-Read top to bottom: block types -> config -> HF weight map -> init -> blocks -> forward -> cached
-decoding -> draft check -> Target class. Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
+Read top to bottom: block types -> config -> HF weight map -> init -> blocks -> layer schedule ->
+cached decoding's cache and inputs -> draft check -> Target class (the skeleton around the blocks:
+decoder.py). Semantics follow transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``:
 
   block i (type from ``layers_block_type``):  x = x + mixer_i(RMSNorm_i(x))
     linear_attention  Mamba-2 mixer (layers/mamba2.py; SSD scan in specjax_kernels.ssd)
@@ -37,16 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import (Target, WeightSpec, commit_tree_path, resolve_hf_config, tree_set,
-                                  validate_aux_layer_ids)
+from specjax.targets.base import Target, WeightSpec, commit_tree_path, resolve_hf_config, tree_set
+from specjax.targets.decoder import Decoder, StackInputs, tap_split
+from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import AttentionConfig, attention_block, segment_causal_mask
 from specjax.targets.layers.mamba2 import (EMPTY_LABEL, Mamba2Dims, decode_chunk_plan, mamba2_decode,
                                            mamba2_mixer)
-from specjax.targets.layers.rope import RopeSpec, rope_spec_from_hf
-from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
+from specjax.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.layers.scan import index_layer, layer_scan
 from specjax.targets.registry import model_type_of, register
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.moe import moe_experts
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -159,11 +161,7 @@ class NemotronHTargetConfig:
     max_position_embeddings: int = 4096
     rope: RopeSpec = RopeSpec()
     # ---- runtime options, not part of the HF config ----
-    attention_q_block: int = 0  # >0: queries in blocks of this size (bounds the score buffer)
-    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
-    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
-    ssd_implementation: str | None = None  # specjax_kernels.ssd: None/"auto" | "xla" | "reference"
-    moe_implementation: str | None = None  # specjax_kernels.moe: None/"auto" | "xla" | "reference"
+    kernels: KernelChoices = KernelChoices()  # moe: the routed experts' kernel; ssd: the Mamba-2 scan's
     weight_prefix: str = "backbone"  # on-disk name prefix (transformers writes "backbone.")
     # cached decoding: SSM states kept per Mamba layer after a chunk (>= the longest verify chunk; a
     # tree chunk needs one per node). See "Cached decoding" below and layers/mamba2.py.
@@ -191,7 +189,7 @@ class NemotronHTargetConfig:
         return Mamba2Dims(
             num_heads=self.mamba_num_heads, head_dim=self.mamba_head_dim, n_groups=self.n_groups,
             state_size=self.ssm_state_size, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size,
-            eps=self.layer_norm_epsilon, dt_limit=self.dt_limit, ssd_implementation=self.ssd_implementation,
+            eps=self.layer_norm_epsilon, dt_limit=self.dt_limit, ssd_implementation=self.kernels.ssd,
         )
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
@@ -517,111 +515,102 @@ def _moe(p, cfg: NemotronHTargetConfig, x_btd):
         x = x @ p["fc1_latent_proj"]["kernel"]
     routed = moe_experts(
         x, ids, weights, up_edf=p["experts"]["up_proj"]["kernel"], down_efd=p["experts"]["down_proj"]["kernel"],
-        activation=cfg.mlp_hidden_act, implementation=cfg.moe_implementation,
+        activation=cfg.mlp_hidden_act, implementation=cfg.kernels.moe,
     )
     if cfg.moe_latent_size is not None:
         routed = routed @ p["fc2_latent_proj"]["kernel"]
     return routed.reshape(b, t, d) + _ffn(p["shared_experts"], cfg.mlp_hidden_act, x_btd)
 
 
-def _block(kind: str, lp: dict, cfg: NemotronHTargetConfig, x_btd, segment_ids, mask):
+def block(kind: str, lp: dict, cfg: NemotronHTargetConfig, x_btd, inputs: StackInputs, cache=None, slot=None):
+    """x + mixer(norm(x)) for a block of type ``kind``: (new x, new cache or None). In cached
+    decoding ``slot`` is the block's row in its type's cache leaves (the KV cache for attention,
+    "conv" / "ssm" for Mamba); MoE and MLP blocks are per token and cache nothing."""
     h = rms_norm_fp32_weight(x_btd, lp["norm"]["scale"], cfg.layer_norm_epsilon)
     mixer = lp["mixer"]
     if kind == MAMBA:
-        out = mamba2_mixer(mixer, cfg.mamba_dims, h, segment_ids)
+        if cache is None:
+            out = mamba2_mixer(mixer, cfg.mamba_dims, h, inputs.segment_ids)
+        else:
+            out, c, s = mamba2_decode(mixer, cfg.mamba_dims, h, cache["conv"][slot], cache["ssm"][slot], inputs.extra)
+            cache = dict(cache, conv=cache["conv"].at[slot].set(c), ssm=cache["ssm"].at[slot].set(s))
     elif kind == ATTENTION:  # GQA with no positional encoding
-        out = attention_block(mixer, cfg.attention, h, mask)[0]
+        kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+        out, kv = attention_block(mixer, cfg.attention, h, inputs.mask, None, cache=kv, layer=slot,
+                                  slots_bt=inputs.slots)
+        cache = cache if cache is None else dict(cache, **kv)
     elif kind == MOE:
         out = _moe(mixer, cfg, h)
     else:
         out = _ffn(mixer, cfg.mlp_hidden_act, h)
-    return x_btd + out.astype(x_btd.dtype)
+    return x_btd + out.astype(x_btd.dtype), cache
 
 
 # =============================================================================================
-# Forward
+# Layer schedule: one stack per block type, each layer at its slot in its type's stack
 # =============================================================================================
-def _run_layers(params, cfg: NemotronHTargetConfig, x_btd, start: int, stop: int, segment_ids, mask):
-    """Blocks [start, stop): one lax.scan over layer indices; each step picks its block type with
-    lax.switch (one branch per type present) and reads that type's stack at the layer's slot with a
-    dynamic index (in place, no weight copies). The carry is only the residual stream."""
-    kinds = cfg.layer_types[start:stop]
-    present = [k for k in BLOCK_TYPES if k in kinds]
+def run_layers(params, cfg: NemotronHTargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+    """Every block, split at the taps (taps may sit on any block type).
+
+    Training forward: one lax.scan per span over layer indices; each step picks its block type with
+    lax.switch (one branch per type present) and reads that type's stack at the layer's slot with
+    a dynamic index (in place, no weight copies). Cached decoding runs the blocks unrolled: a block
+    updates only its own type's cache leaves at a static slot, which a switch over types could not
+    (every branch would have to return the whole cache)."""
     slots = cfg.layer_slots
 
-    def branch(kind):
+    def apply(kind):
         stack = params[_PARAM_KEY[kind]]
 
-        def apply(x, slot):
-            return _block(kind, index_layer(stack, slot), cfg, x, segment_ids, mask)
-        return apply
+        def run(carry, slot):
+            return block(kind, index_layer(stack, slot), cfg, carry[0], inputs, carry[1], slot)
+        return run
 
-    branches = [branch(k) for k in present]
-    if stop - start == 1:
-        return branches[0](x_btd, slots[start])
-    kind_idx = np.asarray([present.index(k) for k in kinds], np.int32)
-    slot_idx = np.asarray(slots[start:stop], np.int32)
+    def run_span(carry, start, stop):
+        if carry[1] is not None or stop - start == 1:
+            for layer in range(start, stop):
+                carry = apply(cfg.layer_types[layer])(carry, slots[layer])
+            return carry
+        kinds = cfg.layer_types[start:stop]
+        present = [k for k in BLOCK_TYPES if k in kinds]
+        branches = [apply(k) for k in present]
+        xs = (np.asarray([present.index(k) for k in kinds], np.int32), np.asarray(slots[start:stop], np.int32))
 
-    def step(x, ks):
-        kind, slot = ks
-        if len(branches) == 1:
-            return branches[0](x, slot)
-        return jax.lax.switch(kind, branches, x, slot)
+        def step(carry, ks):
+            kind, slot = ks
+            if len(branches) == 1:
+                return branches[0](carry, slot)
+            return jax.lax.switch(kind, branches, carry, slot)
 
-    return layer_scan(step, x_btd, (kind_idx, slot_idx))
+        return layer_scan(step, carry, xs)
+
+    return tap_split(run_span, carry, cfg.num_hidden_layers, aux_ids)
 
 
-def forward(
-    params: dict,
-    cfg: NemotronHTargetConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward. Returns (final hidden [B,T,D] after norm_f, aux tuple of [B,T,D] block outputs).
+def final_norm(params: dict, cfg: NemotronHTargetConfig, x_btd):
+    return rms_norm_fp32_weight(x_btd, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
 
-    ``aux_layer_ids``: output-of-block-k ids over ALL blocks (Mamba, attention, MoE or MLP).
-    ``positions`` is accepted for the common target API and unused: Nemotron-H has no positional
-    encoding. ``segment_ids`` [B,T] (0 = padding): attention is causal within a segment, and the Mamba
-    conv window and SSM state restart at every segment start.
-    """
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    del positions
-    x = jnp.take(params["embeddings"]["embedding"], input_ids_bt, axis=0)
-    b, t = input_ids_bt.shape
+
+def forward_inputs(cfg: NemotronHTargetConfig, input_ids_bt, positions, segment_ids, dtype) -> StackInputs:
+    """``positions`` is unused (no positional encoding). ``segment_ids`` [B,T] (0 = padding; default
+    one segment per row): attention is causal within a segment, and the Mamba conv window and SSM
+    state restart at every segment start."""
     if segment_ids is None:
-        segment_ids = jnp.ones((b, t), jnp.int32)
+        segment_ids = jnp.ones(input_ids_bt.shape, jnp.int32)
     mask = segment_causal_mask(segment_ids) if ATTENTION in cfg.layer_types else None
-
-    def run_span(x, a, b):
-        return _run_layers(params, cfg, x, a, b, segment_ids, mask)
-
-    x, aux = scan_at_taps(run_span, x, cfg.num_hidden_layers, aux_ids)
-    return rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon), aux
-
-
-def embed_table(params: dict, cfg: NemotronHTargetConfig | None = None) -> jax.Array:
-    """[V, D] token embedding table."""
-    return params["embeddings"]["embedding"]
-
-
-def lm_head_weight(params: dict, cfg: NemotronHTargetConfig | None = None) -> jax.Array:
-    """[V, D] output projection in HF layout (always untied for Nemotron-H)."""
-    return params["lm_head"]["kernel"].T
+    return StackInputs(mask, None, segment_ids=segment_ids)
 
 
 # =============================================================================================
 # Cached decoding (generation, regeneration, speculative decoding)
 # =============================================================================================
-# Same contract as llama.decode_chunk (slots, chunk mask, valid_from, logits_index; rollback = the
-# next chunk starts at a smaller slot). Attention blocks share a KV cache {"k", "v"} [La,B,S,Hkv,D]
-# (no RoPE); MoE / MLP blocks are per token; Mamba blocks keep "conv" [Lm,B,S,conv_dim] (every
-# slot's pre-conv input, so the conv window of any restart point is still there) and "ssm"
-# [Lm,B,W,H,P,N] fp32 with "ssm_slot" [B,W]: the SSM states after the last chunk's rows, labelled by
-# slot, W = config.decode_state_window (layers/mamba2.py "Cached decoding"). A state per slot for the
-# whole sequence would be H*P*N floats per slot per Mamba layer (2 MiB fp32 at the Nano shape).
+# Same contract as every target's (decoder.Decoder.decode_chunk; rollback = the next chunk starts
+# at a smaller slot). Attention blocks share a KV cache {"k", "v"} [La,B,S,Hkv,D] (no RoPE); MoE /
+# MLP blocks are per token; Mamba blocks keep "conv" [Lm,B,S,conv_dim] (every slot's pre-conv
+# input, so the conv window of any restart point is still there) and "ssm" [Lm,B,W,H,P,N] fp32 with
+# "ssm_slot" [B,W]: the SSM states after the last chunk's rows, labelled by slot, W =
+# config.decode_state_window (layers/mamba2.py "Cached decoding"). A state per slot for the whole
+# sequence would be H*P*N floats per slot per Mamba layer (2 MiB fp32 at the Nano shape).
 def init_cache(cfg: NemotronHTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
     """Zeroed cache for `max_len` slots per row (rounded up by ``layers.attention.cache_size_for``)."""
     cache = decoding.init_kv_cache(len(cfg.layers_of(ATTENTION)), batch_size, max_len, cfg.num_key_value_heads,
@@ -634,59 +623,25 @@ def init_cache(cfg: NemotronHTargetConfig, batch_size: int, max_len: int, dtype=
     return cache
 
 
-def decode_chunk(
-    params: dict,
-    cfg: NemotronHTargetConfig,
-    cache: dict,
-    input_ids_bt: jax.Array,
-    positions_bt: jax.Array,
-    start_b: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    chunk_mask_btt: jax.Array | None = None,
-    valid_from_b: jax.Array | None = None,
-    logits_index: jax.Array | None = None,
-) -> tuple[jax.Array, tuple, jax.Array, dict]:
-    """PURE cached forward of a chunk (contract: llama.decode_chunk). Returns (fp32 logits, aux tuple
-    [B,T,D] at `aux_layer_ids`, final hidden [B,T,D] after norm_f, new cache). ``positions`` is
-    unused (no positional encoding). A chunk continues from the state after slot start-1; the SSM
-    states after its rows are kept for the next chunk (mamba2.decode_chunk_plan): a tree chunk
-    (``chunk_mask_btt``) needs ``decode_state_window`` >= T."""
-    del positions_bt
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    b, t = input_ids_bt.shape
-    user_mask = chunk_mask_btt
+def decode_inputs(cfg: NemotronHTargetConfig, cache: dict, input_ids_bt, positions_bt, start_b, chunk_mask_btt,
+                  valid_from_b, logits_index, dtype):
+    """A chunk's cache mask and write slots (no RoPE) and the Mamba-2 plan: a chunk continues from the
+    state after slot start-1, and the SSM states after its rows are kept for the next chunk
+    (mamba2.decode_chunk_plan; a tree chunk needs ``decode_state_window`` >= T). Returns
+    (StackInputs, the cache with the new state labels)."""
     start_b, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
                                                  cfg.attention)
     plan = None
     if cfg.has_mamba:
-        plan = decode_chunk_plan(cfg.conv_kernel, cache["ssm_slot"], start_b, user_mask, valid_from_b, logits_index,
-                                 t=t)
-    x = jnp.take(params["embeddings"]["embedding"], input_ids_bt, axis=0)
-    kv = {"k": cache["k"], "v": cache["v"]}
-    conv, ssm = cache["conv"], cache["ssm"]
-    slots_of = cfg.layer_slots
-    aux = []
-    for layer, kind in enumerate(cfg.layer_types):
-        slot = slots_of[layer]
-        lp = index_layer(params[_PARAM_KEY[kind]], slot)
-        h = rms_norm_fp32_weight(x, lp["norm"]["scale"], cfg.layer_norm_epsilon)
-        mixer = lp["mixer"]
-        if kind == MAMBA:
-            out, c, s = mamba2_decode(mixer, cfg.mamba_dims, h, conv[slot], ssm[slot], plan)
-            conv, ssm = conv.at[slot].set(c), ssm.at[slot].set(s)
-        elif kind == ATTENTION:
-            out, kv = attention_block(mixer, cfg.attention, h, mask, None, cache=kv, layer=slot, slots_bt=slots)
-        elif kind == MOE:
-            out = _moe(mixer, cfg, h)
-        else:
-            out = _ffn(mixer, cfg.mlp_hidden_act, h)
-        x = x + out.astype(x.dtype)
-        if layer in aux_ids:
-            aux.append(x)
-    new = dict(kv, conv=conv, ssm=ssm, ssm_slot=plan.labels if plan is not None else cache["ssm_slot"])
-    final = rms_norm_fp32_weight(x, params["norm_f"]["scale"], cfg.layer_norm_epsilon)
-    return decoding.picked_logits(final, lm_head_weight(params, cfg), logits_index), tuple(aux), final, new
+        plan = decode_chunk_plan(cfg.conv_kernel, cache["ssm_slot"], start_b, chunk_mask_btt, valid_from_b,
+                                 logits_index, t=input_ids_bt.shape[1])
+        cache = dict(cache, ssm_slot=plan.labels)
+    return StackInputs(mask, None, slots=slots, extra=plan), cache
+
+
+DECODER = Decoder(run_layers, embedding=("embeddings", "embedding"), final_norm=final_norm,
+                  forward_inputs=forward_inputs, decode_inputs=decode_inputs, init_cache=init_cache)
+forward, decode_chunk = DECODER.forward, DECODER.decode_chunk
 
 
 def commit_path(cache: dict, start, path, accepted) -> dict:
@@ -736,15 +691,10 @@ class NemotronHTarget(Target):
     """Frozen Nemotron-H target (see module docstring)."""
 
     config_class = NemotronHTargetConfig
-    forward_fn = staticmethod(forward)
-    embed_fn = staticmethod(embed_table)
-    lm_head_fn = staticmethod(lm_head_weight)
-    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_cache)  # cached decoding
+    decoder = DECODER
     commit_path_fn = staticmethod(commit_path)  # tree verification: re-label the accepted path's SSM states
-
-    @classmethod
-    def weight_specs(cls, config: NemotronHTargetConfig) -> list[WeightSpec]:
-        return weight_specs(config)
+    weight_specs = staticmethod(weight_specs)
+    init_params = staticmethod(init_params)
 
     @classmethod
     def ignored_hf_names(cls, config: NemotronHTargetConfig, name: str) -> bool:
@@ -764,8 +714,3 @@ class NemotronHTarget(Target):
                 n = n * self.config.num_experts_per_tok // self.config.n_routed_experts
             total += n
         return int(total)
-
-    @classmethod
-    def init(cls, config: NemotronHTargetConfig, key: jax.Array, dtype=jnp.float32) -> "NemotronHTarget":
-        """A random toy target (hf_config = ``config.to_hf()``)."""
-        return cls(config, config.to_hf(np.dtype(dtype).name), init_params(config, key, dtype))

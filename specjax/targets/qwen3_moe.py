@@ -1,7 +1,7 @@
 """Qwen3-MoE frozen target (``Qwen3MoeForCausalLM``) in plain JAX.
 
-Read top to bottom: config -> HF weight map -> blocks (router, feed-forwards) -> forward -> cached
-decoding -> Target class.
+Read top to bottom: config -> HF weight map -> blocks (router, MoE feed-forward) -> layer schedule
+-> Target class (the skeleton around the layers: decoder.py).
 
 Layout (transformers' Qwen3MoeForCausalLM): Qwen3 attention (GQA, per-head q/k RMSNorm before RoPE,
 explicit head_dim, no biases) in every layer; the feed-forward of layer i is
@@ -30,17 +30,26 @@ import jax.numpy as jnp
 import numpy as np
 from specjax_kernels.moe import moe_experts
 
-from specjax.targets.base import Target, WeightSpec, resolve_hf_config, validate_aux_layer_ids
-from specjax.targets.layers.attention import AttentionConfig, attention_block, attention_inputs
-from specjax.targets.layers.decoding import chunk_inputs, init_kv_cache, picked_logits
-from specjax.targets.layers.mlp import swiglu_mlp
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
-from specjax.targets.layers.scan import index_layer, layer_scan, scan_at_taps
-from specjax.targets.llama import embed_table, lm_head_weight  # same embedding / lm_head layout
+from specjax.layers.rope import RopeSpec, rope_spec_from_hf
+from specjax.targets.base import Target, WeightSpec, resolve_hf_config
+from specjax.targets.decoder import Decoder, StackInputs, attention_ffn_block, swiglu, tap_split
+from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, read_hf_keys
+from specjax.targets.kernel_choices import KernelChoices
+from specjax.targets.layers.attention import AttentionConfig
+from specjax.targets.layers.scan import index_layer, layer_scan
 from specjax.targets.registry import register
 
 ARCH = "Qwen3MoeForCausalLM"
+# config.json keys -> config fields (rope: layers/rope.py)
+HF_KEYS = attention_keys(max_position_embeddings=32768) + (
+    HFKey("num_hidden_layers"),
+    HFKey("moe_intermediate_size"),
+    HFKey("num_experts", default=lambda hf: hf["num_local_experts"]),
+    HFKey("num_experts_per_tok"),
+    HFKey("norm_topk_prob", bool, False),
+    HFKey("decoder_sparse_step", int, 1),
+    HFKey("mlp_only_layers", lambda ids: tuple(int(i) for i in ids), ()),
+)
 
 
 # =============================================================================================
@@ -68,11 +77,7 @@ class Qwen3MoeTargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     rope: RopeSpec = RopeSpec()
-    # Runtime options, not part of the HF config.
-    attention_q_block: int = 0  # see LlamaTargetConfig
-    attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
-    decode_attention_implementation: str = "auto"  # runtime option, see LlamaTargetConfig
-    moe_implementation: str = "auto"  # specjax_kernels.moe implementation (reference | xla | auto)
+    kernels: KernelChoices = KernelChoices()  # runtime option (moe: the routed experts' kernel)
 
     qk_norm = True
 
@@ -112,39 +117,14 @@ class Qwen3MoeTargetConfig:
                 f"{ARCH} has no shared expert but the config sets shared_expert_intermediate_size; "
                 "is this a Qwen2-MoE checkpoint (Qwen2MoeForCausalLM, not supported)?"
             )
-        heads = int(hf["num_attention_heads"])
         # config.json from transformers 5 spells the expert count num_local_experts (attribute_map);
         # Qwen's own checkpoints use num_experts.
-        n_experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if n_experts is None:
+        if hf.get("num_experts", hf.get("num_local_experts")) is None:
             raise ValueError(f"{ARCH} config has neither num_experts nor num_local_experts")
-        kw = dict(
-            architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            num_experts=int(n_experts),
-            num_experts_per_tok=int(hf["num_experts_per_tok"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(i) for i in (hf.get("mlp_only_layers") or ())),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            rope=rope_spec_from_hf(hf),
-        )
+        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         cfg = cls(**kw)
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={cfg.num_key_value_heads}"
-            )
+        check_gqa(cfg)
         if cfg.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={cfg.decoder_sparse_step} must be >= 1")
         if cfg.moe_layer_ids and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
@@ -202,7 +182,7 @@ def weight_specs(cfg: Qwen3MoeTargetConfig) -> list[WeightSpec]:
 
 
 # =============================================================================================
-# Blocks: router, MoE and dense feed-forwards (attention: layers/attention.attention_block)
+# Blocks: router and MoE feed-forward (dense: decoder.swiglu; attention: layers/attention.py)
 # =============================================================================================
 def route(h_td, router_de, cfg: Qwen3MoeTargetConfig):
     """Softmax router (fp32) -> top-k expert ids [T, k] and weights [T, k] (in h's dtype)."""
@@ -221,121 +201,54 @@ def _moe_ffn(mp: dict, cfg: Qwen3MoeTargetConfig, h_btd):
     ex = mp["experts"]
     out = moe_experts(
         h, ids, weights, up_edf=ex["up_proj"]["kernel"], down_efd=ex["down_proj"]["kernel"],
-        gate_edf=ex["gate_proj"]["kernel"], activation="silu", implementation=cfg.moe_implementation,
+        gate_edf=ex["gate_proj"]["kernel"], activation="silu", implementation=cfg.kernels.moe,
     )
     return out.reshape(b, t, d)
 
 
-def _dense_ffn(mp: dict, h_btd):
-    return swiglu_mlp(h_btd, mp["gate_proj"]["kernel"], mp["up_proj"]["kernel"], mp["down_proj"]["kernel"])
-
-
 # =============================================================================================
-# Forward
+# Layer schedule: attention in every layer, the feed-forward from the MoE or the dense stack
 # =============================================================================================
-def _run_layers(params: dict, cfg: Qwen3MoeTargetConfig, x_btd, layers: Sequence[int], rope, mask, *,
-                cache: dict | None = None, slots_bt=None):
-    """Apply decoder ``layers`` (consecutive ids) with one lax.scan over a static schedule:
-    (new x, new cache or None).
-
-    Each step reads its attention weights from ``layers`` and its feed-forward from the MoE or the
-    dense stack at the scheduled slot. A segment with only one kind calls that kind directly; a
-    mixed segment (interleaved MoE / dense layers) picks per layer with ``lax.cond``. ``cache`` /
-    ``slots_bt``: cached decoding (layer i writes cache row i; see layers/attention.attention_block).
-    """
-    kinds = {cfg.is_moe(i) for i in layers}
-    xs = (
-        np.asarray(layers, np.int32),
-        np.asarray([cfg.slot(i) for i in layers], np.int32),
-        np.asarray([cfg.is_moe(i) for i in layers]),
-    )
-
-    def ffn(h, slot, is_moe):
-        moe = lambda h, s: _moe_ffn(index_layer(params["moe_layers"], s), cfg, h)  # noqa: E731
-        dense = lambda h, s: _dense_ffn(index_layer(params["mlp_layers"], s), h)  # noqa: E731
-        if kinds == {True}:
-            return moe(h, slot)
-        if kinds == {False}:
-            return dense(h, slot)
-        return jax.lax.cond(is_moe, moe, dense, h, slot)
-
-    def step(carry, layer):
-        x, c = carry
-        i, slot, is_moe = layer
-        lp = index_layer(params["layers"], i)
-        h = rms_norm(x, lp["input_layernorm"]["scale"], cfg.rms_norm_eps)
-        o, c = attention_block(lp["self_attn"], cfg.attention, h, mask, rope, cache=c, layer=i, slots_bt=slots_bt)
-        x = x + o
-        h = rms_norm(x, lp["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-        return x + ffn(h, slot, is_moe), c
-
-    return layer_scan(step, (x_btd, cache), xs)
-
-
-def forward(
-    params: dict,
-    cfg: Qwen3MoeTargetConfig,
-    input_ids_bt: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-) -> tuple[jax.Array, tuple]:
-    """Pure forward: (final_hidden [B,T,D] after the final norm, aux tuple of [B,T,D]).
-
-    The layer stack is split at the aux taps (one scan per span), so only the three tapped states
-    are kept, never every layer's output.
-    """
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, x.dtype)
-
-    def run_span(x, a, b):
-        return _run_layers(params, cfg, x, range(a, b), rope, mask)[0]
-
-    x, aux = scan_at_taps(run_span, x, cfg.num_hidden_layers, aux_ids)
-    return rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps), aux
-
-
-# =============================================================================================
-# Cached decoding (generation, regeneration, speculative decoding)
-# =============================================================================================
-# The Llama KV cache {"k", "v"} [L, B, S, Hkv, D] (one row per decoder layer; every layer has
-# attention); the feed-forwards are per token, so nothing else is cached. Layout, slot rules and
-# mask: layers/attention.py "KV cache"; rollback = a shorter valid length.
-def init_cache(cfg: Qwen3MoeTargetConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache for `max_len` slots per row (rounded up by ``cache_size_for``)."""
-    return init_kv_cache(cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
-
-
-def decode_chunk(
-    params: dict,
-    cfg: Qwen3MoeTargetConfig,
-    cache: dict,
-    input_ids_bt: jax.Array,
-    positions_bt: jax.Array,
-    start_b: jax.Array,
-    *,
-    aux_layer_ids: Sequence[int] = (),
-    chunk_mask_btt: jax.Array | None = None,
-    valid_from_b: jax.Array | None = None,
-    logits_index: jax.Array | None = None,
-) -> tuple[jax.Array, tuple, jax.Array, dict]:
-    """PURE cached forward of a chunk of new tokens: (fp32 logits, aux tuple [B,T,D] at
-    `aux_layer_ids` (output of layer k, as :func:`forward`), final hidden [B,T,D] after the final
-    norm, new cache). Arguments and shapes as ``llama.decode_chunk``; same layers and op order as
-    :func:`forward` (the router sees each token alone, so a chunk routes as the full sequence does)."""
-    aux_ids = validate_aux_layer_ids(aux_layer_ids, cfg.num_hidden_layers)
-    start_b, mask, slots = chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
-    x = jnp.take(params["embed_tokens"]["embedding"], input_ids_bt, axis=0)
-    rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x.dtype)
+def run_layers(params: dict, cfg: Qwen3MoeTargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+    """Every decoder layer, one lax.scan per span between taps over a static schedule; layer i uses
+    cache row i. Each step reads its attention weights from ``layers`` and its feed-forward from the
+    MoE or the dense stack at the scheduled slot. A span with only one kind calls that kind
+    directly; a mixed span (interleaved MoE / dense layers) picks per layer with ``lax.cond``."""
 
     def run_span(carry, a, b):
-        return _run_layers(params, cfg, carry[0], range(a, b), rope, mask, cache=carry[1], slots_bt=slots)
+        layers = range(a, b)
+        kinds = {cfg.is_moe(i) for i in layers}
+        xs = (
+            np.asarray(layers, np.int32),
+            np.asarray([cfg.slot(i) for i in layers], np.int32),
+            np.asarray([cfg.is_moe(i) for i in layers]),
+        )
 
-    (x, cache), aux = scan_at_taps(run_span, (x, cache), cfg.num_hidden_layers, aux_ids, tapped=lambda c: c[0])
-    final = rms_norm(x, params["norm"]["scale"], cfg.rms_norm_eps)
-    return picked_logits(final, lm_head_weight(params, cfg), logits_index), aux, final, cache
+        def ffn(h, slot, is_moe):
+            moe = lambda h, s: _moe_ffn(index_layer(params["moe_layers"], s), cfg, h)  # noqa: E731
+            dense = lambda h, s: swiglu(index_layer(params["mlp_layers"], s))(h)  # noqa: E731
+            if kinds == {True}:
+                return moe(h, slot)
+            if kinds == {False}:
+                return dense(h, slot)
+            return jax.lax.cond(is_moe, moe, dense, h, slot)
+
+        def step(carry, layer):
+            (x, cache), (i, slot, is_moe) = carry, layer
+            lp = index_layer(params["layers"], i)
+            norms = (lp["input_layernorm"]["scale"], lp["post_attention_layernorm"]["scale"])
+            return attention_ffn_block(lp["self_attn"], cfg, x, inputs, norms, lambda h: ffn(h, slot, is_moe),
+                                       cache, i)
+
+        return layer_scan(step, carry, xs)
+
+    return tap_split(run_span, carry, cfg.num_hidden_layers, aux_ids)
+
+
+# Cached decoding: the Llama KV cache {"k", "v"} [L, B, S, Hkv, D] (every layer has attention); the
+# feed-forwards are per token (the router sees each token alone, so a chunk routes as the full
+# sequence does), so nothing else is cached.
+DECODER = Decoder(run_layers)
 
 
 # =============================================================================================
@@ -346,14 +259,8 @@ class Qwen3MoeTarget(Target):
     """Frozen Qwen3-MoE target (see module docstring)."""
 
     config_class = Qwen3MoeTargetConfig
-    forward_fn = staticmethod(forward)
-    embed_fn = staticmethod(embed_table)
-    lm_head_fn = staticmethod(lm_head_weight)
-    decode_fn, init_cache_fn = staticmethod(decode_chunk), staticmethod(init_cache)  # cached decoding
-
-    @classmethod
-    def weight_specs(cls, config: Qwen3MoeTargetConfig) -> list[WeightSpec]:
-        return weight_specs(config)
+    decoder = DECODER
+    weight_specs = staticmethod(weight_specs)
 
     def active_params_per_token(self) -> int:
         """Parameters one token uses: everything but the E - k experts it is not routed to (the

@@ -3,17 +3,16 @@
 Every architecture file registers its Target class with ``@register(<architecture names>)``;
 ``specjax/targets/__init__.py`` imports every architecture file, and Python runs that package file
 before any of its modules, so the table is complete wherever it is read. This module imports no
-target code (``base.py`` and the architecture files import it), so there is no import cycle.
+target code, not even for annotations (``base.py`` and the architecture files import it), so there is
+no import cycle.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from specjax.targets.base import Target
-
-# HF architecture -> Target class, filled by @register (see specjax/targets/__init__.py for the files)
-ARCHITECTURES: dict[str, "type[Target]"] = {}
+# HF architecture -> Target class (a specjax.targets.base.Target subclass), filled by @register (see
+# specjax/targets/__init__.py for the files)
+ARCHITECTURES: dict[str, type] = {}
 
 # Configs saved without a model (config.save_pretrained) carry no "architectures" field; their
 # model_type names the architecture. Looped Llama configs keep their base model_type (so that
@@ -70,7 +69,7 @@ def architecture_of(hf_config: Mapping[str, Any], *, strict: bool = True) -> str
     )
 
 
-def get_target_class(arch_or_config: str | Mapping[str, Any]) -> "type[Target]":
+def get_target_class(arch_or_config: str | Mapping[str, Any]) -> type:
     """Target class for an architecture name or an HF config dict; ValueError if unsupported."""
     arch = arch_or_config if isinstance(arch_or_config, str) else architecture_of(arch_or_config)
     try:

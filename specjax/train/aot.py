@@ -7,7 +7,7 @@ on a laptop-sized fake mesh before any weights are downloaded. The abstract targ
 the architecture's weight map (``specjax.train.setup.abstract_target``), so every registered
 architecture works; the draft config, TTT config, optimizer and step functions come from the same
 ``specjax.train.setup.build_run_setup`` the training loop uses.
-``specjax.targets.shapes`` compiles its memory estimate through ``lower_train_step`` too.
+``specjax.shapes`` compiles its memory estimate through ``lower_train_step`` too.
 
 `--platform tpu` on a host without a TPU lowers the same step for a TPU instead (`platform="tpu"`):
 kernels are chosen for the TPU (`auto` included), every Pallas TPU kernel goes through Mosaic's
@@ -33,7 +33,7 @@ from specjax import mesh as meshlib
 from specjax.config import Config
 from specjax.train.setup import abstract_target, build_run_setup, check_batch_fits, make_mesh
 from specjax.train.step import BATCH_KEYS, init_state
-from specjax_kernels._select import recording_choices
+from specjax_kernels.selection import recording_choices
 from specjax_kernels.tpu_lowering import DEFAULT_TPU_CHIP, TPU_CHIPS, check_chip, lowering_for, mosaic_kernels
 
 # what a lowering for another platform (no compile) cannot tell, printed with its report

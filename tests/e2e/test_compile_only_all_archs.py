@@ -4,9 +4,9 @@ Each case writes only a tiny config.json (no weights, no tokenizer, no data) bui
 config classes (the looped Llama / Qwen3 ones: a Llama / Qwen3 config plus num_loops), then lowers
 and compiles the real train step on a (data 2, fsdp 2, tensor 2) mesh of the 8 fake CPU devices and
 checks the printed report. The abstract target params come from the architecture's weight map
-(specjax.targets.shapes.abstract_params), so no architecture needs an ``init``. CASES must list the
+(specjax.targets.abstract.abstract_params), so no architecture needs an ``init``. CASES must list the
 registry exactly: a new architecture fails test_cases_cover_the_registry until it has a case here.
-Also: specjax.targets.shapes builds the draft (fc_norm / norm_output, the hybrid KV-heads check) and
+Also: specjax.shapes builds the draft (fc_norm / norm_output, the hybrid KV-heads check) and
 the target's kernel choices with the training loop's own functions.
 """
 from __future__ import annotations
@@ -89,11 +89,11 @@ def test_compile_only(arch, tmp_path, capsys):
 
 
 def test_shapes_builds_draft_and_target_like_the_loop(tmp_path, capsys):
-    """specjax.targets.shapes (and --compile-only) build the target with the configured kernel
+    """specjax.shapes (and --compile-only) build the target with the configured kernel
     choices and the draft with the loop's make_draft_config: fc_norm / norm_output count, and the
     hybrid KV-heads check refuses what training would refuse (no compile: cheap)."""
     from specjax.config import load_config
-    from specjax.targets import shapes
+    from specjax import shapes
     from specjax.train.setup import abstract_target
     from specjax.train.setup import make_draft_config, resolve_aux_ids
 
@@ -102,7 +102,7 @@ def test_shapes_builds_draft_and_target_like_the_loop(tmp_path, capsys):
     normed = shapes.shape_report(moe, ["draft.fc_norm=true", "draft.norm_output=true"], compile_step=False)
     run = load_config(moe, ["draft.fc_norm=true", "draft.norm_output=true", "kernels.moe=reference"])
     target = abstract_target(run)
-    assert target.config.moe_implementation == "reference"
+    assert target.config.kernels.moe == "reference"
     dcfg = make_draft_config(run, target, resolve_aux_ids(run, target))
     assert dcfg.fc_norm and dcfg.norm_output
     # the fc RMSNorms (one per aux chunk) add 3 * hidden draft params
@@ -118,13 +118,13 @@ def test_training_compile_only_and_shapes_build_the_same_draft(arch, tmp_path):
     """For every architecture, from one run config with fc_norm and norm_output on: the draft config
     of the training path (build_target reads real HF-saved weights, then build_run_setup, as
     specjax.train.loop does), of --compile-only (specjax.train.aot.lower_train_step on abstract params)
-    and of specjax.targets.shapes are the same, EAGLE-3.1 flags included."""
+    and of specjax.shapes are the same, EAGLE-3.1 flags included."""
     import dataclasses
 
     import torch
 
     from specjax.config import load_config
-    from specjax.targets import shapes
+    from specjax import shapes
     from specjax.train.aot import lower_train_step
     from specjax.train.setup import build_run_setup, build_target, make_mesh
 

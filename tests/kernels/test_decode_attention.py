@@ -132,7 +132,7 @@ def test_kernel_under_vmap():
 def test_takes_routes_prefill_and_xla():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(api, "target_platform", lambda: "gpu")
-        mp.setattr(api, "_select", lambda op, impls, pref, impl: (impl if impl not in (None, "auto") else "pallas_gpu",
+        mp.setattr(api, "resolve_implementation", lambda op, impls, pref, impl: (impl if impl not in (None, "auto") else "pallas_gpu",
                                                                   None))
         assert api.takes((8, 1, 9, 64), (30, 8, 1536, 3, 64))  # a decode step: the kernel
         assert api.takes((8, 6, 9, 64), (30, 8, 1536, 3, 64))  # a K = 5 verification chunk
@@ -146,7 +146,7 @@ def test_takes_routes_prefill_and_xla():
 
 # ---- cached decoding through the kernel ----------------------------------------------------------
 def _with(target, impl):
-    cfg = dataclasses.replace(target.config, decode_attention_implementation=impl)
+    cfg = dataclasses.replace(target.config, kernels=dataclasses.replace(target.config.kernels, decode_attention=impl))
     return type(target)(cfg, target.hf_config, target.params)
 
 
@@ -155,7 +155,7 @@ def _with(target, impl):
 def test_decoding_through_the_kernel(family, kernel, monkeypatch):
     from parity.test_decoding_families import build, random_draft
 
-    from specjax_kernels._select import recording_choices
+    from specjax_kernels.selection import recording_choices
 
     from specjax.eval.spec_decode import SpecDecoder
     from specjax.eval.spec_loop import SpecLoop

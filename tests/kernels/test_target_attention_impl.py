@@ -53,8 +53,8 @@ def test_config_selects_the_target_attention_path(tiny_target, monkeypatch):
 
     plain = build("kernels.target_attention=plain", "kernels.target_attention_q_block=8")
     fast = build("kernels.target_attention=xla")
-    assert (plain.config.attention_implementation, plain.config.attention_q_block) == ("plain", 8)
-    assert fast.config.attention_implementation == "xla"
+    assert (plain.config.kernels.target_attention, plain.config.kernels.target_attention_q_block) == ("plain", 8)
+    assert fast.config.kernels.target_attention == "xla"
     calls = []
     real = attn_mod.ttt_attention
 

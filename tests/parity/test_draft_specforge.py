@@ -23,7 +23,7 @@ from parity._specforge import (TorchSoftCE, build_draft, eagle3_trainer_module, 
 from specjax.drafts import eagle3
 from specjax.drafts.ttt import TTTConfig, shift_left, ttt_loss
 from specjax.drafts.vocab import DraftVocab
-from specjax.targets.layers.norms import rms_norm
+from specjax.layers.norms import rms_norm
 from specjax.targets.llama import LlamaTargetConfig, hf_config_dict
 from specjax_converters.eagle3_export import eagle3_hf_config, eagle3_state_dict
 

@@ -27,35 +27,20 @@ from specjax.targets import (  # noqa: E402
     load_target,
 )
 from specjax.targets import llama  # noqa: E402
-from specjax.targets.layers.rope import RopeSpec, inverse_frequencies, rope_spec_from_hf  # noqa: E402
+from specjax.layers.rope import RopeSpec, inverse_frequencies, rope_spec_from_hf  # noqa: E402
+
+from eval._models import peak_weights_  # noqa: E402
+from parity._hf_weights import randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 VOCAB, HIDDEN, MLP = 256, 64, 128
 AUX = (0, 2, 3)  # for 5..6 layer models: tap first, middle and a late (not last) layer
 
 
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
-def _randomize_(model, seed: int) -> None:
-    """Redraw HF weights: matrices std 0.15, embeddings std 0.5, norm weights 1 + 0.2 * N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
-
-
 def _make_hf(config, tmp_path, name, seed=0, **save_kw):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _randomize_(model, seed)
+    randomize_(model, seed)  # matrices std 0.15, embeddings std 0.5, norm weights 1 + 0.2 * N(0, 1)
     out = tmp_path / name
     model.save_pretrained(str(out), **save_kw)
     return model, str(out)
@@ -364,11 +349,7 @@ def test_save_hf_checkpoint_round_trip(tmp_mod, arch, tied):
     params = llama.init_params(cfg, jax.random.key(7))
     # Bigger weights than init_params' std 0.02 (and non-unit norm scales) so attention is far
     # from uniform and every tensor's name/layout matters to the comparison.
-    rng = np.random.RandomState(0)
-    for spec in llama.weight_specs(cfg):
-        leaf = llama.tree_get(params, spec.path)
-        new = 1.0 + 0.2 * rng.randn(*leaf.shape) if spec.path[-1] == "scale" else 8.0 * np.asarray(leaf)
-        llama.tree_set(params, spec.path, jnp.asarray(new, jnp.float32))
+    peak_weights_(params, cfg, 0)
     path = str(tmp_mod / f"export_{arch}_{tied}")
     llama.save_hf_checkpoint(params, cfg, path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

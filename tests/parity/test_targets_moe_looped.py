@@ -32,13 +32,10 @@ from specjax.targets.hrm_text import HrmTextTargetConfig  # noqa: E402
 from specjax.targets.looped import LoopedLlamaConfig  # noqa: E402
 from specjax.targets.qwen3_moe import Qwen3MoeTargetConfig  # noqa: E402
 
+from parity._hf_weights import randomize_, rel_err  # noqa: E402
+
 REL_TOL = 1e-4
 VOCAB = 256
-
-
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def _ids(b, t, seed=0):
@@ -46,15 +43,8 @@ def _ids(b, t, seed=0):
 
 
 def _randomize_(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name or "z_L_init" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    # HRM-Text's z_L_init (its initial loop state) is drawn like an embedding
+    randomize_(model, seed, embed_names=("embed_tokens", "z_L_init"))
 
 
 def _save(model, path, **config_updates) -> str:

@@ -30,6 +30,8 @@ from packaging.version import Version  # noqa: E402
 from specjax.targets import TargetOutput, load_target, registry  # noqa: E402
 from specjax.targets import nemotron_h as nh  # noqa: E402
 
+from parity._hf_weights import rel_err  # noqa: E402
+
 # transformers 5.25 reads the Mamba dt clamp from config.time_step_limit (see the module docstring)
 _HF_READS_DT_LIMIT = Version(transformers.__version__) >= Version("5.25.0")
 
@@ -39,11 +41,6 @@ VOCAB = 128
 BLOCKS = [nh.MAMBA, nh.MOE, nh.ATTENTION, nh.MAMBA, nh.MLP, nh.MOE, nh.ATTENTION, nh.MAMBA]
 AUX = (2, 5, 7)  # attention, MoE, and the last block (pre-norm; needs the hook, not hidden_states)
 T = 24
-
-
-def rel_err(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def _hf_config(**kw):
@@ -372,7 +369,7 @@ def test_full_size_shapes_and_config(repo_root):
                                       num_key_value_heads=run.draft.num_key_value_heads)
     assert (draft.hidden_size, draft.num_key_value_heads, draft.head_dim) == (2688, 2, 128)
     # the shapes tool reads the YAML's target.path (config only) without allocating anything
-    from specjax.targets import shapes
+    from specjax import shapes
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(registry.ARCHITECTURES, nh.ARCHITECTURE, nh.NemotronHTarget)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.targets import shapes
+from specjax import shapes
+from specjax.targets import abstract
 from specjax.targets.loading import read_hf_config
 
 QWEN = "configs/qwen3_30b_a3b_eagle3.yaml"
@@ -62,8 +63,8 @@ def test_full_size_shapes_without_allocating():
 
     # the abstract tree really is shapes only
     hf = read_hf_config("configs/targets/qwen3_30b_a3b")
-    target = shapes.make_target(hf)
-    tree = shapes.abstract_params(type(target), target.config, "bfloat16")
+    target = abstract.make_target(hf)
+    tree = abstract.abstract_params(type(target), target.config, "bfloat16")
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
@@ -87,12 +88,12 @@ def test_reduced_size_builds_compiles_and_runs(config_file, tmp_path):
     from specjax.config import load_config
 
     run = load_config(config_file)
-    hf = shapes.reduced_hf_config(read_hf_config(run.target.path), vocab_size=512)
+    hf = abstract.reduced_hf_config(read_hf_config(run.target.path), vocab_size=512)
     folder = tmp_path / "reduced"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(hf))
-    target = shapes.make_target(hf)
-    target.params = shapes.random_params(type(target), target.config, seed=0)
+    target = abstract.make_target(hf)
+    target.params = abstract.random_params(type(target), target.config, seed=0)
     aux = tuple(run.target.aux_layer_ids)
     ids = np.random.RandomState(0).randint(0, 512, (2, 16)).astype(np.int32)
     out = target(ids, aux_layer_ids=aux)

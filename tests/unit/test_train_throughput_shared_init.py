@@ -49,7 +49,7 @@ def test_both_sides_hold_the_same_target(model):
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
 
-    from specjax.targets.shapes import make_target
+    from specjax.targets.abstract import make_target
 
     hf = {k: v for k, v in tt.model_hf(model, True).items() if k not in ("bos_token_id", "eos_token_id")}
     conf = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})

@@ -25,10 +25,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
-from specjax_kernels._dtypes import accum_dtype
-from specjax_kernels._select import record_choice, target_platform
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels.dtypes import accum_dtype
+from specjax_kernels.selection import record_choice, target_platform
 from specjax_kernels.ttt_attention import ttt_attention
 from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
 
@@ -55,13 +55,13 @@ class AttentionConfig:
 
     @classmethod
     def of(cls, cfg: Any, *, qk_norm: bool = False, output_gate: bool = False) -> "AttentionConfig":
-        """From a target config's num_attention_heads, num_key_value_heads, head_dim,
-        attention_q_block, attention_implementation (and rms_norm_eps with ``qk_norm``)."""
+        """From a target config's num_attention_heads, num_key_value_heads, head_dim, its kernel
+        choices (``kernels``: a targets.kernel_choices.KernelChoices) and, with ``qk_norm``, rms_norm_eps."""
         return cls(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             qk_norm_eps=cfg.rms_norm_eps if qk_norm else None, output_gate=output_gate,
-            q_block=cfg.attention_q_block, implementation=cfg.attention_implementation,
-            decode_implementation=getattr(cfg, "decode_attention_implementation", None),
+            q_block=cfg.kernels.target_attention_q_block, implementation=cfg.kernels.target_attention,
+            decode_implementation=cfg.kernels.decode_attention,
         )
 
 
@@ -255,7 +255,7 @@ def dot_product_attention(
     ``mask_bts``: a bool [B, T, S] array or a ``SegmentCausalMask`` (S = T).
 
     ``implementation`` (training-time self-attention with a SegmentCausalMask only): None/"auto" =
-    on GPU and TPU (the platform kernels are chosen for: ``specjax_kernels._select.target_platform``;
+    on GPU and TPU (the platform kernels are chosen for: ``specjax_kernels.selection.target_platform``;
     on TPU lowered, not yet measured) the flash-style kernels of ``specjax_kernels.ttt_attention`` with no diagonal keys
     (causal + segment-aware + GQA, O(T) memory; benchmarks/results/train_throughput.md measured the
     plain path's [B,N,T,T] fp32 scores as the largest cost of the target forward), elsewhere the

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.ssd import ssd
 from specjax_kernels.ssd.context_parallel import previous_shard, ssd_context_parallel
 

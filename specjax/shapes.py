@@ -1,6 +1,6 @@
 """Full-size parameter shapes and a memory estimate for a run config, without allocating weights.
 
-    python -m specjax.targets.shapes --config configs/qwen3_30b_a3b_eagle3.yaml [--batch 1]
+    python -m specjax.shapes --config configs/qwen3_30b_a3b_eagle3.yaml [--batch 1]
         [--seq N] [--no-compile] [--json out.json] [--show-leaves] [section.key=value ...]
 
 Reads the run config, then ``config.json`` from ``target.path`` (weights are not needed: the
@@ -17,8 +17,7 @@ The memory estimate adds, per device holding a full replica (no sharding):
     count the weights twice; fp32 activations make the CPU figure an upper bound for bf16. On a GPU
     or TPU the step compiles in target.dtype. XLA backends fuse differently: it is an estimate.
 
-Also here, for tests and smoke runs at reduced size: ``reduced_hf_config`` (same structure, tiny
-widths) and ``random_params`` (random weights for any registered architecture).
+The abstract and random params come from ``specjax.targets.abstract``.
 """
 from __future__ import annotations
 
@@ -34,76 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.targets.base import Target, tree_set
+from specjax import mesh as meshlib
+from specjax.config import load_config
+from specjax.drafts.families import family_of
 from specjax.targets.loading import read_hf_config
-from specjax.targets.registry import get_target_class
+from specjax.train.aot import compile_for_analysis, lower_train_step
+from specjax.train.setup import abstract_target, make_draft_config, resolve_aux_ids
 
 GIB = 1024**3
-
-
-# ---------------------------------------------------------------------------------------------
-# abstract / random params from the weight map
-# ---------------------------------------------------------------------------------------------
-def abstract_params(cls: type[Target], config: Any, dtype: Any = "bfloat16") -> dict:
-    """The param tree as ShapeDtypeStructs (full size, nothing allocated): the tree the loader fills,
-    leaf for leaf (a leaf whose weight spec pins a dtype keeps it, as in ``load_params``). The one
-    way to build abstract target params for any registered architecture (also --compile-only's)."""
-    tree: dict = {}
-    for spec in cls.weight_specs(config):
-        tree_set(tree, spec.path, jax.ShapeDtypeStruct(spec.shape, jnp.dtype(spec.dtype or dtype)))
-    return tree
-
-
-def random_params(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jnp.float32, std: float = 0.02) -> dict:
-    """Random params for any architecture: normal(0, std) matrices and embeddings, ones for norm
-    scales. Drawn with numpy (one jax op per leaf would compile once per distinct shape)."""
-    rng = np.random.default_rng(seed)
-    tree: dict = {}
-    for spec in cls.weight_specs(config):
-        if spec.path[-1] == "scale":
-            value = np.ones(spec.shape, np.float32)
-        else:
-            value = std * rng.standard_normal(spec.shape, dtype=np.float32)
-        tree_set(tree, spec.path, jnp.asarray(value, spec.dtype or dtype))
-    return tree
-
-
-def random_params_on_device(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jnp.bfloat16,
-                            std: float = 0.02) -> dict:
-    """`random_params`' law drawn on the default device in the leaf's dtype: for full-size targets
-    (tens of GB), which a host numpy draw in fp32 would take minutes and host memory for."""
-    key = jax.random.key(seed)
-    normal = jax.jit(lambda k, shape, dt: std * jax.random.normal(k, shape, dt), static_argnums=(1, 2))
-    tree: dict = {}
-    for i, spec in enumerate(cls.weight_specs(config)):
-        dt = jnp.dtype(spec.dtype or dtype)
-        value = jnp.ones(spec.shape, dt) if spec.path[-1] == "scale" else normal(jax.random.fold_in(key, i), spec.shape, dt)
-        tree_set(tree, spec.path, value)
-    return tree
-
-
-def make_target(hf_config: Mapping[str, Any], params: Any = None, **overrides) -> Target:
-    """A Target for an HF config dict; ``params`` may be real arrays, ShapeDtypeStructs or None."""
-    cls = get_target_class(hf_config)
-    return cls(cls.config_from_hf(hf_config, **overrides), hf_config, params)
-
-
-# Widths shrunk by reduced_hf_config; depth, loop spans, sparsity schedules and vocab are kept unless
-# given, so aux ids written for the full model stay valid.
-_REDUCED = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
-
-
-def reduced_hf_config(hf: Mapping[str, Any], **overrides) -> dict:
-    """The same architecture with tiny widths (for CPU build/compile checks at reduced size)."""
-    out = dict(hf)
-    for key, value in _REDUCED.items():
-        if key in out:
-            out[key] = value
-    if "num_key_value_heads" in out:
-        out["num_key_value_heads"] = min(int(hf["num_key_value_heads"]), _REDUCED["num_key_value_heads"])
-    out.update(overrides)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,11 +71,6 @@ def resolve_target_dir(path: str, config_file: str | None = None) -> str:
 def compiled_step_memory(run_cfg, hf: Mapping[str, Any], dtype: str, batch: int, seq: int) -> dict:
     """XLA buffer assignment of the real train step on a 1-device mesh, from abstract inputs: the
     step --compile-only lowers (specjax.train.aot), with the target's params in ``dtype``."""
-    # specjax.train imports this module (abstract_params), so the train imports here stay inside
-    # the functions that report on a training step
-    from specjax import mesh as meshlib
-    from specjax.train.aot import compile_for_analysis, lower_train_step
-
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(meshlib.MESH_AXES)), meshlib.MESH_AXES)
     step = lower_train_step(run_cfg, mesh, hf=hf, dtype=dtype, batch_size=batch, seq_length=seq)
     stats = compile_for_analysis(step).memory_analysis()
@@ -155,10 +87,6 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
     """Everything the CLI prints, as a dict (see module docstring). The target (with the configured
     kernel choices), aux ids, draft config (check_draft_compat, fc_norm / norm_output) and TTT
     config are built by the training run's own functions (specjax.train.setup)."""
-    from specjax.config import load_config
-    from specjax.drafts import draft_types
-    from specjax.train.setup import abstract_target, make_draft_config, resolve_aux_ids
-
     run_cfg = load_config(config_path, list(overrides))
     folder = resolve_target_dir(run_cfg.target.path, config_path)
     hf = read_hf_config(folder)
@@ -166,7 +94,7 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
     cls, cfg, params = type(target), target.config, target.params
     aux = resolve_aux_ids(run_cfg, target)
     draft_cfg = make_draft_config(run_cfg, target, aux)
-    draft_params = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
+    draft_params = jax.eval_shape(lambda: family_of(draft_cfg).init_params(draft_cfg, jax.random.key(0)))
     seq = int(seq or run_cfg.data.seq_length)
 
     n_draft = _count(draft_params)
@@ -228,7 +156,7 @@ def format_report(r: Mapping[str, Any], show_leaves: bool = False) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.targets.shapes", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m specjax.shapes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="run config YAML (its target.path must hold a config.json)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per device for the step estimate (default 1)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default data.seq_length)")
