@@ -52,7 +52,7 @@ def _prompts(target_dir: str, name: str, limit: int):
     from transformers import AutoTokenizer
 
     from specjax.data.chat import resolve_chat_template
-    from specjax.data.presets import load_eval_prompts
+    from specjax.data.datasets import load_eval_prompts
     from specjax.eval.measure import eos_token_ids, render_prompt
 
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -224,7 +224,7 @@ def _run(a) -> int:
     depth = None
     if a.random_target:
         from specjax.targets.loading import read_hf_config
-        from specjax.targets.shapes import make_target, random_params_on_device
+        from specjax.targets.abstract import make_target, random_params_on_device
 
         hf = read_hf_config(a.random_target)
         if a.layers is not None:
@@ -237,7 +237,7 @@ def _run(a) -> int:
         target = load_target(a.target, dtype=a.dtype)
     if a.decode_attention != "auto":
         import dataclasses
-        cfg = dataclasses.replace(target.config, decode_attention_implementation=a.decode_attention)
+        cfg = dataclasses.replace(target.config, kernels=dataclasses.replace(target.config.kernels, decode_attention=a.decode_attention))
         target = type(target)(cfg, target.hf_config, target.params)
     if a.draft:
         draft = load_draft(a.draft)
@@ -263,7 +263,7 @@ def _run(a) -> int:
         def spec_call():
             return loop.generate(ps, max_new_tokens=a.max_new_tokens, eos_token_ids=eos, batch_size=b, refill=a.refill)
 
-        with dec._precision():
+        with dec.matmul_precision_context():
             greedy, g_walls = _timed(greedy_call, a.repeats)
         spec, s_walls = _timed(spec_call, a.repeats)
         g_tokens = sum(len(t) for t in greedy)
@@ -282,7 +282,7 @@ def _run(a) -> int:
             for arm, call in (("greedy", greedy_call), ("spec", spec_call)):
                 where = os.path.join(a.profile, f"b{b}{tag}_{arm}")
                 try:  # a profiler problem must not cost the timings above
-                    with dec._precision(), jax.profiler.trace(where):
+                    with dec.matmul_precision_context(), jax.profiler.trace(where):
                         call()
                     row["profile"][arm] = summarize(where, top=30)
                 except Exception as e:  # noqa: BLE001 -- reported in the results, not raised

@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     from specjax.eval.continuous import ContinuousGenerator, Request
     from specjax.eval.generate import generate
     from specjax.targets.loading import read_hf_config
-    from specjax.targets.shapes import make_target, random_params_on_device
-    from specjax_kernels._select import recording_choices
+    from specjax.targets.abstract import make_target, random_params_on_device
+    from specjax_kernels.selection import recording_choices
 
     hf = read_hf_config(a.random_target)
     base = make_target(hf)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         prompts = [rng.integers(0, vocab, size=int(k)).tolist() for k in lens]
         outs = {}
         for impl in a.impl.split(","):
-            cfg = dataclasses.replace(base.config, decode_attention_implementation=impl)
+            cfg = dataclasses.replace(base.config, kernels=dataclasses.replace(base.config.kernels, decode_attention=impl))
             target = type(base)(cfg, base.hf_config, params)
             for engine in a.engine.split(","):
                 with recording_choices() as chosen:

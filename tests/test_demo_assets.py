@@ -204,11 +204,11 @@ def test_ensure_demo_assets_builds_once(tmp_path, monkeypatch):
     flags = [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     assert demo.main(["build", "--out", str(tmp_path / "tgt"), *flags]) == 0
     assert len(calls) == 3 and calls[-1] == kw
-    assert (tmp_path / "tgt" / "tokenizer.json").is_file() and (tmp_path / "tgt" / demo._MARKER).is_file()
+    assert (tmp_path / "tgt" / "tokenizer.json").is_file() and (tmp_path / "tgt" / demo.BUILD_MARKER).is_file()
     assert demo.ensure_demo_target(tmp_path / "tgt", log=None, **kw) == str(tmp_path / "tgt")
     assert len(calls) == 3
     demo.ensure_demo_target(tmp_path / "tgt", log=None, **dict(kw, steps=3))  # stale build of ours
-    assert len(calls) == 4 and json.loads((tmp_path / "tgt" / demo._MARKER).read_text())["params"]["target"]["steps"] == 3
+    assert len(calls) == 4 and json.loads((tmp_path / "tgt" / demo.BUILD_MARKER).read_text())["params"]["target"]["steps"] == 3
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text("{}")
     with pytest.raises(FileExistsError):

@@ -19,7 +19,7 @@ get_tpu_info()`, e.g. for `lax.sign` and rank-1 blocks) from the current abstrac
 `jax.sharding.use_abstract_mesh` with an `AbstractDevice` (JAX's documented way to trace and lower for a
 TPU it does not have); the abstract mesh is part of JAX's trace-cache key, so a function traced for the
 CPU is traced again for the TPU. It also makes `auto` choose kernels for the TPU
-(`_select.target_platform`). The specjax kernels avoid the chip-dependent rules (they lower with no
+(`selection.target_platform`). The specjax kernels avoid the chip-dependent rules (they lower with no
 chip named); the chip is still named and reported so that a lowering states what it assumed.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import re
 
 import jax
 
-from specjax_kernels._select import platform_override
+from specjax_kernels.selection import platform_override
 
 # --tpu-chip name -> (the device_kind a JAX TPU device of that chip reports, TensorCores per JAX device);
 # the device kinds are the ones jax._src.pallas.mosaic.tpu_info.chip_version_from_device_kind maps.
@@ -130,7 +130,7 @@ def resolve_interpret(interpret: bool | None, tpu_legal: bool, what: str) -> boo
     """The `interpret` a kernel runs with, given whether its blocks are legal on a TPU: an illegal
     block is an error when the kernel must compile for a TPU (interpret=False, or None while choosing
     for a TPU) and means interpret mode otherwise."""
-    from specjax_kernels._select import target_platform
+    from specjax_kernels.selection import target_platform
 
     if tpu_legal:
         return interpret

@@ -74,16 +74,16 @@ class BenchJob:
 
 
 def jobs_from_prompts(prompts: Sequence) -> list[BenchJob]:
-    """`specjax.data.presets.EvalPrompt`s (or anything with id/dataset/turns) -> jobs."""
+    """`specjax.data.datasets.EvalPrompt`s (or anything with id/dataset/turns) -> jobs."""
     return [BenchJob(str(p.id), str(p.dataset), tuple(p.turns)) for p in prompts]
 
 
 def load_jobs(specs: Sequence[str], limit: Optional[int] = None) -> list[BenchJob]:
     """Jobs for a list of prompt sets: presets (`mtbench`, `humaneval`, `sharegpt`) or JSONL / JSON /
     parquet files of chat rows (`messages`, `conversations`, `turns` or `prompt`; see
-    `specjax.data.presets.load_eval_prompts`), at most `limit` each. Sets are interleaved round-robin,
+    `specjax.data.datasets.load_eval_prompts`), at most `limit` each. Sets are interleaved round-robin,
     so a `max_requests` bound still samples every set."""
-    from specjax.data.presets import load_eval_prompts  # imports the data stack (grain): only here
+    from specjax.data.datasets import load_eval_prompts  # imports the data stack (grain): only here
 
     per_set = [jobs_from_prompts(load_eval_prompts(s, limit)) for s in specs]
     out: list[BenchJob] = []

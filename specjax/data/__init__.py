@@ -7,7 +7,8 @@ from specjax.data.pipeline import (
     prepare_examples,
     split_is_val,
 )
-from specjax.data.sources import Row, RowError, read_conversations
+from specjax.data.datasets import read_conversations
+from specjax.data.sources import Row, RowError
 
 __all__ = [
     "Example",

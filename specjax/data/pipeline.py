@@ -32,7 +32,8 @@ import numpy as np
 
 from specjax.data.chat import (ChatTemplateUnusable, Example, SkipRow, TemplateLimits, resolve_chat_template,
                                tokenize_conversation)
-from specjax.data.sources import RowLimits, format_skip, read_conversations
+from specjax.data.datasets import read_conversations
+from specjax.data.sources import RowLimits, format_skip
 
 __all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "SKIP_REPORT_FILE", "make_train_iterator",
            "make_eval_batches", "split_is_val", "batches_per_epoch"]

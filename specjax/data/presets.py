@@ -14,32 +14,20 @@ runtimes specjax does not need).
 In data-file lists (``data.train_files``, ``regenerate.source``) a preset is written
 ``preset://NAME``. Evaluation presets have no reference answers, so their rows hold the user turns
 only (MT-bench: two user messages in a row; whoever generates answers inserts one after each), and
-training on them is refused (`specjax.data.sources.read_conversations`).
+training on them is refused (`specjax.data.datasets.read_conversations`). Evaluation prompts of a
+preset or a file: `specjax.data.datasets.load_eval_prompts`.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 
-from specjax.data.sources import (
-    PRESET_SCHEME,
-    Row,
-    RowError,
-    _row_from_obj,
-    iter_json_list,
-    normalize_messages,
-    read_records,
-    resolve_data_paths,
-)
+from specjax.data.sources import PRESET_SCHEME, Row, RowError, iter_json_list, read_records, row_from_obj
 
-__all__ = [
-    "PRESETS", "EVAL_PRESETS", "EvalPrompt", "preset_rows", "load_eval_prompts", "preset_file",
-    "check_preset", "humaneval_user_turn",
-]
+__all__ = ["PRESETS", "EVAL_PRESETS", "preset_rows", "preset_file", "check_preset", "bare_preset_name",
+           "humaneval_user_turn"]
 
 log = logging.getLogger("specjax")
 
@@ -67,27 +55,18 @@ _HUMANEVAL_INSTRUCTION = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalPrompt:
-    """One evaluation prompt: ``turns`` are the user messages, answered one after another."""
-
-    id: str
-    dataset: str
-    category: str
-    turns: tuple[str, ...]
-
-
 # ---------------------------------------------------------------------------------------------
 # names and files
 # ---------------------------------------------------------------------------------------------
-def _bare_name(name: str) -> str:
+def bare_preset_name(name: str) -> str:
+    """``name`` without its ``preset://`` prefix."""
     return name[len(PRESET_SCHEME):] if name.startswith(PRESET_SCHEME) else name
 
 
 def check_preset(name: str, *, allow_eval: bool = True) -> str:
     """The bare preset name of ``name`` (``preset://x`` or ``x``); ValueError for an unknown preset,
     or for an evaluation preset when ``allow_eval`` is False (training data)."""
-    bare = _bare_name(name)
+    bare = bare_preset_name(name)
     if bare not in PRESETS:
         raise ValueError(
             f"unknown dataset preset {name!r}; presets: "
@@ -148,7 +127,7 @@ def _raw_preset_rows(bare: str, path: str, label: str) -> Iterator[Row]:
                     log.info("preset sharegpt: %d complete conversations (%d unusable, e.g. other speakers); %s",
                              index, counts["bad"], obj)
             else:
-                row = _row_from_obj(label, index, where, obj)
+                row = row_from_obj(label, index, where, obj)
             counts["bad"] += row.error is not None
             yield row
         return
@@ -180,130 +159,3 @@ def preset_rows(name: str, limit: int | None = None) -> Iterator[Row]:
             yield row
 
     return rows()
-
-
-# ---------------------------------------------------------------------------------------------
-# evaluation prompts
-# ---------------------------------------------------------------------------------------------
-def _first_of(obj: dict, keys: tuple[str, ...], default):
-    for k in keys:
-        if obj.get(k) is not None:
-            return obj[k]
-    return default
-
-
-def _prompt_from_record(obj, where: str) -> tuple[tuple[str, ...], str, str | None]:
-    """(user turns, category, id or None) of one record of an evaluation file."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: an evaluation prompt must be a JSON object, got {type(obj).__name__}")
-    category = str(obj.get("category") or "")
-    rid = _first_of(obj, ("question_id", "task_id", "id"), None)
-    rid = None if rid is None else str(rid)
-    if obj.get("turns") is not None:  # MT-bench's question.jsonl layout
-        turns = obj["turns"]
-        if not isinstance(turns, (list, tuple)) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
-        return tuple(turns), category, rid
-    if obj.get("messages") is not None or obj.get("conversations") is not None:
-        messages, err = normalize_messages(obj)
-        if err is not None:
-            raise ValueError(f"{where}: {err[0]} ({err[1]})")
-        turns = tuple(m["content"] for m in messages if m["role"] == "user" and m["content"])
-        if not turns:
-            raise ValueError(f"{where}: the conversation has no user turn to prompt with")
-        return turns, category, rid
-    if isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
-        return (obj["prompt"],), category, rid
-    raise ValueError(f"{where}: no prompt found; expected 'turns' (list of user messages), "
-                     "'messages' / 'conversations' (chat) or 'prompt' (string)")
-
-
-def _dataset_name(path: str) -> str:
-    base = os.path.basename(os.path.normpath(path))
-    for ext in (".gz", ".jsonl", ".ndjson", ".json", ".parquet"):
-        if base.endswith(ext):
-            base = base[: -len(ext)]
-    return base or path
-
-
-def _spread(prompts: list[EvalPrompt], limit: int | None) -> list[EvalPrompt]:
-    """The first ``limit`` prompts taken round-robin over categories (in order of first appearance),
-    so a small limit on MT-bench (sorted by category) still covers every category."""
-    if limit is None or limit >= len(prompts):
-        return prompts
-    groups: OrderedDict[str, list[EvalPrompt]] = OrderedDict()
-    for p in prompts:
-        groups.setdefault(p.category, []).append(p)
-    out: list[EvalPrompt] = []
-    depth = 0
-    while len(out) < limit:
-        for items in groups.values():
-            if depth < len(items) and len(out) < limit:
-                out.append(items[depth])
-        depth += 1
-    return out
-
-
-def load_eval_prompts(name_or_path: str, limit: int | None = None) -> list[EvalPrompt]:
-    """Evaluation prompts of a preset (``mtbench``, ``humaneval``, also ``sharegpt``; bare or
-    ``preset://``) or of a JSONL / JSON / parquet file or shard folder whose rows have ``turns``,
-    ``messages`` / ``conversations`` (their user turns are used) or ``prompt``.
-
-    ``limit``: at most that many prompts, picked round-robin over categories (so ``limit=8`` on
-    MT-bench gives one prompt from each of its 8 categories); without categories, the first ones.
-    A malformed row in an evaluation file is an error (evaluation sets are small and curated);
-    ShareGPT's bad rows are skipped."""
-    if limit is not None and limit <= 0:
-        raise ValueError(f"limit must be positive or None, got {limit}")
-    bare = _bare_name(name_or_path)
-    if bare in PRESETS and (name_or_path.startswith(PRESET_SCHEME) or not os.path.exists(name_or_path)):
-        path = preset_file(bare)
-        if bare == "mtbench":
-            prompts = []
-            for _, where, obj in read_records(path):
-                if isinstance(obj, RowError):
-                    raise ValueError(f"MT-bench file: {obj}")
-                turns, category, rid = _prompt_from_record(obj, where)
-                prompts.append(EvalPrompt(rid or where, "mtbench", category, turns))
-            return _spread(prompts, limit)
-        if bare == "humaneval":
-            prompts = []
-            for _, where, obj in read_records(path):
-                if isinstance(obj, RowError):
-                    raise ValueError(f"HumanEval file: {obj}")
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise ValueError(f"{where}: a HumanEval problem needs a 'prompt' string")
-                prompts.append(EvalPrompt(str(obj.get("task_id", where)), "humaneval", "code",
-                                          (humaneval_user_turn(obj["prompt"]),)))
-                if limit is not None and len(prompts) >= limit:
-                    break
-            return prompts
-        # sharegpt: the user turns of conversations that parse (a dirty dump: bad rows are skipped)
-        prompts, skipped = [], 0
-        for row in _raw_preset_rows(bare, path, PRESET_SCHEME + bare):
-            turns = tuple(m["content"] for m in row.messages or () if m["role"] == "user" and m["content"])
-            if not turns:
-                skipped += 1
-                continue
-            prompts.append(EvalPrompt(f"sharegpt/{row.index}", "sharegpt", "", turns))
-            if limit is not None and len(prompts) >= limit:
-                break
-        if skipped:
-            log.info("sharegpt prompts: skipped %d rows without usable user turns", skipped)
-        return prompts
-
-    files = resolve_data_paths(name_or_path, allow_eval_presets=True)
-    dataset = _dataset_name(name_or_path)
-    prompts, any_category = [], False
-    for path in files:
-        for _, where, obj in read_records(path):
-            if isinstance(obj, RowError):
-                raise ValueError(f"evaluation prompts: {obj}")
-            turns, category, rid = _prompt_from_record(obj, where)
-            any_category |= bool(category)
-            prompts.append(EvalPrompt(rid or where, dataset, category, turns))
-            if limit is not None and len(prompts) >= limit and not any_category:
-                return prompts  # no categories to spread over: the first ones, without reading on
-    if not prompts:
-        raise ValueError(f"{name_or_path}: no evaluation prompts found")
-    return _spread(prompts, limit)

@@ -1,5 +1,5 @@
-"""Read chat conversations from JSONL / JSON / parquet files, folders of parquet shards and
-dataset presets (``preset://sharegpt``; see `specjax.data.presets`).
+"""Read chat conversations from JSONL / JSON / parquet files. Lists of data files, shard folders and
+dataset presets (``preset://sharegpt``) are read by `specjax.data.datasets`.
 
 Every row comes back as a `Row`. A row that cannot be used carries an error string saying what is
 wrong and where instead of raising, so one bad line never stops a long preprocessing run. Files that
@@ -28,17 +28,15 @@ next row.
 """
 from __future__ import annotations
 
-import glob
 import gzip
 import io
 import json
-import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-__all__ = ["Row", "RowError", "RowLimits", "read_conversations", "read_records", "iter_json_list", "normalize_messages",
-           "resolve_data_paths", "format_skip", "unencodable", "ROLES", "PRESET_SCHEME", "DEFAULT_MAX_ROW_BYTES",
+__all__ = ["Row", "RowError", "RowLimits", "read_records", "reader_for", "iter_json_list", "normalize_messages",
+           "row_from_obj", "format_skip", "unencodable", "ROLES", "PRESET_SCHEME", "DEFAULT_MAX_ROW_BYTES",
            "DEFAULT_MAX_ROW_DEPTH"]
 
 PRESET_SCHEME = "preset://"
@@ -140,7 +138,8 @@ def normalize_messages(row: Any) -> tuple[list[dict] | None, tuple[str, str] | N
     return out, None
 
 
-def _row_from_obj(source: str, index: int, where: str, obj: Any) -> Row:
+def row_from_obj(source: str, index: int, where: str, obj: Any) -> Row:
+    """The `Row` of one decoded conversation object (an error row when its messages do not parse)."""
     messages, err = normalize_messages(obj)
     if err is not None:
         return Row(source, index, None, RowError(err[0], where, err[1]))
@@ -506,7 +505,8 @@ def _parquet_row(batch, i: int, where: str):
                         f"{e.start}, which is not UTF-8: {e.reason}")
 
 
-def _reader_for(path: str):
+def reader_for(path: str):
+    """The record reader of a data file, by its extension; ValueError for an unsupported one."""
     name = path[:-3] if path.endswith(".gz") else path
     if name.endswith(".jsonl") or name.endswith(".ndjson"):
         return _records_jsonl
@@ -517,84 +517,8 @@ def _reader_for(path: str):
     raise ValueError(f"unsupported data file {path!r}: expected .jsonl, .json or .parquet (optionally .gz for json)")
 
 
-def _parquet_shards(folder: str) -> list[str]:
-    """The ``*.parquet`` files of a folder (e.g. `specjax.regenerate` output), in sorted order;
-    temporary files of an interrupted writer (``*.parquet.*.tmp``) do not match."""
-    shards = sorted(glob.glob(os.path.join(glob.escape(folder), "*.parquet")))
-    if not shards:
-        raise ValueError(
-            f"data folder {folder} holds no *.parquet shards; point at a finished `python -m specjax.regenerate` "
-            "output folder, or list the data files themselves"
-        )
-    return shards
-
-
-def resolve_data_paths(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
-                       allow_eval_presets: bool = False) -> list[str]:
-    """Expand ``paths`` into the list of files / ``preset://NAME`` entries to read, checking each
-    one now (missing file, unknown extension, empty shard folder, unknown preset, missing asset
-    package, evaluation preset while training) so a typo fails before any row is read."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = [os.fspath(p) for p in paths]
-    if not paths:
-        raise ValueError("no data files given")
-    out: list[str] = []
-    for p in paths:
-        if p.startswith(PRESET_SCHEME):
-            from specjax.data import presets
-
-            name = presets.check_preset(p, allow_eval=allow_eval_presets)
-            presets.preset_file(name)  # asset package installed? (the error names the pip command)
-            out.append(PRESET_SCHEME + name)
-        elif os.path.isdir(p):
-            out.extend(_parquet_shards(p))
-        elif os.path.isfile(p):
-            _reader_for(p)  # unknown extension -> ValueError now
-            out.append(p)
-        else:
-            hint = ""
-            from specjax.data.presets import PRESETS
-
-            if p in PRESETS:
-                hint = f" (for the dataset preset write {PRESET_SCHEME}{p})"
-            raise FileNotFoundError(f"data file not found: {p}{hint}")
-    return out
-
-
 def read_records(path: str, limits: RowLimits = RowLimits()) -> Iterator[Record]:
     """(index, where, decoded object | RowError) for every record of one data file; a record over
     ``limits`` is a RowError (see `RowLimits`)."""
-    reader = _reader_for(path)
+    reader = reader_for(path)
     return reader(path, limits=limits)
-
-
-def _rows_of(entry: str, limits: RowLimits) -> Iterator[Row]:
-    if entry.startswith(PRESET_SCHEME):
-        from specjax.data.presets import preset_rows
-
-        yield from preset_rows(entry)  # packaged data, read under the default limits
-        return
-    for index, where, obj in read_records(entry, limits):
-        if isinstance(obj, RowError):
-            yield Row(entry, index, None, obj)
-        else:
-            yield _row_from_obj(entry, index, where, obj)
-
-
-def read_conversations(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
-                       allow_eval_presets: bool = False, limits: RowLimits | None = None) -> Iterator[Row]:
-    """Yield a `Row` for every conversation in ``paths``, read in the given order.
-
-    An entry is a data file (.jsonl / .json / .parquet, json optionally .gz), a folder of
-    ``*.parquet`` shards (read in sorted order) or a dataset preset ``preset://NAME``.
-    Evaluation presets (MT-bench, HumanEval) are refused unless ``allow_eval_presets``: this is the
-    training-data reader, and a draft trained on its benchmark prompts reports inflated acceptance.
-
-    Raises FileNotFoundError (naming the path) for a missing file, ValueError for an unknown
-    extension, an empty shard folder or a refused preset -- at call time, before any row is read,
-    so a typo in the last path fails before minutes of tokenizing. Bad rows are yielded with
-    ``error`` set, among them the rows over ``limits`` (default `RowLimits()`)."""
-    entries = resolve_data_paths(paths, allow_eval_presets=allow_eval_presets)
-    limits = RowLimits() if limits is None else limits
-    return (row for entry in entries for row in _rows_of(entry, limits))

@@ -18,7 +18,7 @@ Modules: `tasks` (the synthetic chats, ChatML rendering, the data file), `tokeni
 # numpy, jax, optax, tokenizers, transformers and the JAX target code (specjax.targets,
 # specjax.train.optim) are imported inside the functions that use them, in every module here, so
 # that importing this package or running `write-data` loads none of them.
-from specjax.demo.assets import _MARKER, DEMO_BUILD_VERSION, ensure_demo_assets, ensure_demo_target
+from specjax.demo.assets import BUILD_MARKER, DEMO_BUILD_VERSION, ensure_demo_assets, ensure_demo_target
 from specjax.demo.cli import main
 from specjax.demo.pretrain import (DEMO_OPTIM, DEMO_TARGET_DEFAULTS, build_demo_target, causal_lm_loss,
                                    demo_optim_config, demo_target_hf_config, pack_documents,
@@ -30,12 +30,11 @@ from specjax.demo.tasks import (ASSETS_DIR, CHAT_TEMPLATE, DEMO_DATA_PATH, DEMO_
 from specjax.demo.tokenizer import build_demo_tokenizer, demo_tokenizer_texts, save_tokenizer_portable
 
 __all__ = [
-    "ASSETS_DIR", "CHAT_TEMPLATE", "DEMO_BUILD_VERSION", "DEMO_DATA_PATH", "DEMO_NUM_CONVERSATIONS",
+    "ASSETS_DIR", "BUILD_MARKER", "CHAT_TEMPLATE", "DEMO_BUILD_VERSION", "DEMO_DATA_PATH", "DEMO_NUM_CONVERSATIONS",
     "DEMO_OPTIM", "DEMO_SEED", "DEMO_TARGET_DEFAULTS", "EOT", "IM_END", "IM_START", "SPECIAL_TOKENS",
     "build_demo_target", "build_demo_tokenizer", "causal_lm_loss", "conversations_to_jsonl",
     "demo_optim_config", "demo_target_hf_config", "demo_tokenizer_texts", "ensure_demo_assets",
     "ensure_demo_target", "generate_demo_conversations", "main", "pack_documents",
     "pretrain_demo_target", "read_demo_conversations", "render_chatml", "save_tokenizer_portable",
     "tokenize_demo_documents", "write_demo_data",
-    "_MARKER",  # the build-complete marker's file name (tests look for it)
 ]

@@ -16,7 +16,7 @@ from specjax.demo.tokenizer import build_demo_tokenizer, demo_tokenizer_texts
 # Bump when the build recipe changes in a way the parameters don't capture (invalidates caches).
 # 2: pretraining uses specjax.train.optim.make_optimizer (no weight decay on 1-D norm scales).
 DEMO_BUILD_VERSION = 2
-_MARKER = "BUILD_COMPLETE.json"
+BUILD_MARKER = "BUILD_COMPLETE.json"  # written last by a finished build: its build key and parameters
 
 
 def _build_params(data_path, vocab_size: int, target_kwargs: dict) -> dict:
@@ -37,7 +37,7 @@ def _build_key(params: dict) -> str:
 
 def read_marker(d: Path) -> dict | None:
     try:
-        return json.loads((d / _MARKER).read_text())
+        return json.loads((d / BUILD_MARKER).read_text())
     except (OSError, ValueError):
         return None
 
@@ -69,7 +69,7 @@ def _publish(src: Path, dst: Path, key: str) -> None:
 
 def _write_marker(d: Path, key: str, build: dict, info: dict) -> None:
     # Written last: its presence is what marks a folder as a complete build.
-    (d / _MARKER).write_text(json.dumps({"key": key, "params": build, "info": info}, indent=2) + "\n")
+    (d / BUILD_MARKER).write_text(json.dumps({"key": key, "params": build, "info": info}, indent=2) + "\n")
 
 
 def ensure_demo_assets(cache_dir: str | os.PathLike, *, data_path: str | os.PathLike = DEMO_DATA_PATH,

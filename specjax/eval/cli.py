@@ -139,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from transformers import AutoTokenizer
 
         from specjax.data.chat import resolve_chat_template
-        from specjax.data.presets import load_eval_prompts
+        from specjax.data.datasets import load_eval_prompts
         from specjax.eval.spec_decode import SpecDecoder, load_draft
         from specjax.targets import load_target
 

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.eval.generate import (_OUT_MULTIPLE, _is_eos, _round_up, check_sampling, cut_at_eos, eos_array,
-                                   prompt_bucket, sample_token)
-from specjax.targets.layers.attention import CACHE_MULTIPLE
+from specjax.eval.batching import (OUT_MULTIPLE, cache_batch_axes, cache_slot_axes, check_sampling, cut_at_eos,
+                                   eos_array, is_eos, prompt_bucket, round_up, scatter_rows)
+from specjax.eval.generate import sample_token
 
-__all__ = ["Request", "ContinuousGenerator", "cache_batch_axes", "cache_slot_axes"]
+__all__ = ["Request", "ContinuousGenerator"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,36 +46,6 @@ class Request:
     ids: tuple  # prompt token ids
     priority: tuple = ()  # smaller runs first (then arrival order)
     sample_id: int = 0  # with the token index, seeds this request's draws (temperature > 0)
-
-
-def _axis_that_changes(small, large, what: str, optional: bool) -> dict:
-    """Per leaf of two caches of the same tree, the one axis whose size differs (-1 when none differs
-    and `optional`)."""
-    def axis(a, b):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-        if len(diff) > 1 or (not diff and not optional):
-            raise ValueError(f"cannot find the {what} axis of a cache leaf: {a.shape} vs {b.shape}")
-        return diff[0] if diff else -1
-
-    return jax.tree.map(axis, small, large)
-
-
-def cache_batch_axes(target_cls, config, dtype) -> dict:
-    """The batch axis of every cache leaf (same tree as the cache), found by comparing the cache
-    shapes for one and for two rows: targets lay their caches out differently ([L, B, ...] KV and
-    SSM states, [B, W] slot labels)."""
-    one = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 16, dtype))
-    two = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 2, 16, dtype))
-    return _axis_that_changes(one, two, "batch", optional=False)
-
-
-def cache_slot_axes(target_cls, config, dtype) -> dict:
-    """The axis of every cache leaf that grows with the cache length (KV slots, Nemotron-H's conv
-    inputs by slot), or -1 for a leaf of fixed size (SSM states and their slot labels); found by
-    comparing the caches for two lengths."""
-    short = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, CACHE_MULTIPLE, dtype))
-    long = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 2 * CACHE_MULTIPLE, dtype))
-    return _axis_that_changes(short, long, "slot", optional=True)
 
 
 def _row_keys(seed, sample_id_b, index_b):
@@ -89,20 +59,6 @@ def _sample_rows(logits_bv, keys_b, temperature, top_p, sample: bool):
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     one = lambda lg, k: sample_token(lg[None], k, temperature, top_p, sample=True)[0]  # noqa: E731
     return jax.vmap(one)(logits_bv, keys_b)
-
-
-def _scatter_rows(big, small, rows_n, axes, slot_axes):
-    """Write the n rows of `small` into `big` at `rows_n` along each leaf's batch axis (rows past the
-    end, the padding of a refill group, are dropped). A leaf with slots writes `small`'s first slots
-    only: the row's later slots keep the last request's entries, which no query sees before its own
-    step has overwritten them (a row's mask ends at its position)."""
-    def put(b, s, ax, sx):
-        idx = (slice(None),) * ax + (rows_n,)
-        if sx >= 0:
-            idx = idx + (slice(0, s.shape[sx]),)
-        return b.at[idx].set(s, mode="drop")
-
-    return jax.tree.map(put, big, small, axes, slot_axes)
 
 
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "sample", "axes_def", "num_slots"),
@@ -120,12 +76,12 @@ def _refill(params, cache, out, gen, lens, done, sid, rows_n, ids_nt, lens_n, si
     logits, _, _, small = target_cls.decode_fn(params, config, small, ids_nt, positions, jnp.zeros((n,), jnp.int32),
                                                logits_index=(lens_n - 1)[:, None])
     tok = _sample_rows(logits[:, 0], _row_keys(seed, sid_n, jnp.zeros_like(sid_n)), temperature, top_p, sample)
-    cache = _scatter_rows(cache, small, rows_n, axes, slot_axes)
+    cache = scatter_rows(cache, small, rows_n, axes, slot_axes)
     first = jnp.zeros((n, out.shape[1]), jnp.int32).at[:, 0].set(tok)
     out = out.at[rows_n].set(first, mode="drop")
     gen = gen.at[rows_n].set(1, mode="drop")
     lens = lens.at[rows_n].set(lens_n, mode="drop")
-    done = done.at[rows_n].set(_is_eos(tok, eos_e) | (max_new <= 1), mode="drop")
+    done = done.at[rows_n].set(is_eos(tok, eos_e) | (max_new <= 1), mode="drop")
     sid = sid.at[rows_n].set(sid_n, mode="drop")
     return cache, out, gen, lens, done, sid
 
@@ -151,7 +107,7 @@ def _segment(params, cache, out, gen, lens, done, sid, max_new, seed, temperatur
         tok = _sample_rows(logits[:, 0], _row_keys(seed, sid, gen), temperature, top_p, sample)
         out = out.at[rows, jnp.where(live, gen, n_out)].set(tok, mode="drop")
         gen = gen + live.astype(gen.dtype)
-        done = done | (live & (_is_eos(tok, eos_e) | (gen >= max_new)))
+        done = done | (live & (is_eos(tok, eos_e) | (gen >= max_new)))
         return i + 1, cache, out, gen, done
 
     _, cache, out, gen, done = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, out, gen, done))
@@ -186,7 +142,7 @@ class ContinuousGenerator:
         # a refill waits until this many rows are free (or nothing else will free them): fewer, larger
         # prefills and fewer distinct prefill shapes to compile
         self.min_refill = max(1, int(min_refill if min_refill is not None else self.batch // 8))
-        self.n_out = _round_up(self.max_new, _OUT_MULTIPLE)
+        self.n_out = round_up(self.max_new, OUT_MULTIPLE)
         self.num_slots = max(prompt_bucket(self.max_prompt), self.max_prompt + self.n_out)
         # refill chunk lengths: few of them, since each (rows, length) pair is one more compiled prefill
         # (powers of two would be 7 lengths up to 1024); padding a refill costs a little prefill work

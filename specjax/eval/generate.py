@@ -26,18 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_PROMPT_BUCKET_MIN = 16
-_OUT_MULTIPLE = 32
-_EOS_SLOTS = 8  # the EOS list is padded to a multiple of this (one compile for 1..8 EOS ids)
-
-
-def prompt_bucket(n: int) -> int:
-    """Static chunk length for a prompt of n tokens: the next power of two, at least 16."""
-    return max(_PROMPT_BUCKET_MIN, 1 << max(0, int(n) - 1).bit_length())
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-int(n) // m) * m
+from specjax.eval.batching import (OUT_MULTIPLE, cache_batch_axes, check_prompts, check_sampling, cut_at_eos,
+                                   eos_array, is_eos, prompt_bucket, round_up, scatter_rows)
 
 
 def sample_token(logits_bv: jax.Array, key: jax.Array, temperature, top_p, *, sample: bool) -> jax.Array:
@@ -54,19 +44,6 @@ def sample_token(logits_bv: jax.Array, key: jax.Array, temperature, top_p, *, sa
     keep = keep.at[:, 0].set(True)
     choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-def _is_eos(tok_b, eos_e):
-    return jnp.any(tok_b[:, None] == eos_e[None, :], axis=-1)
-
-
-def eos_array(eos_token_ids: Sequence[int]) -> np.ndarray:
-    """The EOS ids as int32, padded with -1 (never a token) to a multiple of _EOS_SLOTS: one compiled
-    shape for 1..8 EOS ids."""
-    eos = [int(e) for e in eos_token_ids]
-    arr = np.full(_round_up(max(len(eos), 1), _EOS_SLOTS), -1, np.int32)
-    arr[: len(eos)] = eos
-    return arr
 
 
 def _prefill(params, ids_bt, lens_b, *, target_cls, config, cache_len):
@@ -88,7 +65,7 @@ def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eo
     key, sub = jax.random.split(key)
     tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
     out = jnp.zeros((b, n_out), jnp.int32).at[:, 0].set(tok)
-    done = _is_eos(tok, eos_e)
+    done = is_eos(tok, eos_e)
 
     def cond(state):
         step, _, _, done, _ = state
@@ -103,7 +80,7 @@ def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eo
         tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
         tok = jnp.where(done, 0, tok)
         out = jax.lax.dynamic_update_slice_in_dim(out, tok[:, None], step, axis=1)
-        return step + 1, cache, out, done | _is_eos(tok, eos_e), key
+        return step + 1, cache, out, done | is_eos(tok, eos_e), key
 
     state = (jnp.int32(1), cache, out, done, key)
     _, _, out, _, _ = jax.lax.while_loop(cond, body, state)
@@ -116,8 +93,6 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
     holds request `req` (-1: none) with `count` tokens so far; a stopped row (EOS or max_new) is
     handed back after the step that stopped it and refilled at once. Each answer's tokens are the
     same argmaxes as `_generate_batch`'s (greedy decoding does not depend on the batch)."""
-    from specjax.eval.continuous import _scatter_rows, cache_batch_axes
-
     n = ids_nt.shape[0]
     axes = cache_batch_axes(target_cls, config, target_cls.embed_fn(params, config).dtype)
     whole_rows = jax.tree.map(lambda _: -1, axes)
@@ -132,7 +107,7 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
         m = first.shape[0]
         return dict(req=req, lens=lens, count=jnp.ones((m,), jnp.int32), last=first,
                     out=jnp.zeros((m, n_out), jnp.int32).at[:, 0].set(first),
-                    stop=_is_eos(first, eos_e) | (max_new <= 1))
+                    stop=is_eos(first, eos_e) | (max_new <= 1))
 
     first, cache = prefill(ids_nt[:slots], lens_n[:slots])
     rows = fresh(first, lens_n[:slots], jnp.arange(slots, dtype=jnp.int32))
@@ -150,7 +125,7 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
             first1, cache1 = prefill(ids_nt[q][None], lens_n[q][None])
             one = fresh(first1, lens_n[q][None], q[None])
             rows = jax.tree.map(lambda a, x: a.at[r].set(x[0]), rows, one)
-            return rows, _scatter_rows(cache, cache1, jnp.reshape(r, (1,)), axes, whole_rows), q + 1
+            return rows, scatter_rows(cache, cache1, jnp.reshape(r, (1,)), axes, whole_rows), q + 1
 
         rows, cache, nxt = jax.lax.while_loop(lambda rc: jnp.any(rc[0]["req"] < 0) & (rc[2] < n), refill,
                                               (rows, cache, nxt))
@@ -165,7 +140,7 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
         b = jnp.arange(slots)
         out = rows["out"].at[b, jnp.where(go, rows["count"], n_out)].set(tok, mode="drop")
         count = rows["count"] + go.astype(jnp.int32)
-        stop = rows["stop"] | (go & (_is_eos(tok, eos_e) | (count >= max_new)))
+        stop = rows["stop"] | (go & (is_eos(tok, eos_e) | (count >= max_new)))
         rows = dict(rows, out=out, count=count, last=jnp.where(go, tok, rows["last"]), stop=stop)
         return hand_back_and_refill((rows, cache, nxt, outs))
 
@@ -173,39 +148,6 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
     # while any row holds a request (a request can stop on its first token, right after its refill)
     carry = jax.lax.while_loop(lambda c: jnp.any(c[0]["req"] >= 0), step, carry)
     return carry[-1]
-
-
-def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    out = []
-    for i, p in enumerate(prompts):
-        ids = [int(x) for x in p]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-        bad = [x for x in ids if not 0 <= x < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the target vocab [0, {vocab_size})")
-        out.append(ids)
-    return out
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    if int(max_new_tokens) < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not float(temperature) >= 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < float(top_p) <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def cut_at_eos(tokens: Sequence[int], eos_token_ids: Sequence[int]) -> list[int]:
-    """Tokens before the first EOS (the EOS itself dropped)."""
-    eos = set(int(e) for e in eos_token_ids)
-    out = []
-    for tok in tokens:
-        if int(tok) in eos:
-            break
-        out.append(int(tok))
-    return out
 
 
 def generate(
@@ -237,12 +179,12 @@ def generate(
     if refill and float(temperature) > 0.0:
         raise ValueError("refill=True decodes greedily (temperature 0); for sampled answers with refill use "
                          "specjax.eval.continuous.ContinuousGenerator")
-    prompts = _check_prompts(prompts, int(target.config.vocab_size))
+    prompts = check_prompts(prompts, int(target.config.vocab_size))
     results: list[list[int]] = [[] for _ in prompts]
     if not prompts or int(max_new_tokens) == 0:
         return results
     max_new = int(max_new_tokens)
-    n_out = _round_up(max_new, _OUT_MULTIPLE)
+    n_out = round_up(max_new, OUT_MULTIPLE)
     eos = [int(e) for e in eos_token_ids]
     eos_arr = eos_array(eos)
     sample = float(temperature) > 0.0

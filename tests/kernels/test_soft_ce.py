@@ -34,6 +34,7 @@ def test_bf16_inputs_accumulate_in_fp32():
 # ---- vocab-tiled `xla` paths: the logits API and the fused linear + soft-CE ----
 # f32 inputs: tiled and dense sums differ by rounding only (measured ~1e-6); tolerances 2e-5.
 import pytest  # noqa: E402
+from _jaxpr_avals import jaxpr_avals  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 from specjax_kernels.soft_ce import fused_linear_soft_ce  # noqa: E402
@@ -95,17 +96,6 @@ def test_fused_xla_check_grads_and_no_teacher_gradient(impl):
     assert float(jnp.abs(gth).max()) == 0.0 and float(jnp.abs(gtw).max()) == 0.0
 
 
-def _avals(jaxpr):
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _avals(inner)
-
-
 @pytest.mark.parametrize("impl,expect_full", [("xla", False), ("reference", True)])
 def test_fused_never_builds_full_f32_logits(impl, expect_full):
     """No f32 intermediate of the xla forward+backward is [N, Vd] (its tiles are [N, 64]); the
@@ -115,7 +105,7 @@ def test_fused_never_builds_full_f32_logits(impl, expect_full):
     f = lambda h, w: jnp.sum(fused_linear_soft_ce(h, w, teacher_hidden=wd["th"].reshape(N, HT),
                                                   teacher_head=wd["tw"], implementation=impl, vocab_block=64))
     jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, w)
-    full = [a for a in _avals(jaxpr.jaxpr) if getattr(a, "shape", None) == (N, V) and a.dtype == jnp.float32]
+    full = [a for a in jaxpr_avals(jaxpr.jaxpr) if getattr(a, "shape", None) == (N, V) and a.dtype == jnp.float32]
     assert bool(full) == expect_full
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax_kernels._select import select
+from specjax_kernels.selection import select
 from specjax_kernels.soft_ce import api, fused_linear_soft_ce, pallas_gpu, pallas_tpu
 
 MODS = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import Mesh
 
 from specjax_kernels import tpu_lowering
-from specjax_kernels._select import select
+from specjax_kernels.selection import select
 from specjax_kernels.soft_ce import api as soft_ce_api
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 from specjax_kernels.ttt_attention import api as ttt_api

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr_avals import jaxpr_avals
 from jax.test_util import check_grads
 
 from specjax_kernels.ttt_attention import ttt_attention
@@ -126,29 +127,18 @@ def test_xla_check_grads():
     check_grads(f, (q, k0, v0, kd, vd), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
-def _avals(jaxpr):
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            yield v.aval
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _avals(inner)
-
-
 def test_xla_memory_is_linear_in_T():
     """No intermediate of the xla forward+backward has two axes of length T (no [T,T] scores)."""
     T = 64
     q, k0, v0, kd, vd = rand_inputs(jax.random.key(1), 1, T, 4, 2, 8, 3)
     f = lambda *a: jnp.sum(ttt_attention(*a, implementation="xla", block_size=16) ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, k0, v0, kd, vd)
-    worst = [a.shape for a in _avals(jaxpr.jaxpr) if hasattr(a, "shape") and sum(d >= T for d in a.shape) >= 2]
+    worst = [a.shape for a in jaxpr_avals(jaxpr.jaxpr) if hasattr(a, "shape") and sum(d >= T for d in a.shape) >= 2]
     assert not worst, worst
     # the reference does build [T,T] (the check can fail)
     g = lambda *a: jnp.sum(ttt_attention(*a, implementation="reference") ** 2)
     ref = jax.make_jaxpr(jax.grad(g))(q, k0, v0, kd, vd)
-    assert any(sum(d >= T for d in a.shape) >= 2 for a in _avals(ref.jaxpr) if hasattr(a, "shape"))
+    assert any(sum(d >= T for d in a.shape) >= 2 for a in jaxpr_avals(ref.jaxpr) if hasattr(a, "shape"))
 
 
 def test_bad_inputs_name_the_problem():
@@ -162,7 +152,7 @@ def test_bad_inputs_name_the_problem():
 
 
 def test_auto_is_xla_on_cpu_and_unavailable_falls_back(caplog):
-    from specjax_kernels._select import select
+    from specjax_kernels.selection import select
     from specjax_kernels.ttt_attention import api
     assert select("ttt_attention", api.IMPLEMENTATIONS, api.PREFERENCE, None)[0] == "xla"
     with caplog.at_level("WARNING", logger="specjax_kernels"):

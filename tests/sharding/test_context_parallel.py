@@ -116,7 +116,7 @@ def test_target_attention_cp_lazy_and_array_masks():
                                                                                    q_block=qb))(q, k, v, mask)
                 np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
     # kernels.target_attention=pallas_gpu under context parallelism: the offset Triton forward (interpreted)
-    from specjax_kernels._select import recording_choices
+    from specjax_kernels.selection import recording_choices
     with meshlib.use_mesh(mesh), recording_choices() as chosen:
         got = jax.jit(lambda q, k, v, m: dot_product_attention(q, k, v, m, scale=D**-0.5, q_block=16,
                                                                implementation="pallas_gpu"))(q, k, v, lazy)

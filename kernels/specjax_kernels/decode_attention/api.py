@@ -24,7 +24,8 @@ from typing import Optional
 
 import jax
 
-from specjax_kernels._select import Unavailable, _select, log_once_fallback, record_choice, select, target_platform
+from specjax_kernels.selection import (Unavailable, log_once_fallback, record_choice, resolve_implementation, select,
+                                      target_platform)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -58,7 +59,7 @@ def prepare_mask(mask, num_heads: int, head_dim: int, cache_shape, implementatio
     (q [B,T,num_heads,head_dim] over a cache [..., S, K, head_dim]); otherwise it holds the bool mask alone."""
     b, t, s = mask.shape
     kv = cache_shape[-2]
-    name, _ = _select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
+    name, _ = resolve_implementation("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
     if name not in KERNELS:
         return ChunkMask(mask)
     from specjax_kernels.decode_attention.pallas_gpu import mask_rows, supports
@@ -100,7 +101,7 @@ def takes(q_shape, cache_shape, implementation: Optional[str] = None) -> bool:
     """Whether cached decoding should call `decode_attention` for this chunk (the chosen backend takes
     it), or keep its own slice-the-layer path (xla, and a pallas_gpu choice that cannot take the
     shape: a prefill chunk; that fallback is logged once)."""
-    name, _ = _select("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
+    name, _ = resolve_implementation("decode_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
     if name in KERNELS:
         from specjax_kernels.decode_attention.pallas_gpu import supports
         why = supports(q_shape, cache_shape)

@@ -26,7 +26,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels._select import log_once_fallback, select
+from specjax_kernels.selection import log_once_fallback, select
 from specjax_kernels.moe.common import ACTIVATIONS  # noqa: F401  (re-exported)
 
 
@@ -41,7 +41,7 @@ def _xla():
 
 
 def _mgpu():
-    from specjax_kernels._select import Unavailable
+    from specjax_kernels.selection import Unavailable
     from specjax_kernels.moe import mgpu
 
     why = mgpu.available()
@@ -58,11 +58,11 @@ def _pallas_tpu():
 def _pallas_gpu():
     import functools
 
-    from specjax_kernels import _select
-    from specjax_kernels._select import Unavailable
+    from specjax_kernels import selection
+    from specjax_kernels.selection import Unavailable
 
     # the platform kernels are chosen for (a TPU step lowered on a CPU host is not CPU)
-    backend = getattr(_select, "target_platform", jax.default_backend)()
+    backend = getattr(selection, "target_platform", jax.default_backend)()
     if backend not in ("gpu", "cpu"):
         raise Unavailable(f"Pallas GPU kernels need an NVIDIA GPU (or CPU interpret mode), not {backend}")
     from specjax_kernels.moe.pallas_gpu import moe_experts as fn

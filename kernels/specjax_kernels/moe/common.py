@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.soft_ce.common import Backend, fused_with
 
 DEFAULT_VOCAB_BLOCK = 4096

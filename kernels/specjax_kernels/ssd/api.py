@@ -7,7 +7,7 @@
   B, C [B, T, G, N] with H % G == 0   D [H] or None   initial_state [B, H, P, N]
   segment_ids [B, T] int: the state resets where the id changes (packed documents)
   -> y [B, T, H, P] fp32 (and the state after the last position, [B, H, P, N] fp32); fp64 for
-     fp64 inputs (_dtypes.accum_dtype: the tests' exact references)
+     fp64 inputs (dtypes.accum_dtype: the tests' exact references)
 
   reference  sequential lax.scan over time, the definition (reference.py)
   xla        chunked state-space-duality form, chunk size ``chunk_size`` (xla.py); the default
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from specjax_kernels._select import select
+from specjax_kernels.selection import select
 
 
 def _reference():
@@ -34,7 +34,8 @@ IMPLEMENTATIONS = {"reference": _reference, "xla": _xla}
 PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "reference"], "tpu": ["xla", "reference"]}
 
 
-def _check(x, dt, a, b, c, d, initial_state, segment_ids, chunk_size):
+def check_inputs(x, dt, a, b, c, d, initial_state, segment_ids, chunk_size):
+    """ValueError naming the first input of an `ssd` call whose shape or value does not fit."""
     if x.ndim != 4:
         raise ValueError(f"ssd: x must be [B, T, H, P], got shape {x.shape}")
     bsz, t, h, p = x.shape
@@ -59,7 +60,7 @@ def _check(x, dt, a, b, c, d, initial_state, segment_ids, chunk_size):
 def ssd(x, dt, A, B, C, *, D=None, chunk_size: int = 128, initial_state=None, segment_ids=None,
         return_final_state: bool = False, implementation: Optional[str] = None):
     """Mamba-2 SSD scan (see the module docstring for shapes); fp32 outputs."""
-    _check(x, dt, A, B, C, D, initial_state, segment_ids, chunk_size)
+    check_inputs(x, dt, A, B, C, D, initial_state, segment_ids, chunk_size)
     _, fn = select("ssd", IMPLEMENTATIONS, PREFERENCE, implementation)
     y, final = fn(x, dt, A, B, C, d_h=D, initial_state=initial_state, segment_ids=segment_ids,
                   chunk_size=int(chunk_size))

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from specjax_kernels._dtypes import accum_dtype
-from specjax_kernels.ssd.api import _check, ssd
+from specjax_kernels.dtypes import accum_dtype
+from specjax_kernels.ssd.api import check_inputs, ssd
 from specjax_kernels.ssd.reference import segment_starts
 
 _HI = lax.Precision.HIGHEST
@@ -36,7 +36,7 @@ def ssd_context_parallel(x, dt, A, B, C, *, D=None, chunk_size: int = 128, segme
                          implementation=None):
     """y [B,T,H,P] fp32 of `ssd(...)` (zero initial state) with T split over mesh axis `axis`.
     `batch_spec`: the mesh axes of the batch dim (or None); heads and state stay whole per shard."""
-    _check(x, dt, A, B, C, D, None, segment_ids, chunk_size)
+    check_inputs(x, dt, A, B, C, D, None, segment_ids, chunk_size)
     bsz, t, h, p = x.shape
     g = B.shape[2]
     n_shards = mesh.shape[axis]

@@ -9,7 +9,7 @@ Per batch row, head h (head dim P, state size N, head h reads B/C group h // (H 
 ``segment_ids[t] != segment_ids[t-1]`` the carried state is dropped (state_{t-1} := 0), exactly as
 if the new document were run on its own. Everything is computed in fp32; ``dt`` is the final
 (positive) step size, i.e. the caller has already applied dt_bias, softplus and the dt limits.
-(fp64 inputs are computed in fp64 instead: the tests' exact references, see _dtypes.accum_dtype.)
+(fp64 inputs are computed in fp64 instead: the tests' exact references, see dtypes.accum_dtype.)
 This is O(T) sequential steps: the spec and the test oracle, not a fast path (see xla.py).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 
 _HI = jax.lax.Precision.HIGHEST
 

@@ -15,13 +15,13 @@ Packed documents: positions are labelled with a run id (number of segment starts
 contribution from position s to position l (or to/from a chunk state) is kept only when both carry
 the same run id, i.e. no segment start lies between them. That is the reference's reset rule.
 B and C stay per group (G) and heads are split as (group, head-in-group) so C.B is computed
-once per group, not once per head. All math in fp32 (fp64 for fp64 inputs, _dtypes.accum_dtype).
+once per group, not once per head. All math in fp32 (fp64 for fp64 inputs, dtypes.accum_dtype).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.ssd.reference import segment_starts
 
 

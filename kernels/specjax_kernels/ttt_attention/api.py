@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from specjax_kernels._select import Unavailable, select, target_platform
+from specjax_kernels.selection import Unavailable, select, target_platform
 
 
 def _reference():

@@ -24,7 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 
 f32 = jnp.float32
 
@@ -105,8 +105,9 @@ def _diag_scores(q, kd, scale):
     return jnp.einsum("btkgd,nbtkd->nbtkg", qg, kd, preferred_element_type=accum_dtype(q)) * scale
 
 
-def _merge(q, kd, vd, o0, lse0, scale):
-    """(out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
+def merge_diagonal(q, kd, vd, o0, lse0, scale):
+    """Block 0's output o0 and lse0 merged with the diagonal keys kd / vd [n,B,T,Hkv,D] (the forward
+    merge of the module docstring): (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
     B, T, Hq, D = q.shape
     if kd is None or kd.shape[0] == 0:
         return o0, lse0
@@ -123,7 +124,9 @@ def _merge(q, kd, vd, o0, lse0, scale):
     return out.reshape(B, T, Hq, D), lse.reshape(B, T, Hq)
 
 
-def _diag_backward(q, kd, vd, do, lse, delta, scale):
+def diagonal_backward(q, kd, vd, do, lse, delta, scale):
+    """The diagonal scores' share of the backward, from the final lse and delta: (dq [B,T,Hq,D], dkd,
+    dvd [n,B,T,Hkv,D]) in the accumulation dtype."""
     B, T, Hq, D = q.shape
     Hkv = kd.shape[3]
     G = Hq // Hkv
@@ -162,7 +165,7 @@ def _ttt(be, q, k0, v0, kd, vd, seg, scale):
 
 def _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale):
     o0, lse0 = _block0_fwd(be, q, k0, v0, seg, scale)
-    out, lse = _merge(q, kd, vd, o0, lse0, scale)
+    out, lse = merge_diagonal(q, kd, vd, o0, lse0, scale)
     out = out.astype(q.dtype)
     return out, (q, k0, v0, kd, vd, seg, out, lse)
 
@@ -174,7 +177,7 @@ def _ttt_bwd(be, scale, res, do):
     delta = jnp.sum(do.astype(acc) * out.astype(acc), axis=-1)
     dq, dk0, dv0 = _block0_bwd(be, q, k0, v0, seg, do, lse, delta, scale)
     if kd is not None and kd.shape[0] > 0:
-        dq_d, dkd, dvd = _diag_backward(q, kd, vd, do, lse, delta, scale)
+        dq_d, dkd, dvd = diagonal_backward(q, kd, vd, do, lse, delta, scale)
         dq = dq + dq_d
         dkd, dvd = dkd.astype(kd.dtype), dvd.astype(vd.dtype)
     else:

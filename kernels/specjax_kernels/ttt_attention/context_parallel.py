@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from specjax_kernels.ttt_attention.common import _diag_backward, _merge, check_inputs, f32
+from specjax_kernels.ttt_attention.common import check_inputs, diagonal_backward, f32, merge_diagonal
 from specjax_kernels.ttt_attention.xla import DEFAULT_BLOCK, bwd0_offset, fwd0_offset
 
 
@@ -48,14 +48,14 @@ def _forward_block0(fwd_impl: str):
     (xla's `bwd0_offset`) is shared."""
     if fwd_impl == "xla":
         return fwd0_offset
-    from specjax_kernels._select import target_platform
+    from specjax_kernels.selection import target_platform
     from specjax_kernels.ttt_attention import pallas_gpu
     return functools.partial(pallas_gpu.fwd0_offset, interpret=target_platform() != "gpu")
 
 
 def _local_fwd(q, kf, vf, kd, vd, seg_q, seg_k, qb0, scale, bs, fwd_impl):
     o0, lse0 = _forward_block0(fwd_impl)(q, kf, vf, seg_q, seg_k, qb0, scale, block=bs)
-    out, lse = _merge(q, kd, vd, o0, lse0, scale)
+    out, lse = merge_diagonal(q, kd, vd, o0, lse0, scale)
     out = out.astype(q.dtype)
     return out, (q, kf, vf, kd, vd, seg_q, seg_k, qb0, out, lse)
 
@@ -65,7 +65,7 @@ def _local_bwd(scale, bs, fwd_impl, res, do):
     delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)
     dq, dk, dv = bwd0_offset(q, kf, vf, seg_q, seg_k, qb0, do, lse, delta, scale, block=bs)
     if kd is not None:
-        dq_d, dkd, dvd = _diag_backward(q, kd, vd, do, lse, delta, scale)
+        dq_d, dkd, dvd = diagonal_backward(q, kd, vd, do, lse, delta, scale)
         dq = dq + dq_d
         dkd, dvd = dkd.astype(kd.dtype), dvd.astype(vd.dtype)
     else:
@@ -107,7 +107,7 @@ def ttt_attention_context_parallel(q, k0, v0, k_diag=None, v_diag=None, segment_
     scale = float(D**-0.5 if scale is None else scale)
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     bs = _block_for(T // C, block_size or DEFAULT_BLOCK)
-    from specjax_kernels._select import target_platform
+    from specjax_kernels.selection import target_platform
 
     if forward == "pallas_gpu" and target_platform() == "gpu" and (bs < 16 or bs & (bs - 1) or D < 16 or D & (D - 1)):
         raise ValueError(f"context-parallel ttt_attention forward='pallas_gpu' needs a block (here {bs}, the largest "

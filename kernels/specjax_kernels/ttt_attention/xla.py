@@ -17,7 +17,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from specjax_kernels._dtypes import accum_dtype
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.ttt_attention.common import Backend, ttt_attention_with
 
 DEFAULT_BLOCK = 512

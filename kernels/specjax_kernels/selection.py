@@ -88,12 +88,17 @@ def log_once_fallback(op: str, name: str, why: str, fallback: str, level: int = 
 
 def select(op: str, impls: dict[str, Callable[[], Callable | None]], preference: dict[str, list[str]],
            implementation: str | None) -> tuple[str, Callable]:
-    name, fn = _select(op, impls, preference, implementation)
+    """(name, function) of the implementation chosen for `op` (see `resolve_implementation`), noted for
+    `recording_choices`."""
+    name, fn = resolve_implementation(op, impls, preference, implementation)
     record_choice(op, name)
     return name, fn
 
 
-def _select(op, impls, preference, implementation):
+def resolve_implementation(op, impls, preference, implementation):
+    """(name, function): `implementation` when it loads here (else the first of the platform's
+    preference list that does, with a warning), or for None / "auto" the first that loads; not noted
+    for `recording_choices` (a caller that may still fall back records its final choice itself)."""
     backend = target_platform()
     order = preference.get(backend, preference["cpu"])
     if implementation not in (None, "auto"):
