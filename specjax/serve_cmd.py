@@ -3,8 +3,10 @@
     python -m specjax.serve_cmd --draft DRAFT_DIR --target TARGET [--engine vllm|sglang|all]
                                 [--num-spec-tokens N] [--vllm-python PY]
 
-The draft folder is validated first (specjax_converters.eagle3_validate); a head with errors gets
-no command (exit 2). TARGET is what the engine should load: a local folder (then its config.json
+The draft folder's family (specjax.drafts.family, from its config.json) checks it first and says
+what to print around the commands (`DraftFamily.serve_plan`); a head with errors gets no command
+(exit 2). An EAGLE-3 head is validated (specjax_converters.eagle3_validate). TARGET is what the
+engine should load: a local folder (then its config.json
 is read for the target rules and caveats) or a hub id (then the target config comes from the
 draft's specjax_manifest.json when there is one). Caveats the validator knows are printed with the
 commands: unsupported engine/target pairs, EAGLE-3.1 engine versions, looped targets, non-default
@@ -33,61 +35,19 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from specjax.aux_ids import default_aux_layer_ids
-from specjax_converters.dflash_import import is_dflash_config, read_dflash_head
-from specjax_converters.eagle3_validate import errors, validate_folder
-from specjax_converters.head_files import read_head_files
-from specjax_converters.target_facts import is_hybrid_target, target_text_config, target_virtual_depth
+from specjax.drafts.families import family_for_folder, family_for_head
+from specjax.drafts.family import read_head_config
 
 ENGINES = ("vllm", "sglang")
 
 
-def _target_config(target: str, manifest: Optional[dict]) -> tuple[Optional[dict], Optional[str]]:
-    path = os.path.join(os.path.expanduser(target), "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f), path
-    if manifest and isinstance(manifest.get("target_config"), dict):
-        return manifest["target_config"], "the draft's specjax_manifest.json"
-    return None, None
-
-
 def vllm_speculative_config(draft: str, num_spec_tokens: int) -> dict:
     """The `--speculative-config` dict the vLLM command carries (also what `vllm.LLM(...,
-    speculative_config=...)` takes offline)."""
-    # method must be explicit: vLLM auto-detects eagle3 only from "eagle3" in the path
-    # (docs/eagle3-format.md, "How engines load the weights")
-    block = _dflash_block_size(draft)
-    if block is not None:  # DFlash: one block drafts block_size - 1 tokens, which is what it was trained for
-        return {"method": "dflash", "model": draft, "num_speculative_tokens": block - 1}
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}
-    if _is_parallel_head(draft):  # P-EAGLE: vLLM drafts all K tokens in one forward only when told
-        spec["parallel_drafting"] = True
-    return spec
-
-
-def _dflash_block_size(draft: str) -> Optional[int]:
-    """A DFlash head's trained block_size (config.json architectures ["DFlashDraftModel"]), else None
-    (docs/eagle3-format.md, "DFlash (block drafting)")."""
-    path = os.path.join(os.path.expanduser(draft), "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        conf = json.load(f)
-    if not is_dflash_config(conf):
-        return None
-    if "block_size" not in conf:
-        raise ValueError(f"{path}: a DFlash head without block_size; add the block size it was trained with")
-    return int(conf["block_size"])
-
-
-def _is_parallel_head(draft: str) -> bool:
-    """A P-EAGLE head: its config.json names the mask token (docs/eagle3-format.md, "P-EAGLE (parallel drafting)")."""
-    path = os.path.join(os.path.expanduser(draft), "config.json")
-    if not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("mask_token_id") is not None
+    speculative_config=...)` takes offline): the method and token count of the head's family
+    (specjax.drafts.family; a DFlash head drafts its trained block_size - 1 tokens)."""
+    head_config = read_head_config(draft)
+    family = family_for_head(head_config or {})
+    return family.vllm_speculative_config(draft, head_config, num_spec_tokens)
 
 
 # Runs in the interpreter being inspected (this one or --vllm-python's); stdlib only, imports no vllm.
@@ -169,45 +129,6 @@ def sglang_command(draft: str, target: str, num_spec_tokens: int, extra: tuple[s
     return " ".join(shlex.quote(a) for a in args)
 
 
-def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list[str]]:
-    """Engine -> notes (the first word "UNSUPPORTED" marks a pair that will not work upstream)."""
-    out: dict[str, list[str]] = {"vllm": [], "sglang": [], "all": []}
-    if draft_config.get("fc_norm") or draft_config.get("norm_output"):
-        out["all"].append("EAGLE-3.1 head (fc_norm/norm_output): needs 2026+ vLLM/SGLang that read these flags; "
-                          "older engines ignore them and run a different function.")
-        if draft_config.get("fc_norm"):
-            out["sglang"].append("a published fc_norm head measured acceptance ~1.5 on SGLang vs 3.19 on vLLM "
-                                 "(Nemotron 3.5 card): measure acceptance before relying on SGLang.")
-    if target_config is None:
-        out["all"].append("target config not readable here: target-specific caveats were not checked.")
-        return out
-    tc = target_text_config(target_config)
-    if is_hybrid_target(target_config):
-        mt = tc.get("model_type", "hybrid")
-        out["sglang"].append(f"UNSUPPORTED: upstream SGLang has no EAGLE-3 aux-state capture for {mt} "
-                             "(ModelOpt PR #1568; the Nemotron card needed a patched SGLang plus "
-                             "--disable-radix-cache).")
-        out["vllm"].append(f"{mt} needs a vLLM whose target class implements SupportsEagle3 (NemotronH: PR #43130); "
-                           "the draft's num_key_value_heads must equal the target's (checked).")
-    loops = int(tc.get("num_loops") or 1)
-    if loops > 1:
-        depth = target_virtual_depth(target_config)
-        note = (f"looped target ({tc['num_hidden_layers']} layers, {loops} loops = virtual depth {depth}): the engine "
-                "must capture the aux states at virtual-depth ids "
-                f"{draft_config.get('eagle_aux_hidden_state_layer_ids')} "
-                f"(input convention) and place the draft's layer after depth {depth} (config target_layer_count). "
-                "Upstream engines index physical layers: this needs an engine-side tap definition "
-                "(e.g. a vLLM plugin as in the Nanbeige4.2 card).")
-        out["vllm"].append(note)
-        out["sglang"].append(note)
-    nested = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested and (tuple(int(i) for i in nested)
-                   != default_aux_layer_ids(target_virtual_depth(target_config), clamp=False)):
-        out["all"].append(f"non-default aux taps {nested} (output convention): vLLM and SGLang read them from "
-                          "config.json; tpu-inference ignores them (hard-coded (2, L//2, L-3)).")
-    return out
-
-
 def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3,
           vllm_python: Optional[str] = None) -> tuple[int, str]:
     """(exit code, text to print). `vllm_python`: the interpreter whose vLLM install decides the
@@ -216,29 +137,20 @@ def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3
         return 2, "error: --num-spec-tokens must be >= 1"
     draft_abs = os.path.abspath(os.path.expanduser(draft))
     try:
-        if _dflash_block_size(draft_abs) is not None:
-            return _build_dflash(draft_abs, target, engine, vllm_python)
-        config, _, manifest, _ = read_head_files(draft_abs)
-        target_config, source = _target_config(target, manifest)
-        findings, _ = validate_folder(draft_abs, target=target_config, check_finite=False)
+        plan = family_for_folder(draft_abs).serve_plan(draft_abs, target, num_spec_tokens)
     except (ValueError, OSError) as e:
         return 2, f"error: {e}"
-    lines = []
-    errs = errors(findings)
-    if errs:
-        lines.append(f"error: {draft_abs} fails validation; fix these before serving it:")
-        lines += [f"  {f}" for f in errs]
-        return 2, "\n".join(lines)
+    if plan.error:
+        return 2, plan.error
     target_ref = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
-    notes = caveats(config, target_config)
-    lines.append(f"# draft  {draft_abs}  (validated{'; target config from ' + source if source else ''})")
-    for note in notes["all"]:
-        lines.append(f"# note: {note}")
-    engines = ENGINES if engine == "all" else (engine,)
-    for eng in engines:
+    lines = list(plan.header)
+    for eng in (ENGINES if engine == "all" else (engine,)):
         lines.append("")
-        unsupported = [n for n in notes[eng] if n.startswith("UNSUPPORTED")]
-        for note in notes[eng]:
+        if eng in plan.not_printed:
+            lines.append(f"# {eng}: {plan.not_printed[eng]}")
+            continue
+        notes = plan.notes.get(eng, ())
+        for note in notes:
             lines.append(f"# {eng}: {note}")
         if eng == "vllm":
             try:
@@ -247,39 +159,11 @@ def build(draft: str, target: str, engine: str = "all", num_spec_tokens: int = 3
                 return 2, f"error: {e}"
             if launcher.note:
                 lines.append(f"# vllm: {launcher.note}")
-            cmd = vllm_command(draft_abs, target_ref, num_spec_tokens, launcher)
+            cmd = vllm_command(draft_abs, target_ref, plan.num_spec_tokens, launcher)
         else:
-            extra = ("--disable-radix-cache",) if target_config is not None and is_hybrid_target(target_config) else ()
-            cmd = sglang_command(draft_abs, target_ref, num_spec_tokens, extra)
+            cmd = sglang_command(draft_abs, target_ref, plan.num_spec_tokens, plan.sglang_extra)
+        unsupported = any(n.startswith("UNSUPPORTED") for n in notes)
         lines.append(f"# {cmd}" if unsupported else cmd)
-    return 0, "\n".join(lines)
-
-
-def _build_dflash(draft_abs: str, target: str, engine: str, vllm_python: Optional[str]) -> tuple[int, str]:
-    """A DFlash head: read back completely (config and every weight's shape: the EAGLE-3 rules do not
-    apply), then vLLM's `"method": "dflash"` command with num_speculative_tokens = block_size - 1."""
-    head = read_dflash_head(draft_abs)  # raises ValueError naming what is wrong
-    target_ref = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
-    target_config, _ = _target_config(target, None)
-    if target_config is not None:
-        tc = target_text_config(target_config)
-        if int(tc.get("hidden_size", head.config.hidden_size)) != head.config.hidden_size:
-            return 2, (f"error: {draft_abs} is a DFlash head for hidden_size {head.config.hidden_size} but the target "
-                       f"has {tc['hidden_size']}; serve it with the target it was trained on")
-    lines = [f"# draft  {draft_abs}  (DFlash block drafter, block_size {head.config.block_size}: "
-             f"{head.config.block_size - 1} draft tokens per step; --num-spec-tokens does not apply)"]
-    for eng in (ENGINES if engine == "all" else (engine,)):
-        lines.append("")
-        if eng == "sglang":
-            lines.append("# sglang: not printed: specjax prints SGLang commands for EAGLE-3 heads only")
-            continue
-        try:
-            launcher = vllm_launcher(vllm_python)
-        except (ValueError, OSError, subprocess.SubprocessError) as e:
-            return 2, f"error: {e}"
-        if launcher.note:
-            lines.append(f"# vllm: {launcher.note}")
-        lines.append(vllm_command(draft_abs, target_ref, head.config.block_size - 1, launcher))
     return 0, "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ Layout: one folder with
                      its qwen3_dflash drafter) and a `dflash_config` block.
   specjax_manifest.json  the manifest every specjax export writes (head_files.write_manifest: sha256
                      of each file, variant "dflash", draft config, target config and its hash, plus
-                     the caller's step / metrics / training config / target path)
+                     the caller's step / metrics / training config / target path); the draft config
+                     of a causal head also records `causal: true`, which the folder validator checks
 
 Every rule of specjax_converters.dflash_validate runs on the tensors and config before anything is
 written, and again on the written folder before it is renamed into place.
@@ -26,7 +27,8 @@ What vLLM 0.32 reads from config.json (qwen3_dflash.py, config/speculative.py, v
   target_hidden_size                 fc input = target_hidden_size * number of taps
   dflash_config.mask_token_id        the token embedded in the mask slots
   dflash_config.target_layer_ids     the taps, output-of-layer-k (vLLM adds 1 to get its aux layer ids)
-  dflash_config.causal               false: bidirectional attention inside a block (as trained)
+  dflash_config.causal               the draft config's `causal`: false, bidirectional attention inside a
+                                     block (DFlash); true, slot j sees slots 0..j (JetSpec)
   dflash_config.sample_from_anchor   whether slot 0 drafts too (false for DFlash)
   dflash_config.use_aux_hidden_state true: the context rows come from the target's taps through fc
 `block_size`, `num_target_layers` and `layer_types` are not read by vLLM (it drafts
@@ -39,10 +41,9 @@ export leaves no partial folder behind. Plain numpy + safetensors; no jax at imp
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
-import shutil
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -50,19 +51,18 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
-from specjax_converters.eagle3_validate import ExportValidationError, errors, validate_folder
-from specjax_converters.head_files import (MANIFEST_FILE, make_publish_folder, manifest_extra, publish_folder,
-                                           write_manifest)
+from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, write_head_folder
+from specjax_converters.head_formats import written_head_check
+from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_text_config
 
 __all__ = ["ARCHITECTURE", "CONFIG_FILE", "FORMAT", "VARIANT", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict",
-           "export_dflash"]
+           "export_dflash", "manifest_draft_config"]
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FORMAT = "specjax-dflash"  # specjax_manifest.json's format
 VARIANT = "dflash"  # and its variant
-log = logging.getLogger("specjax")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float16": "float16", "fp16": "float16"}
 _COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -191,7 +191,7 @@ def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "dflash_config": {
             "mask_token_id": int(cfg.mask_token_id),
             "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
-            "causal": False,
+            "causal": bool(cfg.causal),
             "sample_from_anchor": bool(cfg.sample_from_anchor),
             "use_aux_hidden_state": True,
         },
@@ -201,6 +201,14 @@ def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         if tc.get(key) is not None:
             conf[key] = tc[key]
     return conf
+
+
+def manifest_draft_config(cfg):
+    """The manifest's draft_config: the config's fields, plus `causal: true` for a causal head (a
+    class attribute, which dataclasses.asdict leaves out); a bidirectional head's is the config itself."""
+    if not cfg.causal:
+        return cfg
+    return {**dataclasses.asdict(cfg), "causal": True}
 
 
 def _is_replaceable(path: str) -> bool:
@@ -220,6 +228,11 @@ def _is_replaceable(path: str) -> bool:
         return False
 
 
+def _refuse_existing(out_dir: str) -> None:
+    _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash export",
+          "choose an empty or new folder (the export will not overwrite other files)")
+
+
 def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str | os.PathLike, *, vocab=None,
                   dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None) -> str:
     """Validate, then write model.safetensors + config.json + specjax_manifest.json to `out_dir`
@@ -229,36 +242,17 @@ def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
     `extra_manifest` adds keys to the manifest (step, metrics, ...; the writer's own are refused). An
     existing out_dir is replaced only when it is empty or an earlier DFlash export. Returns the
     absolute out_dir."""
-    from safetensors.numpy import save_file
-
     dtype = _normalize_dtype(dtype)
     extra = manifest_extra(extra_manifest, "DFlash export")
     tensors = dflash_state_dict(params, cfg, vocab, dtype)
     config = dflash_hf_config(cfg, target_hf_config, dtype)
     ids = [int(i) for i in cfg.target_layer_ids]
-    findings = check_dflash_head(config, tensors, target_config=target_hf_config, training_layer_ids=ids)
+    findings = check_dflash_head(config, tensors, target_config=target_hf_config, training_layer_ids=ids,
+                                 causal=cfg.causal)
     if errors(findings):
         raise ExportValidationError(findings, "DFlash export")
-    for w in findings:
-        log.warning("export: %s", w)
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not _is_replaceable(out_dir):
-        _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash export",
-              "choose an empty or new folder (the export will not overwrite other files)")
-    tmp = make_publish_folder(out_dir)
-    try:
-        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-        write_manifest(tmp, format=FORMAT, variant=VARIANT, dtype=dtype, draft_config=cfg,
-                       target_config=target_hf_config, warnings=findings, extra=extra)
-        # what was written, read back (safetensors header, dtypes, manifest hashes) before it is published
-        written, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=ids, check_finite=False)
-        if errors(written):
-            raise ExportValidationError(written, "DFlash export (written files)")
-        publish_folder(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_head_folder(
+        out_dir, tensors, config, replaceable=_is_replaceable, refuse_existing=_refuse_existing,
+        check_written=written_head_check(target_hf_config, ids, "DFlash export"), format=FORMAT, variant=VARIANT,
+        dtype=dtype, draft_config=manifest_draft_config(cfg), target_config=target_hf_config, warnings=findings,
+        extra=extra)

@@ -1,6 +1,7 @@
 """Read a DFlash head folder (what specjax_converters.dflash_export writes: config.json with
 architectures ["DFlashDraftModel"] and a dflash_config block, model.safetensors) back into specjax's
-DFlashConfig, param tree and draft vocab, and start a DFlash run from one (`draft.init_from`:
+DFlashConfig (a JetSpecConfig when the block attends causally: dflash_config.causal true), param tree
+and draft vocab, and start a DFlash run from one (`draft.init_from`:
 warm_start_dflash_params). The file layout is the table in specjax.drafts.dflash_weights; the keys
 read from config.json are the ones dflash_export documents. The folder is read through
 specjax_converters.head_files (checked safetensors headers; pickles refused, never unpickled).
@@ -18,8 +19,9 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_WEIGHTS
 from specjax_converters.dflash_export import CONFIG_FILE, WEIGHTS_FILE
-from specjax_converters.dflash_validate import is_dflash_config, speculators_dflash_error
+from specjax_converters.dflash_validate import block_attention_causal, is_dflash_config, speculators_dflash_error
 from specjax_converters.head_files import read_head_files
+from specjax_converters.warm_start import params_like
 
 __all__ = ["DFlashHead", "config_from_hf", "is_dflash_config", "is_dflash_folder", "read_dflash_head",
            "warm_start_dflash_params"]
@@ -29,7 +31,7 @@ log = logging.getLogger("specjax")
 
 class DFlashHead(NamedTuple):
     params: dict  # numpy leaves, the tree of specjax.drafts.dflash.init_draft_params
-    config: object  # specjax.drafts.dflash.DFlashConfig
+    config: object  # specjax.drafts.dflash.DFlashConfig, or its JetSpecConfig for a causal head
     vocab: object  # specjax.drafts.vocab.DraftVocab
 
 
@@ -49,9 +51,10 @@ def _fail(folder: str, problem: str, fix: str):
 
 
 def config_from_hf(conf: Mapping, folder: str = "<config>"):
-    """The DFlashConfig of a DFlash config.json (the inverse of dflash_export.dflash_hf_config)."""
-    from specjax.drafts.dflash import DFlashConfig
-    from specjax.targets.layers.rope import rope_spec_from_hf
+    """The DFlashConfig of a DFlash config.json, a JetSpecConfig when its block attends causally
+    (the inverse of dflash_export.dflash_hf_config)."""
+    from specjax.drafts.dflash import DFlashConfig, JetSpecConfig
+    from specjax.layers.rope import rope_spec_from_hf
 
     dc = dict(conf.get("dflash_config") or {})
     if "mask_token_id" not in dc and conf.get("mask_token_id") is not None:
@@ -59,15 +62,13 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dc]
     if missing:
         _fail(folder, f"config.json's dflash_config lacks {missing}", "export the head with specjax.export")
-    if dc.get("causal"):
-        _fail(folder, "dflash_config.causal is true; specjax drafts blocks with bidirectional attention",
-              "use a head trained with causal=false")
+    config_class = JetSpecConfig if block_attention_causal(conf) else DFlashConfig
     if "block_size" not in conf:
         _fail(folder, "config.json has no block_size (the trained block; vLLM does not need it, the decoder does)",
               "add block_size (the number of slots the head was trained with) to config.json")
     hidden = int(conf["hidden_size"])
     n_heads = int(conf["num_attention_heads"])
-    cfg = DFlashConfig(
+    cfg = config_class(
         hidden_size=hidden, num_layers=int(conf["num_hidden_layers"]), num_attention_heads=n_heads,
         num_key_value_heads=int(conf.get("num_key_value_heads") or n_heads),
         head_dim=int(conf.get("head_dim") or hidden // n_heads), intermediate_size=int(conf["intermediate_size"]),
@@ -88,7 +89,8 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
 
 
 def read_dflash_head(folder: str) -> DFlashHead:
-    """params (fp32 numpy), DFlashConfig and DraftVocab of a DFlash head folder."""
+    """params (fp32 numpy), DFlashConfig (JetSpecConfig for a causal head) and DraftVocab of a DFlash
+    head folder."""
     from specjax.drafts.vocab import DraftVocab
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
@@ -145,15 +147,11 @@ def warm_start_dflash_params(folder: str, draft_cfg, vocab, init_params: Mapping
     """Params for a DFlash run that starts from an exported DFlash head (`draft.init_from`).
 
     The head must have the run's shapes, taps and mask token; errors name the key to set. A
-    different block_size, sample_from_anchor, RoPE or eps is logged and training continues with the
+    different block_size, sample_from_anchor, RoPE, eps or attention inside the block (a JetSpec run
+    may start from a DFlash head and the other way round) is logged and training continues with the
     run's. When the head's draft vocab differs from the run's, lm_head rows are matched by target
-    token id (eagle3_import.match_lm_head_rows). Leaves come back as jax arrays with init_params'
+    token id (warm_start.match_lm_head_rows). Leaves come back as jax arrays with init_params'
     dtypes."""
-    import jax
-    import jax.numpy as jnp
-
-    from specjax_converters.eagle3_import import match_lm_head_rows
-
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     if os.path.isdir(folder) and os.path.isfile(os.path.join(folder, CONFIG_FILE)) and not is_dflash_folder(folder):
         raise ValueError(f"draft.init_from={folder}: not a DFlash head (config.json has neither architectures "
@@ -177,17 +175,10 @@ def warm_start_dflash_params(folder: str, draft_cfg, vocab, init_params: Mapping
         raise ValueError(f"draft.init_from={folder}: the head was trained on target layers "
                          f"{list(hc.target_layer_ids)}, the run taps {list(draft_cfg.target_layer_ids)}. Fix: set "
                          f"target.aux_layer_ids=[{','.join(map(str, hc.target_layer_ids))}] (fc is tied to its taps)")
-    for f in ("block_size", "sample_from_anchor", "rope", "rms_norm_eps"):
+    for f in ("block_size", "sample_from_anchor", "rope", "rms_norm_eps", "causal"):
         if getattr(hc, f) != getattr(draft_cfg, f):
             log.warning("draft.init_from=%s: the head's %s (%s) differs from the run's (%s); training continues with "
                         "the run's", folder, f, getattr(hc, f), getattr(draft_cfg, f))
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), head.params)
-    params["lm_head"]["kernel"] = match_lm_head_rows(folder, params["lm_head"]["kernel"], head.vocab, vocab,
-                                                     init_params["lm_head"]["kernel"])
-    want = jax.tree_util.tree_structure(init_params)
-    got = jax.tree_util.tree_structure(params)
-    if want != got:
-        raise ValueError(f"draft.init_from={folder}: imported params {got} do not match the draft's {want}")
-    out = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, dtype=old.dtype), params, dict(init_params))
+    out = params_like(folder, head.params, head.vocab, vocab, init_params)
     log.info("warm start: DFlash draft params loaded from %s", folder)
     return out

@@ -4,9 +4,10 @@ A DFlash head is the folder vLLM 0.32 serves with `"method": "dflash"`: config.j
 `architectures: ["DFlashDraftModel"]` (vLLM's registry maps that name to its qwen3_dflash drafter)
 and a `dflash_config` block, plus model.safetensors named by the DFLASH_WEIGHTS table
 (specjax.drafts.dflash_weights). The EAGLE-3 rules (specjax_converters.eagle3_validate) do not apply
-to it: `validate_folder` there sends every folder whose config.json `is_dflash_config` here, and
-`check_dflash_head` runs these rules instead. Each finding names a rule id, the field, the problem
-and the fix, as for EAGLE-3 (`Finding`); errors make the head unservable or silently wrong.
+to it: `HEAD_FORMAT` claims every folder whose config.json `is_dflash_config`, and the folder
+dispatch (specjax_converters.head_formats.validate_folder) runs `check_dflash_head` on it. Each
+finding names a rule id, the field, the problem and the fix, as for EAGLE-3 (`Finding`); errors make
+the head unservable or silently wrong.
 
 What vLLM 0.32 reads, and so what the rules check (qwen3_dflash.py, config/speculative.py,
 transformers_utils/configs/eagle.py, v1/spec_decode, v1/worker/gpu/spec_decode):
@@ -18,9 +19,9 @@ transformers_utils/configs/eagle.py, v1/spec_decode, v1/worker/gpu/spec_decode):
   dflash_config        mask_token_id (the token of the mask slots; a top-level mask_token_id is
                        the fallback), target_layer_ids (output-of-layer-k; vLLM taps k+1, and a
                        top-level eagle_aux_hidden_state_layer_ids takes precedence over them),
-                       causal (true: causal attention inside a block; a top-level is_causal wins
-                       over it), use_aux_hidden_state (false: no fc, raw hidden states), use_swa,
-                       sample_from_anchor (vLLM 0.32's DFlash drafter refuses true)
+                       causal (true: causal attention inside a block, a JetSpec head; a top-level
+                       is_causal wins over it), use_aux_hidden_state (false: no fc, raw hidden
+                       states), use_swa, sample_from_anchor (vLLM 0.32's DFlash drafter refuses true)
   layer_types          "sliding_attention" entries make those layers causal and windowed
   weights              `model.` is prefixed by vLLM itself; d2t becomes draft_id_to_target_id, which
                        exists only when draft_vocab_size differs from the target's vocab; t2d is
@@ -28,7 +29,7 @@ transformers_utils/configs/eagle.py, v1/spec_decode, v1/worker/gpu/spec_decode):
                        the target's is shared (only right for a full-vocab draft)
 `block_size` is not read by vLLM; specjax.eval, specjax.serve_cmd and dflash_import read it.
 
-No jax at import: numpy, the weight table, head_files and target_facts.
+No jax at import: numpy, the weight table, head_files, head_rules and target_facts.
 """
 from __future__ import annotations
 
@@ -38,12 +39,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
-from specjax_converters.eagle3_validate import _check_vocab, _same_value, check_weight_dtypes
 from specjax_converters.head_files import Finding, HeadTensors
+from specjax_converters.head_rules import (HeadFormat, check_embedding_copy, check_vocab_maps, check_weight_dtypes,
+                                           same_value)
 from specjax_converters.target_facts import rope_dict, target_text_config, target_virtual_depth
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "DFlashShape", "check_dflash_head", "dflash_shape",
-           "expected_dflash_weights", "is_dflash_config", "speculators_dflash_error"]
+__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "MODEL_TYPE", "DFlashShape", "block_attention_causal", "check_dflash_head",
+           "dflash_shape", "expected_dflash_weights", "is_dflash_config", "manifest_causal", "speculators_dflash_error"]
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"
@@ -58,6 +60,27 @@ _SPECULATORS_DFLASH = ("dflash", "dflash2")
 def is_dflash_config(conf: Mapping) -> bool:
     """A DFlash head's config.json: architectures ["DFlashDraftModel"], or a dflash_config block."""
     return list(conf.get("architectures") or []) == [ARCHITECTURE] or "dflash_config" in conf
+
+
+def block_attention_causal(conf: Mapping) -> bool:
+    """Whether vLLM runs a DFlash head's block causally (slot j sees slots 0..j: a JetSpec head) or
+    bidirectionally (a DFlash head): a top-level is_causal wins, then dflash_config.causal, absent =
+    bidirectional (qwen3_dflash.py, _dflash_layer_causal; sliding layer_types, which it also makes
+    causal, are refused by the dflash.layer_types rule)."""
+    top = conf.get("is_causal")
+    if top is not None:
+        return bool(top)
+    dc = conf.get("dflash_config")
+    return bool(dc.get("causal")) if isinstance(dc, Mapping) else False
+
+
+def manifest_causal(manifest: Optional[Mapping]) -> Optional[bool]:
+    """The block attention a specjax export recorded in its manifest's draft_config (`causal` is
+    written only for a causal head), None without a manifest."""
+    if not manifest:
+        return None
+    dc = manifest.get("draft_config")
+    return bool(dc.get("causal", False)) if isinstance(dc, Mapping) else False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +134,13 @@ def check_dflash_head(
     target_config: Optional[Mapping] = None,
     training_layer_ids: Optional[Sequence[int]] = None,
     check_finite: bool = True,
+    causal: Optional[bool] = False,
 ) -> list[Finding]:
     """All findings for one DFlash head. `target_config` (the target's config.json dict) enables the
     rules against the target; `training_layer_ids` (a specjax manifest's draft_config) the rule that
-    config.json's taps are the ones the head was trained on."""
+    config.json's taps are the ones the head was trained on; `causal` the attention inside a block
+    the head was trained with (False: bidirectional, DFlash; True: causal, JetSpec; None: unknown,
+    config.json's is taken as it is)."""
     if not isinstance(tensors, HeadTensors):
         tensors = HeadTensors.from_arrays(tensors)
     out: list[Finding] = []
@@ -145,7 +171,7 @@ def check_dflash_head(
             '"causal": false, "use_aux_hidden_state": true}')
         dc = {}
     V = _pos_int(config.get("vocab_size"))
-    ids = _check_dflash_fields(config, dc, V, training_layer_ids, bad)
+    ids = _check_dflash_fields(config, dc, V, training_layer_ids, causal, bad)
     if missing:
         return out  # the shape rules need the decoder keys
     _check_tensors(config, tensors, bad, check_finite)
@@ -154,7 +180,7 @@ def check_dflash_head(
     return out
 
 
-def _check_dflash_fields(config, dc, V, training_layer_ids, bad) -> Optional[list[int]]:
+def _check_dflash_fields(config, dc, V, training_layer_ids, causal, bad) -> Optional[list[int]]:
     """The dflash_config block, block_size and the decoder fields vLLM builds the layers from;
     returns the taps when they are usable."""
     # the mask token (vLLM: dflash_config.mask_token_id, else the top-level one)
@@ -195,11 +221,16 @@ def _check_dflash_fields(config, dc, V, training_layer_ids, bad) -> Optional[lis
             bad("dflash.training", "dflash_config.target_layer_ids", f"{ids} differ from the taps the head was trained "
                 f"on ({list(training_layer_ids)}, specjax_manifest.json's draft_config)",
                 "export from the run's own draft config (re-export instead of editing config.json)")
-    # attention inside a block: trained bidirectional, full attention, fc over the taps
-    if config.get("is_causal") is True or dc.get("causal") is True:
+    # attention inside a block: as trained (bidirectional, or causal for JetSpec), full attention, fc over the taps
+    if causal is False and (config.get("is_causal") is True or dc.get("causal") is True):
         field = "is_causal" if config.get("is_causal") is True else "dflash_config.causal"
         bad("dflash.causal", field, "true: vLLM then runs each block causally, but DFlash heads are trained with "
             "bidirectional attention inside a block", f'write "{field.split(".")[-1]}": false')
+    elif causal is True and not block_attention_causal(config):
+        field = "is_causal" if config.get("is_causal") is False else "dflash_config.causal"
+        bad("dflash.causal", field, f"{config.get('is_causal', dc.get('causal'))!r}: vLLM then runs each block "
+            "bidirectionally, but this head (JetSpec) was trained with causal attention inside a block",
+            f'write "{field.split(".")[-1]}": true')
     layer_types = config.get("layer_types")
     n_layers = _pos_int(config.get("num_hidden_layers"))
     if layer_types is not None and (not isinstance(layer_types, list) or (n_layers and len(layer_types) != n_layers)
@@ -253,7 +284,7 @@ def _check_dflash_fields(config, dc, V, training_layer_ids, bad) -> Optional[lis
         bad("config.rope_layouts", "rope_parameters", "absent: transformers' Qwen3Config then uses theta 10000, "
             "whatever the head was trained with", "write rope_theta + rope_scaling and rope_parameters (the target's)",
             "warning")
-    elif has_new and has_old and not _same_value(
+    elif has_new and has_old and not same_value(
             rope_dict({"rope_parameters": config["rope_parameters"], "max_position_embeddings":
                        config.get("max_position_embeddings")}),
             rope_dict({"rope_theta": config["rope_theta"], "rope_scaling": config.get("rope_scaling"),
@@ -296,15 +327,10 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
         why = ("vLLM asserts that a DFlash head has no mask_hidden (the mask slots embed mask_token_id)"
                if "mask_hidden" in k else "not part of a DFlash head: vLLM refuses a tensor it cannot place")
         bad("keys.unknown", k, why, "remove it from the export (only the DFLASH_WEIGHTS key set, d2t and t2d)")
-    if "embed_tokens.weight" in tensors:
-        want = (V, int(config["hidden_size"]))
-        if tuple(tensors.shape("embed_tokens.weight")) != want:
-            bad("shapes", "embed_tokens.weight", f"shape {tensors.shape('embed_tokens.weight')} != {want}",
-                "drop embed_tokens (vLLM shares the target's)")
-        else:
-            bad("keys.embed_tokens", "embed_tokens.weight", "a copy of an embedding is shipped (vLLM keeps it when it "
-                "differs from the target's; specjax trains with the target's)",
-                "drop embed_tokens.weight: vLLM then shares the target's embedding", "warning")
+    check_embedding_copy(config, tensors, bad, shape_fix="drop embed_tokens (vLLM shares the target's)",
+                         copy_problem="a copy of an embedding is shipped (vLLM keeps it when it differs from the "
+                         "target's; specjax trains with the target's)",
+                         copy_fix="drop embed_tokens.weight: vLLM then shares the target's embedding")
     for k, e in expected.items():
         if k in tensors and tuple(tensors.shape(k)) != e.file_shape:
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {e.file_shape}",
@@ -322,7 +348,7 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
         bad("vocab.d2t_missing", "d2t", f"absent with draft_vocab_size {Vd} < vocab_size {V}: vLLM then maps draft id "
             "i to target id i (silently wrong tokens)", "ship d2t (int64 offsets, [draft_vocab_size])")
     else:
-        _check_vocab(config, tensors, bad)  # dtype, shape, ids in range and ascending, t2d agreeing
+        check_vocab_maps(config, tensors, bad)  # dtype, shape, ids in range and ascending, t2d agreeing
 
 
 def _check_target(config, ids, target_config, bad):
@@ -347,7 +373,7 @@ def _check_target(config, ids, target_config, bad):
     mine, theirs = rope_dict(config), rope_dict(tc)
     if theirs is None:
         theirs = {"rope_type": "default", "rope_theta": 10000.0}
-    if mine is not None and not _same_value(mine, theirs):
+    if mine is not None and not same_value(mine, theirs):
         bad("target.rope", "rope_parameters", f"draft RoPE {mine} != target RoPE {theirs} (the block continues the "
             "target's positions)",
             "copy the target's rope_theta / rope_scaling / rope_parameters into the draft config")
@@ -362,3 +388,18 @@ def speculators_dflash_error(folder: str, config: Mapping) -> Optional[str]:
     return (f"{folder} is a speculators-format DFlash head (speculators_model_type {kind!r}); specjax validates and "
             "imports the DFlashDraftModel layout (config.json with architectures [\"DFlashDraftModel\"] and "
             "dflash_config) only. Fix: serve it with vLLM as it is, or re-export it from specjax")
+
+
+def check_folder_head(config: Mapping, tensors: HeadTensors, *, target_config: Optional[Mapping],
+                      training_ids: Optional[Sequence[int]], manifest: Optional[Mapping],
+                      check_finite: bool) -> list[Finding]:
+    """`check_dflash_head` for a folder: the block attention the head was trained with is its
+    manifest's (without one, config.json's is taken as it is)."""
+    return check_dflash_head(config, tensors, target_config=target_config, training_layer_ids=training_ids,
+                             check_finite=check_finite, causal=manifest_causal(manifest))
+
+
+# the folder dispatch's entry (specjax_converters.head_formats)
+HEAD_FORMAT = HeadFormat(name="dflash", recognises=is_dflash_config, layout=lambda config: "dflash",
+                         training_ids_key="target_layer_ids", check=check_folder_head,
+                         refusal=speculators_dflash_error)

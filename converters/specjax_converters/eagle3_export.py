@@ -17,18 +17,17 @@ export leaves no partial folder behind.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
 from specjax.drafts import weights
-from specjax_converters.eagle3_validate import ARCHITECTURE, ExportValidationError, check_head, errors, validate_folder
-from specjax_converters.head_files import (Finding, make_publish_folder, manifest_extra, publish_folder,
-                                           target_config_sha256, write_manifest)
+from specjax_converters.eagle3_validate import ARCHITECTURE, check_head
+from specjax_converters.head_files import Finding, manifest_extra, target_config_sha256, write_head_folder
+from specjax_converters.head_formats import written_head_check
+from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
@@ -221,6 +220,11 @@ def _fail(field: str, problem: str, fix: str) -> None:
     raise ValueError(f"EAGLE-3 export: {field}: {problem}. Fix: {fix}")
 
 
+def _refuse_existing(out_dir: str) -> None:
+    _fail("out_dir", f"{out_dir} exists and is not an earlier specjax export",
+          "choose an empty or new folder (the export will not overwrite other files)")
+
+
 def export_eagle3(
     draft_params: Mapping,
     draft_cfg,
@@ -240,8 +244,6 @@ def export_eagle3(
     raises ExportValidationError (a ValueError) and leaves no folder. An existing `out_dir` is
     replaced only when it is empty or holds an earlier export. Returns the absolute out_dir.
     """
-    from safetensors.numpy import save_file
-
     dtype = normalize_dtype(dtype)
     variant = normalize_variant(variant, draft_cfg)
     extra = manifest_extra(extra_manifest, "EAGLE-3 export")
@@ -249,29 +251,11 @@ def export_eagle3(
     config = eagle3_hf_config(draft_cfg, target_hf_config, dtype)
     aux_ids = [int(i) for i in draft_cfg.aux_layer_ids]
     warnings = validate_export(tensors, config, target_hf_config, training_aux_ids=aux_ids, variant=variant)
-    for w in warnings:
-        log.warning("export: %s", w)
-
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not _is_replaceable(out_dir):
-        _fail("out_dir", f"{out_dir} exists and is not an earlier specjax export",
-              "choose an empty or new folder (the export will not overwrite other files)")
-    tmp = make_publish_folder(out_dir)
-    try:
-        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-        write_manifest(tmp, format=FORMAT, variant=variant, dtype=dtype, draft_config=draft_cfg,
-                       target_config=target_hf_config, warnings=warnings, extra=extra)
-        # What was written, read back (safetensors header, dtypes, manifest hashes) before it is published.
-        findings, _ = validate_folder(tmp, target=target_hf_config, training_aux_ids=aux_ids, check_finite=False)
-        if errors(findings):
-            raise ExportValidationError(findings, "EAGLE-3 export (written files)")
-        publish_folder(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out_dir = write_head_folder(
+        out_dir, tensors, config, replaceable=_is_replaceable, refuse_existing=_refuse_existing,
+        check_written=written_head_check(target_hf_config, aux_ids, "EAGLE-3 export"), format=FORMAT,
+        variant=variant, dtype=dtype, draft_config=draft_cfg, target_config=target_hf_config, warnings=warnings,
+        extra=extra)
     if variant == "eagle3.1":
         log.warning("export: %s is an EAGLE-3.1 head (fc_norm=%s, norm_output=%s): it needs 2026+ engines "
                     "(vLLM/SGLang with fc_norm and norm_output support)", out_dir, draft_cfg.fc_norm,

@@ -23,11 +23,12 @@ import numpy as np
 
 from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
-from specjax_converters.eagle3_validate import _LEGACY_AUX_NORMS, expected_weights, flatten_head_config, key_layout
+from specjax_converters.eagle3_validate import LEGACY_AUX_NORMS, expected_weights, flatten_head_config, key_layout
 from specjax_converters.head_files import read_head_files
 from specjax_converters.target_facts import target_virtual_depth
+from specjax_converters.warm_start import params_like
 
-__all__ = ["ImportedHead", "match_lm_head_rows", "read_head", "warm_start_params"]
+__all__ = ["ImportedHead", "read_head", "warm_start_params"]
 
 log = logging.getLogger("specjax")
 _IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
@@ -59,7 +60,7 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     """
     from specjax.drafts.eagle3 import Eagle3Config
     from specjax.drafts.vocab import DraftVocab
-    from specjax.targets.layers.rope import rope_spec_from_hf
+    from specjax.layers.rope import rope_spec_from_hf
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     config, tensors, manifest, _ = read_head_files(folder)
@@ -94,7 +95,7 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         new = name
         if new.startswith("model."):
             new = new[len("model."):]
-        new = _LEGACY_AUX_NORMS.get(new, new)
+        new = LEGACY_AUX_NORMS.get(new, new)
         rename[name] = new
     if any(k != v for k, v in rename.items()):
         notes.append("renamed keys: " + ", ".join(f"{k}->{v}" for k, v in rename.items() if k != v))
@@ -226,26 +227,6 @@ _DRAFT_KEYS = {"intermediate_size": "draft.intermediate_size", "num_attention_he
                "mask_token_id": "draft.mask_token_id", "parallel_drafting": "draft.type"}
 
 
-def match_lm_head_rows(folder: str, head_kernel, head_vocab, run_vocab, init_kernel) -> np.ndarray:
-    """The warm-start lm_head kernel ([H, Vd] of the run) from a head's kernel: when the two draft
-    vocabs differ, columns are matched by target token id (shared tokens keep the head's column, the
-    others `init_kernel`'s fresh one). Used by every draft family's warm start."""
-    run_ids = np.asarray(run_vocab.draft_ids)
-    head_ids = np.asarray(head_vocab.draft_ids)
-    if np.array_equal(run_ids, head_ids):
-        return head_kernel
-    kernel = np.asarray(init_kernel, np.float32).copy()
-    pos = {int(t): j for j, t in enumerate(head_ids)}
-    shared = [(i, pos[int(t)]) for i, t in enumerate(run_ids) if int(t) in pos]
-    if shared:
-        run_idx, head_idx = map(np.asarray, zip(*shared))
-        kernel[:, run_idx] = np.asarray(head_kernel)[:, head_idx]
-    log.warning("draft.init_from=%s: draft vocab differs from the run's; %d of %d lm_head rows taken from the "
-                "head (matched by target token id), the rest freshly initialised", folder, len(shared),
-                run_ids.size)
-    return kernel
-
-
 def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:
     """Params for a run that starts from a published head (`draft.init_from`).
 
@@ -254,9 +235,6 @@ def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> di
     matched by target token id: shared tokens keep the head's row, the others keep `init_params`'
     fresh row. Leaves come back as jax arrays with init_params' dtypes.
     """
-    import jax
-    import jax.numpy as jnp
-
     head = read_head(folder, assume_aux_ids=tuple(draft_cfg.aux_layer_ids))
     hc = head.config
     diff = [f for f in _SHAPE_FIELDS if getattr(hc, f) != getattr(draft_cfg, f)]
@@ -274,13 +252,6 @@ def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> di
         log.warning("draft.init_from=%s: the head's RoPE/eps (%s, %s) differ from the target's (%s, %s); "
                     "training continues with the target's", folder, hc.rope, hc.rms_norm_eps, draft_cfg.rope,
                     draft_cfg.rms_norm_eps)
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), head.params)
-    params["lm_head"]["kernel"] = match_lm_head_rows(folder, params["lm_head"]["kernel"], head.vocab, vocab,
-                                                     init_params["lm_head"]["kernel"])
-    want = jax.tree_util.tree_structure(init_params)
-    got = jax.tree_util.tree_structure(params)
-    if want != got:
-        raise ValueError(f"draft.init_from={folder}: imported params {got} do not match the draft's {want}")
-    out = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, dtype=old.dtype), params, dict(init_params))
+    out = params_like(folder, head.params, head.vocab, vocab, init_params)
     log.info("warm start: draft params loaded from %s (%s layout)", folder, head.layout)
     return out

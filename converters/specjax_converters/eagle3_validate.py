@@ -3,7 +3,8 @@
 Every rule below is a failure that engines do not report: they load the head and it underperforms
 (random weights for dropped keys, wrong aux taps, identity d2t, wrong RoPE, tied heads, ...).
 `check_head` runs the rules on a config dict plus tensors (in memory, before an export writes
-anything); `validate_folder` runs them on any head folder, including other trainers' heads:
+anything); through `HEAD_FORMAT`, specjax_converters.head_formats.validate_folder runs them on any
+head folder, including other trainers' heads:
 
   * the Llama-EAGLE3 layout (SpecForge / official EAGLE / specjax: `midlayer.*`, `config.json` with
     `architectures: ["LlamaForCausalLMEagle3"]`), the layout vLLM, SGLang and tpu-inference load;
@@ -14,22 +15,19 @@ Each finding names a rule id, the field (config key or tensor name), the problem
 Errors make a head unservable or silently wrong; warnings are portability notes.
 
 Reading a head folder is specjax_converters.head_files (read_head_files, HeadTensors, Finding);
-facts about the target config are specjax_converters.target_facts. A DFlash block drafter's folder
-is not an EAGLE-3 head: `validate_folder` hands it to specjax_converters.dflash_validate.
+facts about the target config are specjax_converters.target_facts; the rules every head format shares
+are specjax_converters.head_rules. EAGLE-3 is the format of every folder no other format recognises
+(head_formats lists it last).
 """
 from __future__ import annotations
 
-import math
-import os
 from typing import Any, Iterable, Mapping, Optional, Sequence
-
-import numpy as np
 
 from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
-from specjax.hf_config_checks import check_config_fields, read_config_json
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, NP_TO_ST, ST_TO_NP, Finding, HeadTensors,
-                                           read_head_files)
+from specjax_converters.head_files import Finding, HeadTensors
+from specjax_converters.head_rules import (ExportValidationError, HeadFormat, check_embedding_copy, check_vocab_maps,
+                                           check_weight_dtypes, errors, same_value)
 from specjax_converters.target_facts import is_hybrid_target, rope_dict, target_text_config, target_virtual_depth
 
 __all__ = [
@@ -42,38 +40,13 @@ __all__ = [
     "flatten_head_config",
     "head_shape",
     "key_layout",
-    "validate_folder",
+    "HEAD_FORMAT",
+    "LEGACY_AUX_NORMS",
 ]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # d2t/t2d are the only non-weight tensors of a head (docs/eagle3-format.md, "d2t and t2d").
 VOCAB_KEYS = tuple(weights.EAGLE3_VOCAB_TENSORS)
-_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
-_VOCAB_DTYPES = {name: NP_TO_ST[dtype] for name, dtype in weights.EAGLE3_VOCAB_TENSORS.items()}  # I64, BOOL
-
-
-class ExportValidationError(ValueError):
-    """Raised when a head fails validation; `findings` holds every error (and the warnings)."""
-
-    def __init__(self, findings: Sequence[Finding], what: str = "EAGLE-3 export"):
-        self.findings = list(findings)
-        # one line per error, each "<what>: <field>: <problem>. Fix: <fix> [<rule>]"
-        super().__init__("\n".join(f"{what}: {f.field}: {f.problem}. Fix: {f.fix} [{f.rule}]"
-                                   for f in errors(self.findings)))
-
-
-def errors(findings: Iterable[Finding]) -> list[Finding]:
-    return [f for f in findings if f.level == "error"]
-
-
-def _same_value(a, b) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return set(a) == set(b) and all(_same_value(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +141,7 @@ def expected_weight_shapes(config: Mapping, keys: str = "llama") -> dict[str, tu
 # the rules
 # ---------------------------------------------------------------------------------------------
 _REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "rms_norm_eps")
-_LEGACY_AUX_NORMS = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
+LEGACY_AUX_NORMS = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
                      "aux_norm_high.weight": "fc_norm.2.weight"}
 
 
@@ -297,7 +270,7 @@ def _check_fields(cfg, bad, variant):
                 "only one RoPE layout is written; transformers v4 stacks read rope_theta/rope_scaling, "
                 "v5 stacks rope_parameters (vLLM PR #51092, speculators PR #574)",
                 "write both rope_theta + rope_scaling and rope_parameters, copied from the target")
-        elif not _same_value(rope_dict({"rope_parameters": cfg["rope_parameters"],
+        elif not same_value(rope_dict({"rope_parameters": cfg["rope_parameters"],
                                         "max_position_embeddings": cfg.get("max_position_embeddings")}),
                              rope_dict({"rope_theta": cfg["rope_theta"], "rope_scaling": cfg.get("rope_scaling"),
                                         "max_position_embeddings": cfg.get("max_position_embeddings")})):
@@ -414,14 +387,14 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
     missing = [k for k in shapes if k not in tensors]
     unknown = [k for k in names if k not in shapes and k not in allowed_extra and k not in prefixed]
     for k in missing:
-        if k.startswith("fc_norm.") and any(n in tensors for n in _LEGACY_AUX_NORMS):
+        if k.startswith("fc_norm.") and any(n in tensors for n in LEGACY_AUX_NORMS):
             continue  # reported below as the legacy names
         bad("keys.missing", k, "missing from the weights (engines would run it randomly initialised)",
             "export every tensor of the head's key set (docs/eagle3-format.md, \"Checkpoint layout\")")
     for k in unknown:
-        if k in _LEGACY_AUX_NORMS:
+        if k in LEGACY_AUX_NORMS:
             bad("keys.unknown", k, "legacy EAGLE-3.1 name: vLLM raises on it and old SGLang drops it",
-                f"rename to {_LEGACY_AUX_NORMS[k]} and set \"fc_norm\": true")
+                f"rename to {LEGACY_AUX_NORMS[k]} and set \"fc_norm\": true")
         elif k.startswith("fc_norm.") and not cfg.get("fc_norm"):
             bad("keys.unknown", k, "fc_norm weights but config fc_norm is not true (engines drop or reject them)",
                 'write "fc_norm": true (EAGLE-3.1) or drop the fc_norm weights')
@@ -429,87 +402,17 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
             bad("keys.unknown", k, "not part of the EAGLE-3 head: SGLang drops unknown keys silently and "
                 "vLLM refuses to load them",
                 "remove it from the export (only the key set of docs/eagle3-format.md, \"Checkpoint layout\")")
-    if "embed_tokens.weight" in tensors:
-        want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
-        if tensors.shape("embed_tokens.weight") != want:
-            bad("shapes", "embed_tokens.weight", f"shape {tensors.shape('embed_tokens.weight')} != {want}",
-                "drop embed_tokens (engines use the target's)")
-        else:
-            bad("keys.embed_tokens", "embed_tokens.weight", "a copy of the target embedding is shipped "
-                "(vLLM keeps it when it differs from the target's; SGLang replaces it)",
-                "drop embed_tokens.weight: engines share the target's embedding", "warning")
+    check_embedding_copy(cfg, tensors, bad, shape_fix="drop embed_tokens (engines use the target's)",
+                         copy_problem="a copy of the target embedding is shipped (vLLM keeps it when it differs "
+                         "from the target's; SGLang replaces it)",
+                         copy_fix="drop embed_tokens.weight: engines share the target's embedding")
     for k, shape in shapes.items():
         if k in tensors and tuple(tensors.shape(k)) != tuple(shape):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {tuple(shape)}",
                 "export the config the weights were trained with (hidden_size, heads, head_dim, "
                 "intermediate_size, draft_vocab_size, target_hidden_size, aux count)")
     check_weight_dtypes(cfg, tensors, [k for k in shapes if k in tensors], bad, check_finite, shapes)
-    _check_vocab(cfg, tensors, bad)
-
-
-def check_weight_dtypes(cfg: Mapping, tensors: HeadTensors, weight_keys, bad, check_finite: bool,
-                        shapes: Optional[Mapping[str, tuple]] = None) -> None:
-    """The stored weights (`weight_keys`): one float dtype, the one config.json declares, and (with
-    `check_finite`) no NaN/Inf, read a block at a time, in the weights whose stored shape is the one
-    in `shapes` (a wrong shape is already an error; its data is not read). Shared by the EAGLE-3 and
-    DFlash rules."""
-    dtypes = sorted({tensors.dtype(k) for k in weight_keys})
-    non_float = [d for d in dtypes if d not in _FLOAT_DTYPES]
-    if non_float:
-        bad("dtype.weights", "model.safetensors", f"weights stored as {non_float}", "store weights as bf16 or fp32")
-    elif len(dtypes) > 1:
-        bad("dtype.weights", "model.safetensors", f"mixed weight dtypes {dtypes}", "store all weights in one dtype",
-            "warning")
-    declared = cfg.get("torch_dtype") or cfg.get("dtype")
-    if declared and len(dtypes) == 1 and ST_TO_NP.get(dtypes[0]) != declared:
-        bad("dtype.weights", "torch_dtype", f"config says {declared!r}, weights are {ST_TO_NP.get(dtypes[0])}",
-            "write torch_dtype equal to the stored dtype", "warning")
-    if check_finite and not non_float:
-        for k in weight_keys:
-            if shapes is not None and tuple(tensors.shape(k)) != tuple(shapes[k]):
-                continue
-            if not tensors.all_finite(k):  # a block at a time: memory stays bounded for any size
-                bad("weights.finite", k, "contains NaN or Inf", "export a checkpoint from before the divergence")
-
-
-def _check_vocab(cfg, tensors: HeadTensors, bad):
-    V = int(cfg["vocab_size"])
-    Vd = int(cfg.get("draft_vocab_size") or V)
-    if Vd == V:
-        if "d2t" in tensors:
-            bad("vocab.d2t_unexpected", "d2t", "present in a full-vocab head: vLLM creates draft_id_to_target_id only "
-                "for draft_vocab_size < vocab_size and refuses to load this head", "drop d2t from a full-vocab head")
-        return
-    if "d2t" not in tensors:
-        bad("vocab.d2t_missing", "d2t", "absent: vLLM then maps draft id i to target id i (silently wrong tokens "
-            "when draft_vocab_size < vocab_size); old SGLang crashes", "ship d2t (int64 offsets, [draft_vocab_size])")
-        return
-    if tensors.dtype("d2t") != _VOCAB_DTYPES["d2t"] or tuple(tensors.shape("d2t")) != (Vd,):
-        bad("vocab.d2t_dtype", "d2t", f"dtype {tensors.dtype('d2t')} shape {tensors.shape('d2t')}, expected "
-            f"{_VOCAB_DTYPES['d2t']} ({Vd},)",
-            "save d2t as int64 offsets with one entry per draft token (target_id = i + d2t[i])")
-        return
-    d2t = tensors.array("d2t").astype(np.int64)
-    ids = np.arange(Vd, dtype=np.int64) + d2t
-    if ids.min() < 0 or ids.max() >= V:
-        bad("vocab.ids", "d2t", f"maps draft ids to target ids outside [0, {V}) (range {ids.min()}..{ids.max()})",
-            "rebuild the draft vocab for this target's vocab_size")
-    elif np.any(np.diff(ids) <= 0):
-        n_dup = int(ids.size - np.unique(ids).size)
-        bad("vocab.ids", "d2t", f"target ids are not unique and ascending ({n_dup} duplicate(s))",
-            "rebuild d2t from the sorted unique draft ids: d2t[i] = ids[i] - i")
-    if "t2d" not in tensors:
-        bad("vocab.t2d_missing", "t2d", "absent (engines ignore it, training tools read it)",
-            "ship t2d (bool [vocab_size])", "warning")
-        return
-    if tensors.dtype("t2d") != _VOCAB_DTYPES["t2d"] or tuple(tensors.shape("t2d")) != (V,):
-        bad("vocab.t2d_dtype", "t2d", f"dtype {tensors.dtype('t2d')} shape {tensors.shape('t2d')}, expected "
-            f"{_VOCAB_DTYPES['t2d']} ({V},) (the target's config vocab_size)", "save t2d as a bool mask over the target vocab")
-        return
-    t2d = tensors.array("t2d")
-    if not np.array_equal(np.flatnonzero(t2d), ids):
-        bad("vocab.invariant", "t2d", "nonzero(t2d) != arange(draft_vocab_size) + d2t (the two maps name "
-            "different tokens)", "build both from the same sorted draft ids")
+    check_vocab_maps(cfg, tensors, bad)
 
 
 def _check_target(cfg, target_config, bad):
@@ -537,7 +440,7 @@ def _check_target(cfg, target_config, bad):
     mine, theirs = rope_dict(cfg), rope_dict(tc)
     if theirs is None:
         theirs = {"rope_type": "default", "rope_theta": 10000.0}
-    if mine is not None and not _same_value(mine, theirs):
+    if mine is not None and not same_value(mine, theirs):
         bad("target.rope", "rope_parameters", f"draft RoPE {mine} != target RoPE {theirs}",
             "copy the target's rope_theta / rope_scaling / rope_parameters into the draft config")
     t_ctx = tc.get("max_position_embeddings")
@@ -557,68 +460,16 @@ def _check_target(cfg, target_config, bad):
                 f'write "target_layer_count": {depth} and "target_num_loops": {loops}')
 
 
-# ---------------------------------------------------------------------------------------------
-# folders
-# ---------------------------------------------------------------------------------------------
-def _load_target_config(path: str) -> dict:
-    path = os.path.expanduser(os.fspath(path))
-    cpath = path if path.endswith(".json") else os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(cpath):
-        raise ValueError(f"target {path}: no {CONFIG_FILE} there; pass the target model's local folder.")
-    config = read_config_json(cpath, "model config")
-    check_config_fields(config, cpath)
-    return config
+def check_folder_head(config: Mapping, tensors: HeadTensors, *, target_config: Optional[Mapping],
+                      training_ids: Optional[Sequence[int]], manifest: Optional[Mapping],
+                      check_finite: bool) -> list[Finding]:
+    """`check_head` for a folder: the claimed variant is the manifest's."""
+    variant = manifest.get("variant") if manifest else None
+    return check_head(config, tensors, target_config=target_config, training_aux_ids=training_ids,
+                      variant=variant, check_finite=check_finite)
 
 
-def validate_folder(
-    folder: str,
-    *,
-    target: Optional[str | Mapping] = None,
-    training_aux_ids: Optional[Sequence[int]] = None,
-    check_finite: bool = True,
-) -> tuple[list[Finding], dict]:
-    """(findings, info) for a head folder. The target config comes from `target` (a folder, a
-    config.json path or a dict), else from a specjax manifest, else from a speculators config's local
-    verifier path; `info` says which, plus the layout. Raises ValueError for folders that are not heads.
-
-    A DFlash head (config.json architectures ["DFlashDraftModel"] or a dflash_config block) gets the
-    DFlash rules (specjax_converters.dflash_validate) instead of these, layout "dflash";
-    `training_aux_ids` are then its trained target_layer_ids."""
-    from specjax_converters import dflash_validate  # imported here: it imports this module
-
-    config, tensors, manifest, findings = read_head_files(folder)
-    refused = dflash_validate.speculators_dflash_error(os.path.abspath(os.path.expanduser(os.fspath(folder))), config)
-    if refused:
-        raise ValueError(refused)
-    is_dflash = dflash_validate.is_dflash_config(config)
-    info: dict[str, Any] = {"layout": "dflash" if is_dflash else flatten_head_config(config)[0],
-                            "target_source": None}
-    target_config = None
-    if isinstance(target, Mapping):
-        target_config, info["target_source"] = dict(target), "argument"
-        check_config_fields(target_config, "target config (argument)")
-    elif target:
-        target_config, info["target_source"] = _load_target_config(target), os.path.abspath(os.fspath(target))
-    elif manifest and isinstance(manifest.get("target_config"), Mapping):
-        target_config, info["target_source"] = dict(manifest["target_config"]), MANIFEST_FILE
-        check_config_fields(target_config, os.path.join(os.path.abspath(os.path.expanduser(os.fspath(folder))),
-                                                        MANIFEST_FILE), "target_config.")
-    else:
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        if verifier and os.path.isfile(os.path.join(os.fspath(verifier), CONFIG_FILE)):
-            target_config, info["target_source"] = _load_target_config(verifier), verifier
-    if training_aux_ids is None and manifest and isinstance(manifest.get("draft_config"), Mapping):
-        training_aux_ids = manifest["draft_config"].get("target_layer_ids" if is_dflash else "aux_layer_ids")
-    if is_dflash:
-        findings += dflash_validate.check_dflash_head(config, tensors, target_config=target_config,
-                                                      training_layer_ids=training_aux_ids, check_finite=check_finite)
-    else:
-        variant = manifest.get("variant") if manifest else None
-        findings += check_head(config, tensors, target_config=target_config, training_aux_ids=training_aux_ids,
-                               variant=variant, check_finite=check_finite)
-    if target_config is None:
-        findings.append(Finding("target.unknown", "target", "no target config given, so the target rules "
-                                "(hidden size, vocab, RoPE, context, KV heads, aux range / target_layer_ids) "
-                                "were not run",
-                                "pass --target <target folder>", "warning"))
-    return findings, info
+# the folder dispatch's entry (specjax_converters.head_formats): every config no other format claims
+HEAD_FORMAT = HeadFormat(name="eagle3", recognises=lambda config: True,
+                         layout=lambda config: flatten_head_config(config)[0], training_ids_key="aux_layer_ids",
+                         check=check_folder_head)

@@ -26,7 +26,9 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 import os
+import shutil
 import stat
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -49,9 +51,11 @@ __all__ = [
     "publish_folder",
     "read_head_files",
     "target_config_sha256",
+    "write_head_folder",
     "write_manifest",
 ]
 
+log = logging.getLogger("specjax")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -341,3 +345,34 @@ def publish_folder(tmp: str, out_dir: str) -> None:
     for name in os.listdir(tmp):
         os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     folder_publish.publish(tmp, out_dir)
+
+
+def write_head_folder(out_dir: str | os.PathLike, tensors: Mapping[str, np.ndarray], config: Mapping, *,
+                      replaceable: Callable[[str], bool], refuse_existing: Callable[[str], None],
+                      check_written: Callable[[str], None], **manifest) -> str:
+    """Publish a validated head at `out_dir` and return its absolute path: the export's warnings
+    (manifest["warnings"]) logged; an existing `out_dir` that is not `replaceable` handed to
+    `refuse_existing` (which raises); then model.safetensors from `tensors`, config.json from
+    `config` and specjax_manifest.json from write_manifest(**manifest) written into a publish folder
+    beside it, `check_written(folder)` run on what was written (it raises to stop the export), and the
+    folder published. On any failure the temporary folder is removed and `out_dir` is left as it was."""
+    from safetensors.numpy import save_file
+
+    for w in manifest.get("warnings", ()):
+        log.warning("export: %s", w)
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not replaceable(out_dir):
+        refuse_existing(out_dir)
+    tmp = make_publish_folder(out_dir)
+    try:
+        save_file(dict(tensors), os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        write_manifest(tmp, **manifest)
+        check_written(tmp)
+        publish_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import mesh as meshlib
 from specjax.drafts import weights
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
-from specjax_kernels._dtypes import accum_dtype
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.ttt_attention import ttt_attention
 from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
 

@@ -55,8 +55,8 @@ import jax.numpy as jnp
 from specjax.drafts import lk_losses
 from specjax.drafts.eagle3 import (Eagle3Config, draft_logits, draft_step, mask_hidden_projected, next_step_hidden,
                                    project_aux)
-from specjax.targets.layers.norms import rms_norm
-from specjax_kernels._dtypes import accum_dtype
+from specjax.layers.norms import rms_norm
+from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.soft_ce import fused_linear_soft_ce
 
 

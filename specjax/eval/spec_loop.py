@@ -6,9 +6,9 @@ accepts and emits per row.
 jitted verification, and one device -> host read of the accepted count per step. At batch 1 on a
 small target that host round trip costs more than the math (H200, SmolLM2-135M: 7.01 ms per
 speculative step against 2.95 ms per greedy token, benchmarks/results/smollm2_eagle3.md). Here the
-same pieces (the drafters `_draft_chain`, `_draft_parallel`, `_draft_block`, `_draft_tree`; the
-verification's `chain_chunk` / `accept_chain` and `tree_chunk` / `accept_tree` around the target's
-`decode_fn`) run inside the loop body, so nothing returns to the host until the generation ends;
+same pieces (the draft family's `propose_chain` / `propose_tree`: drafts.eagle3_decoding, drafts.dflash_decoding;
+the verification's `chain_chunk` / `accept_chain` and `tree_chunk` / `accept_tree` of verify.py around
+the target's `decode_fn`) run inside the loop body, so nothing returns to the host until the generation ends;
 the greedy side of a speedup is `generate._generate_batch`, the same kind of loop.
 
 One row's program, in order:
@@ -51,13 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.eval.generate import _OUT_MULTIPLE, _check_prompts, _round_up, check_sampling, eos_array, prompt_bucket
-from specjax.eval.continuous import _scatter_rows, cache_batch_axes
-from specjax.eval.spec_decode import (SpecDecoder, SpecResult, _draft_block, _draft_chain, _draft_parallel, _draft_tree,
-                                      _prefill, accept_chain, accept_tree, chain_chunk, init_draft_cache,
-                                      tree_chunk)
-from specjax.drafts import dflash
-from specjax.targets.layers.attention import cache_size_for
+from specjax.eval.batching import (OUT_MULTIPLE, cache_batch_axes, check_prompts, check_sampling, eos_array,
+                                   prompt_bucket, round_up, scatter_rows)
+from specjax.eval.spec_decode import SpecDecoder, SpecResult
+from specjax.eval.verify import accept_chain, accept_tree, chain_chunk, prefill, tree_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +69,7 @@ class _Static:
     mode: str
     widths: tuple
     top_k: int
-    block: bool
-    parallel: bool
+    family: object  # the draft family (specjax.drafts.family): its proposers and draft cache
     sample: bool
     cache_len: int
     n_out: int
@@ -102,8 +98,7 @@ def _row_init(ids_p, length, first, eos_e, *, st: _Static):
     col = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
     pend_tok = jnp.where(col < length - 1, jnp.roll(ids, -1, axis=1), 0)
     pend_tok = jnp.where(col == length - 1, first, pend_tok)
-    dcache = (dflash.init_context_cache(st.dcfg, 1, cache_size_for(st.cache_len)) if st.block
-              else init_draft_cache(st.dcfg, st.cache_len, jnp.dtype(st.draft_dtype)))
+    dcache = st.family.init_decode_cache(st.dcfg, st.cache_len, jnp.dtype(st.draft_dtype))
     first_eos = jnp.any(first == eos_e)
     out = jnp.zeros((st.n_out + k + 1,), jnp.int32).at[0].set(jnp.where(first_eos, 0, first))
     state = dict(dcache=dcache, last=first, n=length + 1, dstart=jnp.int32(0), pend_count=length.astype(jnp.int32),
@@ -123,7 +118,7 @@ def _start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, *, st: _S
     and state. Returns the loop's carry: (row states, target cache, pending tokens, pending aux)."""
     tcache = st.target_cls.init_cache_fn(st.config, ids_bp.shape[0], st.cache_len, embed.dtype)
     keys = jax.vmap(lambda r: jax.random.fold_in(r, 0))(roots_b)
-    first, aux, tcache = _prefill(params, tcache, ids_bp, lens_b, keys, temperature, target_cls=st.target_cls,
+    first, aux, tcache = prefill(params, tcache, ids_bp, lens_b, keys, temperature, target_cls=st.target_cls,
                                   config=st.config, aux_ids=st.aux_ids, sample=st.sample)
     state, pend_tok = jax.vmap(functools.partial(_row_init, st=st), in_axes=(0, 0, 0, None))(ids_bp, lens_b, first,
                                                                                               eos_e)
@@ -134,16 +129,14 @@ def _row_draft(dp, embed, d2t, root, temperature, s, pend_tok, pend_aux, *, st: 
     """One row's proposal for its next step (vmapped over rows): ((drafts [K], q) for a chain, (nodes,
     parents) for a tree) and the row's new draft cache."""
     kd = jax.random.fold_in(root, 2 * (s["step"] + 1))
-    if st.block:
-        drafts, q, dcache = _draft_block(dp, embed, d2t, s["dcache"], pend_aux, s["pend_count"], s["dstart"],
-                                         s["last"], kd, temperature, dcfg=st.dcfg, k=st.k, sample=st.sample)
-    elif st.mode == "chain":
-        propose = _draft_parallel if st.parallel else _draft_chain
-        drafts, q, dcache = propose(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"], s["dstart"],
-                                    kd, temperature, dcfg=st.dcfg, k=st.k, sample=st.sample)
+    if st.mode == "chain":
+        drafts, q, dcache = st.family.propose_chain(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
+                                                    s["dstart"], s["last"], kd, temperature, dcfg=st.dcfg, k=st.k,
+                                                    sample=st.sample)
     else:
-        nodes, parents, dcache = _draft_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux, s["pend_count"],
-                                             s["dstart"], dcfg=st.dcfg, widths=st.widths, top_k=st.top_k)
+        nodes, parents, dcache = st.family.propose_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux,
+                                                        s["pend_count"], s["dstart"], dcfg=st.dcfg, widths=st.widths,
+                                                        top_k=st.top_k)
         return (nodes, parents), dcache
     return (drafts, q), dcache
 
@@ -242,7 +235,7 @@ def _put_row(rows, r, one, cache_axes):
     s1, tcache1, pend_tok1, pend_aux1 = one
     put = lambda a, x: a.at[r].set(x[0])  # noqa: E731
     whole_rows = jax.tree.map(lambda _: -1, cache_axes)
-    tcache = _scatter_rows(tcache, tcache1, jnp.reshape(r, (1,)), cache_axes, whole_rows)
+    tcache = scatter_rows(tcache, tcache1, jnp.reshape(r, (1,)), cache_axes, whole_rows)
     return (jax.tree.map(put, s, s1), tcache, put(pend_tok, pend_tok1), jax.tree.map(put, pend_aux, pend_aux1))
 
 
@@ -327,7 +320,7 @@ class SpecLoop:
         sample = float(temperature) > 0.0
         if sample and dec.mode == "tree":
             raise ValueError("tree mode verifies greedily; use mode='chain' for temperature > 0")
-        prompts = _check_prompts(prompts, int(dec.target.config.vocab_size))
+        prompts = check_prompts(prompts, int(dec.target.config.vocab_size))
         results: list[SpecResult] = []
         if not prompts:
             return results
@@ -336,7 +329,7 @@ class SpecLoop:
             return [SpecResult([], [], [0] * dec.k, 0, 0.0, 0.0, 0.0) for _ in prompts]
         eos = [int(e) for e in eos_token_ids]
         eos_arr = eos_array(eos)
-        n_out = _round_up(max_new, _OUT_MULTIPLE)
+        n_out = round_up(max_new, OUT_MULTIPLE)
         b = len(prompts) if batch_size is None else max(1, min(int(batch_size), len(prompts)))
         if refill:
             return self._stream(prompts, b, max_new, float(temperature), eos_arr, seed, n_out, sample)
@@ -352,7 +345,7 @@ class SpecLoop:
             st = self._static(bucket, n_out, sample)
             roots = jnp.stack([jax.random.PRNGKey(s) for s in seeds_p])
             t0 = time.perf_counter()
-            with dec._precision():
+            with dec.matmul_precision_context():
                 got = _spec_batch(dec.target.params, dec.draft_params, dec.embed, dec.d2t, dec.draft_ids,
                                   jnp.asarray(ids), jnp.asarray([len(r) for r in rows_p], jnp.int32), roots,
                                   jnp.float32(max(float(temperature), 1e-6)), jnp.asarray(eos_arr), jnp.int32(max_new),
@@ -370,8 +363,7 @@ class SpecLoop:
         # as SpecDecoder._setup: > bucket, and room for the last verification chunk
         cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
         return _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
-                       dec.widths, dec.top_k, dec.block_drafter, bool(getattr(dec.draft.config, "parallel_drafting", False)),
-                       sample, cache_len, n_out, dec.draft_dtype)
+                       dec.widths, dec.top_k, dec.family, sample, cache_len, n_out, dec.draft_dtype)
 
     def _stream(self, prompts, slots, max_new, temperature, eos_arr, seed, n_out, sample) -> list[SpecResult]:
         dec = self.dec
@@ -381,7 +373,7 @@ class SpecLoop:
             ids[r, : len(pr)] = pr
         roots = jnp.stack([jax.random.PRNGKey(seed + r) for r in range(len(prompts))])
         t0 = time.perf_counter()
-        with dec._precision():
+        with dec.matmul_precision_context():
             got = _spec_stream(dec.target.params, dec.draft_params, dec.embed, dec.d2t, dec.draft_ids, jnp.asarray(ids),
                                jnp.asarray([len(r) for r in prompts], jnp.int32), roots,
                                jnp.float32(max(temperature, 1e-6)), jnp.asarray(eos_arr), jnp.int32(max_new),
@@ -430,7 +422,7 @@ class DeviceLoopDecoder:
         from specjax.eval.generate import generate
 
         t0 = time.perf_counter()
-        with self.dec._precision():
+        with self.dec.matmul_precision_context():
             outs = generate(self.dec.target, [list(p) for p in prompts], max_new_tokens=max_new_tokens,
                             eos_token_ids=eos_token_ids, batch_size=len(prompts))
         wall = (time.perf_counter() - t0) / len(prompts)

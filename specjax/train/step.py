@@ -1,9 +1,11 @@
 """The train step: one pure function of (train state, target params, vocab arrays, batch), jitted
 once with explicit in/out shardings and the train state donated.
 
-state = {"step": int32[], "params": draft params, "opt_state": optax state}. The only randomness
-is P-EAGLE's COD row sampling and DFlash's anchor draw, both keyed by the step number (cod_key,
-anchor_key), so the state holds no RNG; the draft's initial params come from run.seed.
+state = {"step": int32[], "params": draft params, "opt_state": optax state}. The loss, the logical
+axes of the params and the leaves the optimizer leaves alone come from the draft config's family
+(specjax.drafts.family). The only randomness is the family's (P-EAGLE's COD row sampling, DFlash's
+anchor draw), keyed by the step number, so the state holds no RNG; the draft's initial params come
+from run.seed.
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import mesh as meshlib
-from specjax.drafts import dflash, draft_types, eagle3
-from specjax.drafts.ttt import TTTConfig, ttt_loss
+from specjax.drafts.families import family_of
 
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
 
@@ -32,85 +33,10 @@ class StepFns:
     batch_sharding: NamedSharding
 
 
-@dataclass(frozen=True)
-class DFlashObjective:
-    """What a DFlash loss reads besides the draft config (specjax.train.setup.make_dflash_objective)."""
-    loss: dflash.DFlashLossConfig
-    anchor_seed: int  # run.seed
-
-
-def make_loss_fn(target, draft_cfg, ttt, compute_dtype):
-    if draft_types.is_dflash(draft_cfg):
-        return make_dflash_loss_fn(target, draft_cfg, ttt, compute_dtype)
-    aux_ids = tuple(draft_cfg.aux_layer_ids)
-
-    def loss_fn(draft_params, target_params, vocab, batch, step=None):
-        final_hidden, aux = target.forward(
-            target_params, batch["input_ids"], aux_layer_ids=aux_ids,
-            positions=batch["positions"], segment_ids=batch["segment_ids"],
-        )
-        return ttt_loss(
-            draft_params, draft_cfg, ttt,
-            input_ids=batch["input_ids"], loss_mask=batch["loss_mask"],
-            segment_ids=batch["segment_ids"], positions=batch["positions"],
-            aux_hidden=aux, final_hidden=final_hidden,
-            embed_table=target.embed_table(target_params), lm_head=target.lm_head_weight(target_params),
-            draft_ids=vocab["draft_ids"], t2d=vocab["t2d"], d2t=vocab["d2t"],
-            compute_dtype=compute_dtype, cod_key=cod_key(ttt, draft_cfg, step),
-        )
-
-    return loss_fn
-
-
-def make_dflash_loss_fn(target, draft_cfg: dflash.DFlashConfig, objective: DFlashObjective, compute_dtype):
-    """DFlash's loss on one packed batch: anchors drawn from the loss-masked rows (anchor_key), the
-    target's taps at draft_cfg.target_layer_ids. The lm_head stays the target's copy (a constant
-    to the optimizer, as in both references)."""
-    tap_ids = tuple(draft_cfg.target_layer_ids)
-    loss_cfg = objective.loss
-
-    def loss_fn(draft_params, target_params, vocab, batch, step=None):
-        final_hidden, aux = target.forward(
-            target_params, batch["input_ids"], aux_layer_ids=tap_ids,
-            positions=batch["positions"], segment_ids=batch["segment_ids"],
-        )
-        candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
-        anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
-        params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
-        loss, m = dflash.dflash_loss(
-            params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid,
-            input_ids=batch["input_ids"], loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"],
-            positions=batch["positions"], aux_hidden=aux, embed_table=target.embed_table(target_params),
-            final_hidden=final_hidden, lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
-            compute_dtype=compute_dtype)
-        first = draft_cfg.first_trained_slot
-        # the loop's columns: acc_k / slot_tokens_k become acc_0.. (draft token 0 = the first drafted slot)
-        metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
-                   "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"]}
-        return loss, metrics
-
-    return loss_fn
-
-
-def frozen_leaves_kept(draft_cfg, updates):
-    """DFlash's lm_head gets no update (not even weight decay): both references keep the target's copy."""
-    if not draft_types.is_dflash(draft_cfg):
-        return updates
-    return dict(updates, lm_head=jax.tree_util.tree_map(jnp.zeros_like, updates["lm_head"]))
-
-
-def anchor_key(objective: DFlashObjective, step):
-    """DFlash's anchor draw for train step `step` (a function of the step: a resumed run draws the
-    same blocks); evaluation (`step` None) uses step 0's."""
-    return jax.random.fold_in(jax.random.key(objective.anchor_seed), 0 if step is None else step)
-
-
-def cod_key(ttt: TTTConfig, draft_cfg: eagle3.Eagle3Config, step):
-    """P-EAGLE's COD sampling key for train step `step` (a function of the step, so a resumed run
-    samples the same rows); evaluation (`step` None) uses step 0's. None for EAGLE-3."""
-    if not draft_cfg.parallel_drafting:
-        return None
-    return jax.random.fold_in(jax.random.key(ttt.cod_seed), 0 if step is None else step)
+def make_loss_fn(target, draft_cfg, objective, compute_dtype):
+    """`loss_fn(draft_params, target_params, vocab, batch, step=None) -> (loss, metrics)` of the draft
+    config's family (`objective`: what that family's make_objective built, e.g. a TTTConfig)."""
+    return family_of(draft_cfg).loss_fn(target, draft_cfg, objective, compute_dtype)
 
 
 def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
@@ -122,11 +48,14 @@ def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
     )
 
 
-def build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimizer,
+def build_step_fns(target, target_params, draft_params, draft_cfg, objective, optimizer,
                    mesh: Mesh, compute_dtype=jnp.float32, target_exclude=()) -> StepFns:
-    loss_fn = make_loss_fn(target, draft_cfg, ttt, compute_dtype)
+    """The jitted train and eval steps of `draft_cfg`'s family (its loss on `objective`, its logical
+    axes, its frozen leaves) with explicit shardings on `mesh`."""
+    family = family_of(draft_cfg)
+    loss_fn = family.loss_fn(target, draft_cfg, objective, compute_dtype)
     replicated = NamedSharding(mesh, P())
-    param_sh = meshlib.tree_shardings(mesh, draft_types.param_logical_axes(draft_cfg), draft_params)
+    param_sh = meshlib.tree_shardings(mesh, family.param_logical_axes(draft_cfg), draft_params)
     state_sh = {
         "step": replicated,
         "params": param_sh,
@@ -143,7 +72,7 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, ttt, optimize
                 state["params"], target_params, vocab, batch, state["step"])
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], frozen_leaves_kept(draft_cfg, updates))
+        params = optax.apply_updates(state["params"], family.frozen_leaves_kept(draft_cfg, updates))
         # numerical guard: a non-finite loss or gradient leaves params and optimizer untouched
         finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
         keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)

@@ -53,7 +53,7 @@ def test_dflash_head_trains_exports_and_decodes(tiny_target, tmp_path):
     assert conf["dflash_config"]["target_layer_ids"] == [target_conf["num_hidden_layers"] // 2]  # one draft layer
     meta = json.load(open(tmp_path / "run" / "run_meta.json"))
     assert meta["draft_family"] == "dflash" and meta["draft_config"]["block_size"] == 4
-    from specjax_converters.eagle3_validate import errors, validate_folder
+    from specjax_converters.head_formats import errors, validate_folder
 
     findings, info = validate_folder(res.export_dir, target=tiny_target)  # the DFlash rules, not EAGLE-3's
     assert info["layout"] == "dflash" and not errors(findings), [str(f) for f in findings]
@@ -109,7 +109,9 @@ def test_dflash_settings_are_checked_when_the_config_loads():
             (["draft.type=dflash", "draft.sample_from_anchor=true", "train.dflash_objective=token_ce"], "slot 0"),
             (["draft.type=dflash", "draft.block_size=4", "decode_eval.at_end=true", "decode_eval.num_spec_tokens=5"],
              "decode_eval.num_spec_tokens"),
-            (["draft.block_size=8"], "only read by draft.type=dflash"),
-            (["draft.type=p_eagle", "train.dflash_anchors=8"], "only read by draft.type=dflash")):
+            (["draft.block_size=8"], r"`draft.block_size` is not a key of draft.type=eagle3 \(EAGLE-3\); it belongs to "
+             r"draft.type=dflash or draft.type=jetspec. Fix: remove it or set draft.type=dflash"),
+            (["draft.type=p_eagle", "train.dflash_anchors=8"], r"`train.dflash_anchors` = 8 is not read by "
+             r"draft.type=p_eagle .* it is read by draft.type=dflash")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)

@@ -14,7 +14,7 @@ def test_two_layer_head_trains_exports_and_decodes(tiny_target, tmp_path):
     from specjax.targets.loading import load_target
     from specjax.train.loop import train
     from specjax.train.metrics import read_metrics
-    from specjax_converters.eagle3_validate import errors, validate_folder
+    from specjax_converters.head_formats import errors, validate_folder
 
     res = train(inprocess_config(tiny_target, tmp_path / "run", "draft.num_layers=2", "train.steps=6",
                                  "export.at_end=true", "optim.lr=3e-3", "optim.warmup_ratio=0.0"))

@@ -17,7 +17,7 @@ def test_p_eagle_head_trains_exports_and_decodes(tiny_target, tmp_path):
     from specjax.targets.loading import load_target
     from specjax.train.loop import train
     from specjax.train.metrics import read_metrics
-    from specjax_converters.eagle3_validate import errors, validate_folder
+    from specjax_converters.head_formats import errors, validate_folder
 
     res = train(inprocess_config(tiny_target, tmp_path / "run", "draft.type=p_eagle", "draft.ttt_steps=3",
                                  "draft.step_decay=1.0", "train.steps=8", "export.at_end=true", "optim.lr=3e-3",

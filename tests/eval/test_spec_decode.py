@@ -12,12 +12,14 @@ import pytest
 from specjax.drafts.eagle3 import (config_from_target, decoder_layer, draft_logits, draft_step, init_draft_params,
                                    next_step_hidden, project_aux)
 from specjax.drafts.vocab import DraftVocab
+from specjax.drafts import eagle3_decoding as proposers
+from specjax.eval import verify
 from specjax.eval import spec_decode as sd
 from specjax.eval.generate import generate
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.targets.loading import load_target
 
-from eval._models import build_target
+from eval._models import build_target, target_draft_and_reference
 
 PROMPT = [5, 17, 3, 9, 11, 2, 40]
 MAX_NEW = 13
@@ -25,14 +27,12 @@ MAX_NEW = 13
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = build_target(tmp_path_factory.mktemp("spec"), "LlamaForCausalLM", False, seed=1)
-    target = load_target(path, dtype="float32")
-    V = target.config.vocab_size
-    dcfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.default_aux_layer_ids())
-    draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.from_ids(np.arange(0, V, 2), V))
+    def make_draft(target, vocab):
+        dcfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.default_aux_layer_ids())
+        return Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, vocab)
+
     # the greedy reference, long enough that an oracle can always look K tokens ahead
-    ref = generate(target, [PROMPT], max_new_tokens=MAX_NEW + 8)[0]
-    return target, draft, ref
+    return target_draft_and_reference(tmp_path_factory.mktemp("spec"), make_draft, PROMPT, MAX_NEW + 8)
 
 
 class OracleChain(SpecDecoder):
@@ -107,12 +107,12 @@ def test_draft_cache_matches_ttt_layer(setup, num_layers):
         ref0, kv0 = draft_step(p, cfg, emb0, h0, pos, None, [[] for _ in range(cfg.num_layers)])
         # TTT step 1 at row t reads token x[t+2] and the step-0 output of row t, at position t+1
         ref1, _ = draft_step(p, cfg, emb1, next_step_hidden(p, cfg, ref0), pos, None, [[kv] for kv in kv0])
-        cache = sd.init_draft_cache(cfg, 16)
+        cache = proposers.init_draft_cache(cfg, 16)
         S = cache["k"].shape[2]
         mask = jnp.tril(jnp.ones((T, S), bool))[None]
-        got0, cache = sd.draft_layer_cached(p, cfg, cache, emb0, h0, pos, pos, mask)
+        got0, cache = proposers.draft_layer_cached(p, cfg, cache, emb0, h0, pos, pos, mask)
         slot = jnp.array([[t + 1]])
-        got1, _ = sd.draft_layer_cached(p, cfg, cache, emb1[:, t:t + 1], next_step_hidden(p, cfg, got0[:, t:t + 1]),
+        got1, _ = proposers.draft_layer_cached(p, cfg, cache, emb1[:, t:t + 1], next_step_hidden(p, cfg, got0[:, t:t + 1]),
                                         slot, slot, (jnp.arange(S) <= t + 1)[None, None])
         return ref0, got0, ref1[:, t], got1[:, 0]
 
@@ -286,7 +286,7 @@ def test_speculative_sample_distribution():
     def one(key):
         kd, ks = jax.random.split(key)
         drafts = jax.random.categorical(kd, jnp.log(q), axis=-1).astype(jnp.int32)
-        a, tok = sd.speculative_sample(p, q, drafts, ks)
+        a, tok = verify.speculative_sample(p, q, drafts, ks)
         first = jnp.where(a >= 1, drafts[0], tok)
         second = jnp.where(a >= 2, drafts[1], tok)  # meaningful when a >= 1
         return a, first, second
@@ -374,21 +374,23 @@ def test_matmul_precision_follows_the_target_dtype(setup, monkeypatch, tmp_path)
     assert SpecDecoder(bf16, draft).matmul_precision is None  # bf16 targets keep the fast default
 
     seen = []
-    for name in ("_prefill", "_greedy_step", "_verify_chain", "_draft_chain"):
-        real = getattr(spec_decode, name)
+    # the target calls spec_decode makes, and the draft call the EAGLE-3 family makes for it
+    for module, name in ((spec_decode, "prefill"), (spec_decode, "greedy_step"), (spec_decode, "verify_chain"),
+                         (proposers, "draft_chain")):
+        real = getattr(module, name)
 
         def spy(*a, _real=real, _name=name, **kw):
             seen.append((_name, jax_config.default_matmul_precision.value))
             return _real(*a, **kw)
 
-        monkeypatch.setattr(spec_decode, name, spy)
+        monkeypatch.setattr(module, name, spy)
     dec = SpecDecoder(target, draft, num_spec_tokens=2)
     # an outer setting unlike "highest" (the test suite may set highest globally), so the check can fail
     with jax.default_matmul_precision("bfloat16"):
         dec.generate(PROMPT, max_new_tokens=6)
         dec.greedy(PROMPT, max_new_tokens=6)
         assert jax_config.default_matmul_precision.value == "bfloat16"  # restored after the calls
-        assert {n for n, _ in seen} == {"_prefill", "_greedy_step", "_verify_chain", "_draft_chain"}
+        assert {n for n, _ in seen} == {"prefill", "greedy_step", "verify_chain", "draft_chain"}
         assert all(p == "highest" for _, p in seen), seen
         seen.clear()
         SpecDecoder(target, draft, num_spec_tokens=2, matmul_precision=None).generate(PROMPT, max_new_tokens=4)

@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash block drafter (specjax.eval.spec_decode._draft_block).
+"""Speculative decoding with a DFlash block drafter (specjax.drafts.dflash_decoding.draft_block).
 
 Bars: (1) lossless: greedy speculative output equals the target's greedy output token for token
 (fp32) with a random head and with a hand-perturbed one (two layers, large weights, jittered norm
@@ -18,11 +18,9 @@ import pytest
 
 from specjax.drafts import dflash
 from specjax.drafts.vocab import DraftVocab
-from specjax.eval.generate import generate
 from specjax.eval.spec_decode import Draft, SpecDecoder
-from specjax.targets.loading import load_target
 
-from eval._models import build_target
+from eval._models import assert_samples_in_chain_mode_only, target_draft_and_reference
 
 PROMPT = [5, 17, 3, 9, 11, 2, 40]
 MAX_NEW = 13
@@ -32,16 +30,14 @@ BLOCK = 5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = build_target(tmp_path_factory.mktemp("spec_df"), "LlamaForCausalLM", False, seed=1)
-    target = load_target(path, dtype="float32")
-    V = target.config.vocab_size
-    dcfg = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=MASK_ID, num_layers=1,
-                                     block_size=BLOCK, target_layer_ids=(0, 2))
-    # std 0.1: with the 0.02 init a block's argmax hardly depends on its context (a weak check)
-    draft = Draft(dflash.init_draft_params(dcfg, jax.random.key(0), std=0.1), dcfg,
-                  DraftVocab.from_ids(np.arange(0, V, 2), V))
-    ref = generate(target, [PROMPT], max_new_tokens=MAX_NEW + 20)[0]  # the oracle looks up to K ahead
-    return target, draft, ref
+    def make_draft(target, vocab):
+        dcfg = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=MASK_ID, num_layers=1,
+                                         block_size=BLOCK, target_layer_ids=(0, 2))
+        # std 0.1: with the 0.02 init a block's argmax hardly depends on its context (a weak check)
+        return Draft(dflash.init_draft_params(dcfg, jax.random.key(0), std=0.1), dcfg, vocab)
+
+    # the oracle looks up to K ahead
+    return target_draft_and_reference(tmp_path_factory.mktemp("spec_df"), make_draft, PROMPT, MAX_NEW + 20)
 
 
 def perturbed(draft, target):
@@ -120,9 +116,6 @@ def test_proposals_follow_the_training_forward(setup, head, short):
 
 def test_dflash_sampling_runs_and_refusals(setup):
     target, draft, _ = setup
-    res = SpecDecoder(target, draft, num_spec_tokens=3).generate(PROMPT, max_new_tokens=6, temperature=0.8, seed=1)
-    assert len(res.tokens) <= 6 and all(0 <= t < target.config.vocab_size for t in res.tokens)
-    with pytest.raises(ValueError, match="mode='chain'"):
-        SpecDecoder(target, draft, num_spec_tokens=3, mode="tree")
+    assert_samples_in_chain_mode_only(target, draft, PROMPT)
     with pytest.raises(ValueError, match="block_size=5"):
         SpecDecoder(target, draft, num_spec_tokens=BLOCK)

@@ -1,4 +1,4 @@
-"""Speculative decoding with a P-EAGLE head (parallel drafting; specjax.eval.spec_decode._draft_parallel).
+"""Speculative decoding with a P-EAGLE head (parallel drafting; specjax.drafts.eagle3_decoding.draft_parallel).
 
 Bars: (1) every proposal is what the trained P-EAGLE forward predicts: depth 0 at the last accepted row
 reads its token and the target's aux state, depth d >= 1 reads the mask token and fc(mask_hidden) at
@@ -16,12 +16,9 @@ import pytest
 
 from specjax.drafts.eagle3 import config_from_target, draft_logits, draft_step, init_draft_params, mask_hidden_projected, \
     project_aux
-from specjax.drafts.vocab import DraftVocab
-from specjax.eval.generate import generate
 from specjax.eval.spec_decode import Draft, SpecDecoder
-from specjax.targets.loading import load_target
 
-from eval._models import build_target
+from eval._models import assert_samples_in_chain_mode_only, target_draft_and_reference
 
 PROMPT = [5, 17, 3, 9, 11, 2, 40]
 MAX_NEW = 13
@@ -30,14 +27,12 @@ MASK_ID = 3
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = build_target(tmp_path_factory.mktemp("spec_pe"), "LlamaForCausalLM", False, seed=1)
-    target = load_target(path, dtype="float32")
-    V = target.config.vocab_size
-    dcfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.default_aux_layer_ids(),
-                              parallel_drafting=True, mask_token_id=MASK_ID)
-    draft = Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, DraftVocab.from_ids(np.arange(0, V, 2), V))
-    ref = generate(target, [PROMPT], max_new_tokens=MAX_NEW + 8)[0]
-    return target, draft, ref
+    def make_draft(target, vocab):
+        dcfg = config_from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.default_aux_layer_ids(),
+                                  parallel_drafting=True, mask_token_id=MASK_ID)
+        return Draft(init_draft_params(dcfg, jax.random.key(0)), dcfg, vocab)
+
+    return target_draft_and_reference(tmp_path_factory.mktemp("spec_pe"), make_draft, PROMPT, MAX_NEW + 8)
 
 
 def _with_layers(draft, n):
@@ -104,7 +99,4 @@ def test_lossless_p_eagle(setup, num_layers, k):
 
 def test_p_eagle_sampling_runs_and_refuses_tree(setup):
     target, draft, _ = setup
-    res = SpecDecoder(target, draft, num_spec_tokens=3).generate(PROMPT, max_new_tokens=6, temperature=0.8, seed=1)
-    assert len(res.tokens) <= 6 and all(0 <= t < target.config.vocab_size for t in res.tokens)
-    with pytest.raises(ValueError, match="mode='chain'"):
-        SpecDecoder(target, draft, num_spec_tokens=3, mode="tree")
+    assert_samples_in_chain_mode_only(target, draft, PROMPT)

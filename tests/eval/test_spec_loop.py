@@ -147,7 +147,7 @@ def test_bf16_draft_stays_lossless(target, kind, mode, refill):
     import jax.numpy as jnp
 
     from specjax.drafts.eagle3 import draft_logits
-    from specjax.eval.spec_decode import _draft_prefill, init_draft_cache
+    from specjax.drafts.eagle3_decoding import draft_prefill, init_draft_cache
 
     dec = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode, draft_dtype="bfloat16")
     assert {x.dtype for x in jax.tree.leaves(dec.draft_params)} == {jnp.dtype(jnp.bfloat16)}
@@ -160,7 +160,7 @@ def test_bf16_draft_stays_lossless(target, kind, mode, refill):
     dcfg = dec.draft.config
     dcache = init_draft_cache(dcfg, 16, jnp.bfloat16)
     aux = tuple(jnp.ones((1, 4, target.config.hidden_size), jnp.float32) for _ in dcfg.aux_layer_ids)
-    h, dcache = _draft_prefill(dec.draft_params, dcfg, dec.embed, dcache, jnp.asarray([[1, 2, 3, 0]]), aux,
+    h, dcache = draft_prefill(dec.draft_params, dcfg, dec.embed, dcache, jnp.asarray([[1, 2, 3, 0]]), aux,
                                jnp.int32(3), jnp.int32(0))
     assert h.dtype == jnp.bfloat16 and dcache["k"].dtype == jnp.bfloat16
     logits = draft_logits(dec.draft_params, dcfg, h)
@@ -168,8 +168,8 @@ def test_bf16_draft_stays_lossless(target, kind, mode, refill):
     # the same math as the fp32 draft (the one tested against SpecForge / speculators): hidden state and
     # logits within bf16 rounding (8 mantissa bits: 2e-2 of the fp32 values' scale)
     dec32 = SpecDecoder(target, _head(target, kind), num_spec_tokens=3, mode=mode)
-    h32, _ = _draft_prefill(dec32.draft_params, dcfg, dec32.embed, init_draft_cache(dcfg, 16), jnp.asarray([[1, 2, 3, 0]]),
-                            aux, jnp.int32(3), jnp.int32(0))
+    h32, _ = draft_prefill(dec32.draft_params, dcfg, dec32.embed, init_draft_cache(dcfg, 16), jnp.asarray([[1, 2, 3, 0]]),
+                           aux, jnp.int32(3), jnp.int32(0))
     logits32 = draft_logits(dec32.draft_params, dcfg, h32)
     for got, want in ((h, h32), (logits, logits32)):
         scale = float(jnp.abs(want).max())

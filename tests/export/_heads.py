@@ -5,6 +5,7 @@ Import as `export._heads` (tests/ is on sys.path through its conftest).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -79,6 +80,20 @@ def write_target(folder, target_hf, seed=1) -> np.ndarray:
     return np.asarray(tl.embed_table(params, tcfg), np.float32)
 
 
+def exported_head(root, seed, **draft_options) -> dict:
+    """The tiny target written to root/target and a draft over it (make_draft(seed, **draft_options))
+    exported fp32 to root/head; everything as one dict (root, target_hf, embed, cfg, params, vocab,
+    out: the head folder)."""
+    from specjax_converters.eagle3_export import export_eagle3
+
+    target_hf = target_config()
+    embed = write_target(root / "target", target_hf)
+    _, cfg, params, vocab = make_draft(seed, target_hf=target_hf, **draft_options)
+    out = export_eagle3(params, cfg, vocab, target_hf, root / "head", dtype="fp32")
+    return {"root": root, "target_hf": target_hf, "embed": embed, "cfg": cfg, "params": params, "vocab": vocab,
+            "out": str(out)}
+
+
 def inputs(seed, B=1, T=16, n_aux=3):
     rng = np.random.default_rng(seed)
     return {
@@ -147,6 +162,29 @@ def write_folder(folder, config, tensors, manifest=None):
 
 
 # ---- speculators (installed --no-deps) -----------------------------------------------------------
+@contextlib.contextmanager
+def speculators_importing(install_hint):
+    """The body imports from speculators 0.9.0: the test is skipped when speculators is not installed
+    (the reason names `install_hint`) or does not import; while the body runs, a stand-in `datasets`
+    module (the names speculators.train.data imports from it) sits in sys.modules when the real one
+    is not installed, and is removed right after."""
+    if importlib.util.find_spec("speculators") is None:
+        pytest.skip(f"speculators not installed ({install_hint})")
+    stub = None
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        stub = types.ModuleType("datasets")
+        stub.load_from_disk = stub.load_dataset = stub.concatenate_datasets = None
+        stub.Dataset = type("Dataset", (), {})
+        sys.modules["datasets"] = stub
+    try:
+        yield
+    except ImportError as e:
+        pytest.skip(f"speculators does not import here: {e}")
+    finally:
+        if stub is not None and sys.modules.get("datasets") is stub:
+            del sys.modules["datasets"]
+
+
 def import_speculators():
     """speculators 0.9.0 imported without its training-data dependency.
 
@@ -156,24 +194,11 @@ def import_speculators():
     sys.modules for the duration of the import and removed right after.
     """
     pytest.importorskip("torch")
-    if importlib.util.find_spec("speculators") is None:
-        pytest.skip("speculators not installed (pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 "
-                    "&& pip install loguru openai)")
-    stub = None
-    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
-        stub = types.ModuleType("datasets")
-        stub.load_from_disk = stub.load_dataset = stub.concatenate_datasets = None
-        stub.Dataset = type("Dataset", (), {})
-        sys.modules["datasets"] = stub
-    try:
+    with speculators_importing("pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 "
+                               "&& pip install loguru openai"):
         import speculators  # noqa: F401
         from speculators.convert.entrypoints import convert_model
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    except ImportError as e:
-        pytest.skip(f"speculators does not import here: {e}")
-    finally:
-        if stub is not None and sys.modules.get("datasets") is stub:
-            del sys.modules["datasets"]
     return types.SimpleNamespace(convert_model=convert_model, Eagle3DraftModel=Eagle3DraftModel,
                                  Eagle3SpeculatorConfig=Eagle3SpeculatorConfig)
 
@@ -198,24 +223,52 @@ def speculators_logits(model, data, n_steps=3) -> list[np.ndarray]:
     return caught
 
 
+def speculators_configs(algorithm, k, verifier_dir, *, rms_norm_eps, num_layers=1):
+    """The two configs a speculators draft model is built from, for a head over the tiny target:
+    its Llama layer config (sdpa attention, fp32-friendly on the CPU) and its SpeculatorsConfig
+    (`algorithm`, greedy proposals of k tokens, the Llama verifier in `verifier_dir`)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    tl_conf = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=num_layers,
+                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
+                          rms_norm_eps=rms_norm_eps, max_position_embeddings=4096,
+                          rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+    tl_conf._attn_implementation = "sdpa"
+    spec = SpeculatorsConfig(algorithm=algorithm, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=k)],
+                             default_proposal_method="greedy",
+                             verifier=VerifierConfig(name_or_path=str(verifier_dir),
+                                                     architectures=["LlamaForCausalLM"]))
+    return tl_conf, spec
+
+
+def load_exported_head(model, folder, embed):
+    """Our exported head (folder/model.safetensors) loaded strictly into a speculators draft model:
+    `midlayer.` read as `layers.0.`, the target's embedding as its embed_tokens, the vocab maps
+    through load_vocab_mappings; every draft tensor must load (the verifier's norm / lm_head are
+    not in a head). Returns the head's tensors."""
+    import torch
+    from safetensors.numpy import load_file
+
+    ours = load_file(os.path.join(folder, "model.safetensors"))
+    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): torch.from_numpy(v)
+             for k, v in ours.items() if k not in ("d2t", "t2d")}
+    state["embed_tokens.weight"] = torch.from_numpy(embed)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == []
+    assert sorted(m for m in missing if not m.startswith("verifier_")) == ["d2t", "t2d"], missing
+    model.load_vocab_mappings(torch.from_numpy(ours["t2d"]), torch.from_numpy(ours["d2t"]))
+    return ours
+
+
 def speculators_head(sp, folder, verifier_dir, *, fc_norm=False, norm_output=False, seed=0, aux=AUX):
     """A head as speculators itself trains and saves it (Eagle3DraftModel.save_pretrained): layers.0.*,
     speculators_config, top-level aux ids in vLLM's input convention. Random weights, norm scales
     away from 1. Returns the (fp32, sdpa) model."""
     import torch
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
 
-    tl_conf = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
-                          rms_norm_eps=1e-5, max_position_embeddings=4096, rope_parameters=dict(LLAMA3_ROPE),
-                          tie_word_embeddings=False)
-    tl_conf._attn_implementation = "sdpa"
-    spec = SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=str(verifier_dir),
-                                                     architectures=["LlamaForCausalLM"]))
+    tl_conf, spec = speculators_configs("eagle3", 3, verifier_dir, rms_norm_eps=1e-5)
     config = sp.Eagle3SpeculatorConfig(transformer_layer_config=tl_conf, draft_vocab_size=VD,
                                        eagle_aux_hidden_state_layer_ids=[a + 1 for a in aux], fc_norm=fc_norm,
                                        norm_output=norm_output, speculators_config=spec)

@@ -23,10 +23,10 @@ from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_WEIGHTS
 from specjax.drafts.vocab import DraftVocab
 from specjax.export import main as export_main
-from specjax.targets.layers.rope import RopeSpec
+from specjax.layers.rope import RopeSpec
 from specjax_converters.dflash_export import export_dflash
 from specjax_converters.dflash_import import read_dflash_head, warm_start_dflash_params
-from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.head_formats import errors, validate_folder
 
 V, H, NH, NKV, HD, I, VD, L = 50, 32, 4, 2, 8, 64, 24, 4
 TAPS, MASK = (0, 2), V - 1
@@ -274,7 +274,7 @@ def test_run_setup_warm_starts_a_dflash_run(good):
     from specjax.train.setup import RunSetup
 
     target = types.SimpleNamespace(params=None, lm_head_weight=lambda p: jax.ShapeDtypeStruct((V, H), np.float32))
-    blank = dict(mesh=None, target=target, ttt=None, optimizer=None, schedule=None, compute_dtype=None,
+    blank = dict(mesh=None, target=target, objective=None, optimizer=None, schedule=None, compute_dtype=None,
                  draft_params_shape=None, fns=None)
     cfg = load_config(None, ["draft.type=dflash", f"draft.init_from={good['dir']}"])
     params = RunSetup(cfg=cfg, draft_config=good["cfg"], **blank).init_draft_params(good["vocab"])

@@ -15,7 +15,8 @@ from export._heads import H, HEAD_DIM, L, LLAMA3_ROPE, N_HEADS, N_KV, V, VD, mak
 from specjax.export import main as export_main
 from specjax_converters.eagle3_export import export_eagle3
 from specjax.hf_config_checks import ConfigFieldError
-from specjax_converters.eagle3_validate import check_head, errors, validate_folder
+from specjax_converters.eagle3_validate import check_head
+from specjax_converters.head_formats import errors, validate_folder
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import numpy as np
 from specjax.config import load_config
 from specjax.drafts import eagle3
 from specjax.drafts.vocab import DraftVocab
-from specjax.targets import shapes
+from specjax.targets import abstract
 from specjax.targets.loading import read_hf_config
 from specjax.train.setup import make_draft_config, resolve_aux_ids
 from specjax_converters.eagle3_export import export_eagle3
-from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.head_formats import errors, validate_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CARD_TOP_LEVEL_IDS = [3, 23, 41]  # Nanbeige4.2-3B-EAGLE3 card, "Aux feature taps are virtual-depth ids"
@@ -31,9 +31,9 @@ def test_looped_config_exports_the_cards_top_level_ids(tmp_path):
     cfg = load_config(os.path.join(ROOT, "configs", "looped_eagle3.yaml"),
                       ["draft.draft_vocab_size=64", "draft.intermediate_size=96"])
     full = read_hf_config(os.path.join(ROOT, cfg.target.path))
-    hf = shapes.reduced_hf_config(full, vocab_size=256)
+    hf = abstract.reduced_hf_config(full, vocab_size=256)
     assert (hf["num_hidden_layers"], hf["num_loops"]) == (22, 2)  # the card's depth is kept
-    target = shapes.make_target(hf)
+    target = abstract.make_target(hf)
     assert target.num_layers == 44
 
     aux = resolve_aux_ids(cfg, target)

@@ -19,59 +19,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from export._heads import (
-    AUX, FAST_COMPILE, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, VD, H, V, import_speculators, inputs, jax_logits,
-    make_draft, rel_err, speculators_logits, target_config, write_target,
+    AUX, FAST_COMPILE, VD, H, V, exported_head, import_speculators, inputs, jax_logits, load_exported_head, rel_err,
+    speculators_configs, speculators_logits,
 )
 from safetensors.numpy import load_file
 
-from specjax_converters.eagle3_export import export_eagle3
 from specjax_converters.eagle3_import import read_head
-from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.head_formats import errors, validate_folder
 
 K = 3
 
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multilayer")
-    target_hf = target_config()
-    embed = write_target(root / "target", target_hf)
-    _, cfg, params, vocab = make_draft(21, target_hf=target_hf, num_layers=2)
-    out = export_eagle3(params, cfg, vocab, target_hf, root / "head", dtype="fp32")
-    return {"root": root, "target_hf": target_hf, "embed": embed, "cfg": cfg, "params": params, "vocab": vocab,
-            "out": str(out)}
+    return exported_head(tmp_path_factory.mktemp("multilayer"), 21, num_layers=2)
 
 
 def _speculators_two_layer(sp, head):
-    import torch
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
-
     conf = json.loads(open(os.path.join(head["out"], "config.json")).read())
     assert conf["num_hidden_layers"] == 2
-    tl_conf = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
-                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
-                          rms_norm_eps=conf["rms_norm_eps"], max_position_embeddings=4096,
-                          rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
-    tl_conf._attn_implementation = "sdpa"
-    spec = SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=str(head["root"] / "target"),
-                                                     architectures=["LlamaForCausalLM"]))
+    tl_conf, spec = speculators_configs("eagle3", K, head["root"] / "target", rms_norm_eps=conf["rms_norm_eps"],
+                                        num_layers=2)
     config = sp.Eagle3SpeculatorConfig(transformer_layer_config=tl_conf, draft_vocab_size=VD,
                                        eagle_aux_hidden_state_layer_ids=conf["eagle_aux_hidden_state_layer_ids"],
                                        norm_before_residual=False, speculators_config=spec)
     model = sp.Eagle3DraftModel(config)
-    ours = load_file(os.path.join(head["out"], "model.safetensors"))
-    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): torch.from_numpy(v)
-             for k, v in ours.items() if k not in ("d2t", "t2d")}
-    state["embed_tokens.weight"] = torch.from_numpy(head["embed"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert unexpected == []
-    model.load_vocab_mappings(torch.from_numpy(ours["t2d"]), torch.from_numpy(ours["d2t"]))
-    # every draft tensor loaded; the vocab maps just above; the verifier's norm / lm_head are unused here
-    assert sorted(m for m in missing if not m.startswith("verifier_")) == ["d2t", "t2d"], missing
+    load_exported_head(model, head["out"], head["embed"])
     return model.float().eval()
 
 

@@ -22,17 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from export._heads import (
-    AUX, FAST_COMPILE, HEAD_DIM, INTER, LLAMA3_ROPE, N_HEADS, N_KV, VD, H, V, import_speculators, make_draft, rel_err,
-    target_config, write_target,
+    AUX, FAST_COMPILE, VD, H, V, exported_head, import_speculators, load_exported_head, rel_err, speculators_configs,
 )
 from safetensors.numpy import load_file
 
 from specjax.drafts import eagle3
 from specjax.drafts.eagle3 import mask_hidden_projected
 from specjax.drafts.ttt import TTTConfig, cod_row_masks, shift_left, ttt_loss
-from specjax_converters.eagle3_export import export_eagle3
 from specjax_converters.eagle3_import import read_head
-from specjax_converters.eagle3_validate import errors, validate_folder
+from specjax_converters.head_formats import errors, validate_folder
 
 K = 4
 T = 24
@@ -41,13 +39,7 @@ MASK_ID = 7
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("p_eagle")
-    target_hf = target_config()
-    embed = write_target(root / "target", target_hf)
-    _, cfg, params, vocab = make_draft(31, target_hf=target_hf, mask_token_id=MASK_ID)
-    out = export_eagle3(params, cfg, vocab, target_hf, root / "head", dtype="fp32")
-    return {"root": root, "target_hf": target_hf, "embed": embed, "cfg": cfg, "params": params, "vocab": vocab,
-            "out": str(out)}
+    return exported_head(tmp_path_factory.mktemp("p_eagle"), 31, mask_token_id=MASK_ID)
 
 
 def _batch(head, seed=0):
@@ -88,35 +80,16 @@ def _jax_depth_logits(params, cfg, batch):
 
 
 def _speculators_model(sp, head, loss_name="kl_div"):
-    import torch
-    from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
 
     conf = json.loads(open(os.path.join(head["out"], "config.json")).read())
-    tl_conf = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
-                          rms_norm_eps=conf["rms_norm_eps"], max_position_embeddings=4096,
-                          rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
-    tl_conf._attn_implementation = "sdpa"
-    spec = SpeculatorsConfig(algorithm="peagle", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
-                             default_proposal_method="greedy",
-                             verifier=VerifierConfig(name_or_path=str(head["root"] / "target"),
-                                                     architectures=["LlamaForCausalLM"]))
+    tl_conf, spec = speculators_configs("peagle", K, head["root"] / "target", rms_norm_eps=conf["rms_norm_eps"])
     config = PEagleSpeculatorConfig(transformer_layer_config=tl_conf, draft_vocab_size=VD,
                                     eagle_aux_hidden_state_layer_ids=conf["eagle_aux_hidden_state_layer_ids"],
                                     norm_before_residual=False, mask_token_id=conf["mask_token_id"],
                                     speculators_config=spec)
     model = PEagleDraftModel(config)
-    ours = load_file(os.path.join(head["out"], "model.safetensors"))
-    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): torch.from_numpy(v)
-             for k, v in ours.items() if k not in ("d2t", "t2d")}
-    state["embed_tokens.weight"] = torch.from_numpy(head["embed"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert unexpected == []
-    assert sorted(m for m in missing if not m.startswith("verifier_")) == ["d2t", "t2d"], missing
-    model.load_vocab_mappings(torch.from_numpy(ours["t2d"]), torch.from_numpy(ours["d2t"]))
+    load_exported_head(model, head["out"], head["embed"])
     return model.float()
 
 

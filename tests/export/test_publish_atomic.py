@@ -205,7 +205,7 @@ eagle3_export.export_eagle3(params, cfg, vocab, target_hf, out, dtype="fp32")
 def test_killed_eagle3_export_keeps_a_valid_head_and_is_cleaned_up(tmp_path):
     from export._heads import make_draft
     from specjax_converters.eagle3_export import export_eagle3
-    from specjax_converters.eagle3_validate import errors, validate_folder
+    from specjax_converters.head_formats import errors, validate_folder
 
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path / "head")

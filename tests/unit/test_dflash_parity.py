@@ -18,8 +18,6 @@ breaks that tolerance.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 import types
 import warnings
 
@@ -28,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from export._heads import speculators_importing
 from specjax.drafts import dflash as D
 from specjax.drafts.vocab import DraftVocab
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec
 from specjax_converters.dflash_export import dflash_hf_config, dflash_state_dict, export_dflash
 
 TOL = 1e-4  # max|ours - ref| / max|ref| per tensor
@@ -134,26 +133,13 @@ def import_speculators_dflash():
     """speculators' DFlash model without its training-data stack: `speculators/__init__` imports
     `datasets` (only its offline loader uses it); a stand-in sits in sys.modules during the import."""
     torch = pytest.importorskip("torch")
-    if importlib.util.find_spec("speculators") is None:
-        pytest.skip("speculators not installed (pip install --no-deps speculators==0.9.0)")
-    stub = None
-    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
-        stub = types.ModuleType("datasets")
-        stub.load_from_disk = stub.load_dataset = stub.concatenate_datasets = None
-        stub.Dataset = type("Dataset", (), {})
-        sys.modules["datasets"] = stub
-    try:
+    with speculators_importing("pip install --no-deps speculators==0.9.0"):
         import speculators.models.dflash.core as core
         from speculators.config import SpeculatorsConfig, VerifierConfig
         from speculators.losses import eager
         from speculators.models import metrics as spec_metrics
         from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
         from speculators.proposals.greedy import GreedyTokenProposalConfig
-    except ImportError as e:
-        pytest.skip(f"speculators does not import here: {e}")
-    finally:
-        if stub is not None and sys.modules.get("datasets") is stub:
-            del sys.modules["datasets"]
     return types.SimpleNamespace(torch=torch, core=core, eager=eager, metrics=spec_metrics, Model=DFlashDraftModel,
                                  Config=DFlashSpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
                                  VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig)

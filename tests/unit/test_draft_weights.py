@@ -14,7 +14,8 @@ from export._heads import make_draft
 from specjax.drafts import eagle3, weights
 from specjax_converters.eagle3_export import WEIGHTS_FILE, eagle3_hf_config, eagle3_state_dict, export_eagle3
 from specjax_converters.eagle3_import import read_head
-from specjax_converters.eagle3_validate import errors, expected_weight_shapes, flatten_head_config, validate_folder
+from specjax_converters.eagle3_validate import expected_weight_shapes, flatten_head_config
+from specjax_converters.head_formats import errors, validate_folder
 
 VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}, "fc_norm": {"fc_norm": True}}
 

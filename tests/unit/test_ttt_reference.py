@@ -15,7 +15,7 @@ import numpy as np
 
 from specjax.drafts import eagle3
 from specjax.drafts.ttt import TTTConfig, shift_left, teacher_from_hidden, ttt_loss
-from specjax.targets.layers.rope import RopeSpec
+from specjax.layers.rope import RopeSpec
 
 
 def reference_ttt_loss(draft_params, cfg, ttt, *, input_ids, loss_mask, segment_ids, positions, aux_hidden,

@@ -6,7 +6,7 @@ import pytest
 
 from specjax.drafts import eagle3
 from specjax.drafts.ttt import TTTConfig, chunked_argmax, shift_left, ttt_loss
-from specjax.targets.layers.rope import RopeSpec
+from specjax.layers.rope import RopeSpec
 
 H, V, VD, K = 32, 97, 40, 4
 CFG = eagle3.Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=4,
