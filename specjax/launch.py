@@ -1,10 +1,13 @@
-"""Entry point: `python -m specjax.launch --config configs/X.yaml [section.key=value ...]`."""
+"""Entry point: `python -m specjax.launch --config configs/X.yaml [section.key=value ...]`.
+
+Parses the arguments and dispatches: --print-config, --compile-only (specjax.train.aot), or a
+training run (specjax.train.loop.train, whose set-up is specjax.train.run.build_run), whose result
+it prints as one JSON summary."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import sys
 
 from specjax.config import ConfigError, describe_sections, load_config
@@ -54,39 +57,6 @@ def _stand_in_cpu_devices(cfg, n_devices=None) -> None:
             pass
 
 
-def run_regenerate_stage(cfg):
-    """When `regenerate.enabled`: run the regeneration stage (resumable: a rerun continues it)
-    and return the config training should use -- `data.train_files` defaults to its output."""
-    import dataclasses
-
-    if not cfg.regenerate.enabled:
-        return cfg
-    import jax
-
-    from specjax.regenerate import output_dir, run_from_config
-
-    if jax.process_count() > 1:
-        raise ValueError(
-            "regenerate.enabled runs in one process; with several processes run "
-            "`python -m specjax.regenerate --config X` once first, then train with regenerate.enabled=false"
-        )
-    # checked before regenerating: a run that would regenerate data it then does not train on is refused
-    # at once, not after the regeneration (all of ShareGPT is ~11 minutes on an H200)
-    planned = output_dir(cfg)
-    if cfg.data.train_files and os.path.abspath(planned) not in {os.path.abspath(p) for p in cfg.data.train_files}:
-        raise ValueError(
-            f"regenerate.enabled would write {planned}, which data.train_files {list(cfg.data.train_files)} does "
-            "not list, so training would not use it: add it to data.train_files, or set regenerate.enabled=false "
-            "to train on the listed files only")
-    out = run_from_config(cfg)
-    log = logging.getLogger("specjax.launch")
-    if not cfg.data.train_files:
-        log.info("regenerated data in %s; training on it (data.train_files was empty)", out)
-        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=(out,)))
-    log.info("regenerated data in %s (listed in data.train_files)", out)
-    return cfg
-
-
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -129,25 +99,13 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
-    from specjax.train.loop import train
-
     from specjax.checkpoint import CheckpointMismatch, CheckpointSaveError
-    from specjax.train.loop import NonFiniteTrainingError
-
+    from specjax.convert import ConvertError
     from specjax.regen.common import RegenerateError
-
-    from specjax.convert import ConvertError, ensure_target_folder
-
-    from specjax.run_lock import holding
-    from specjax.train.setup import preflight
+    from specjax.train.loop import NonFiniteTrainingError, train
 
     try:
-        preflight(cfg)  # jinja2, tokenizer, template: before conversion, regeneration, the target build
-        if cfg.target.gguf:
-            ensure_target_folder(cfg.target.path, cfg.target.gguf)
-        with holding(cfg.run.output_dir):  # the regeneration stage writes into the run folder too
-            cfg = run_regenerate_stage(cfg)
-            result = train(cfg)
+        result = train(cfg)  # the whole run: specjax.train.run.build_run, then the loop
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError, CheckpointMismatch,
             CheckpointSaveError, NonFiniteTrainingError, RegenerateError, ConvertError) as e:
         # known, user-fixable problems: the message names the problem and the fix

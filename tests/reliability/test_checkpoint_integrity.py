@@ -263,15 +263,15 @@ def test_sigterm_during_the_final_validation_checkpoints_then_a_rerun_exports(ti
 
 
 def test_sigterm_during_setup_exits_cleanly_without_training(tiny_target, tmp_path, monkeypatch):
-    from specjax.train import loop
+    from specjax.train import run
 
-    real = loop.build_run_setup
+    real = run.build_run_setup
 
     def setup_and_term(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(loop, "build_run_setup", setup_and_term)
+    monkeypatch.setattr(run, "build_run_setup", setup_and_term)
     res = train(cfg(tiny_target, tmp_path / "run"))
     assert res.preempted and res.final_step == 0 and res.export_dir is None
     assert ckpt.manager(str(tmp_path / "run" / "checkpoints"), read_only=True).all_steps() == []

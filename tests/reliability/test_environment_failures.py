@@ -50,12 +50,13 @@ def _cfg(tmp_path, tiny_target, *overrides):
 
 @pytest.fixture
 def no_target_build(monkeypatch):
-    from specjax.train import loop
+    from specjax.train import run
 
     def refuse(*a, **k):
         raise AssertionError("the target was built before the environment check")
 
-    monkeypatch.setattr(loop, "build_target", refuse)
+    monkeypatch.setattr(run, "prepare_target_folder", refuse)
+    monkeypatch.setattr(run, "load_prepared_target", refuse)
 
 
 def test_template_that_does_not_compile_stops_before_the_target(tmp_path, tiny_target, no_target_build):

@@ -126,7 +126,7 @@ def test_stale_lock_of_a_killed_holder_is_taken_over(tmp_path):
 
 
 def test_nested_holding_in_one_process_releases_with_the_outermost(tmp_path):
-    """The launcher holds the folder around regeneration and train(), which takes it again."""
+    """A caller that holds the folder around train() (whose build_run takes it again) keeps it until its own end."""
     with run_lock.holding(str(tmp_path)):
         with run_lock.holding(str(tmp_path)):
             pass
