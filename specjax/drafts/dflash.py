@@ -20,7 +20,9 @@ Alignment, for an anchor at packed-row position a (tokens x, target positions `p
   RoPE positions context row s at positions[s]; slot i at positions[a] + i (so slot 0 sits at the
                  anchor's own position and the block continues the sequence)
   attention      every slot sees all its visible context rows and all S slots of its own block
-                 (bidirectional inside a block), never another block; a block has no causal order
+                 (bidirectional inside a block), never another block; a block has no causal order.
+                 A JetSpecConfig (cfg.causal) differs only here: slot i sees block slots 0..i
+                 (in_block_visibility, the rule vLLM applies to a head with dflash_config.causal)
   loss mask      loss_mask[a+i] (both objectives), and the anchor must be a real (valid) one. As
                  in speculators, a block that runs into the next packed document is masked only
                  by loss_mask (its first tokens are normally a prompt, mask 0), not by segment.
@@ -77,7 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,16 +87,16 @@ import jax.numpy as jnp
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax.drafts.eagle3 import init_params
-from specjax.targets.layers.norms import rms_norm
-from specjax.targets.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
 
 __all__ = [
-    "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "OBJECTIVES",
+    "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "JetSpecConfig", "OBJECTIVES",
     "anchor_candidates", "append_context", "attend_blocks", "block_metrics", "block_positions", "block_token_ids",
     "config_from_dict", "config_from_target", "config_to_dict", "context_kv", "context_visibility",
     "context_states", "default_target_layer_ids", "dflash_attention", "dflash_attention_reference",
     "dflash_loss", "draft_forward", "draft_logits", "init_context_cache", "init_draft_params",
-    "param_logical_axes", "propose_block", "select_anchors", "slot_decay",
+    "in_block_visibility", "param_logical_axes", "propose_block", "select_anchors", "slot_decay",
 ]
 
 Objective = Literal["teacher_kl", "token_ce"]
@@ -124,6 +126,10 @@ class DFlashConfig:
     num_target_layers: Optional[int] = None  # the target's depth, when known (bounds target_layer_ids)
     sample_from_anchor: bool = False  # slot 0 predicts too (S draft tokens instead of S-1)
     hidden_act: str = "silu"
+    # the attention inside a block: False = every slot sees all S slots (DFlash); True = slot j sees
+    # slots 0..j only (JetSpecConfig). A class attribute, not a field: the class says which drafter
+    # it is, so config_to_dict, run_meta.json and the export manifest list the same fields for both
+    causal: ClassVar[bool] = False
 
     @property
     def num_aux(self) -> int:
@@ -171,6 +177,13 @@ class DFlashConfig:
                  "use a token id the target's embedding has (a reserved/added special token)")
         if self.hidden_act != "silu":
             fail("hidden_act", "only SwiGLU (silu) MLPs are supported", "use hidden_act='silu'")
+
+
+@dataclass(frozen=True)
+class JetSpecConfig(DFlashConfig):
+    """A JetSpec draft: the DFlash network with causal attention inside the block (slot j attends
+    to its context rows and to block slots 0..j); every function of this module takes it."""
+    causal: ClassVar[bool] = True
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -306,6 +319,20 @@ def draft_logits(params: dict, cfg: DFlashConfig, h) -> jnp.ndarray:
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------
+def in_block_visibility(block_size: int, causal: bool) -> jnp.ndarray:
+    """[S, S] bool: slot s sees block slot u. Bidirectional (DFlash): every slot. Causal (JetSpec):
+    u <= s. vLLM 0.32 draws the same line: v1/spec_decode/dflash.py builds the drafting step's
+    attention metadata with the block's S queries appended after the request's context keys
+    (seq_lens = context + S) and `causal=self.dflash_causal`, which model_executor/models/qwen3_dflash.py
+    resolves per layer in `_dflash_layer_causal` (a top-level is_causal, else dflash_config.causal) via
+    `_resolve_layer_attention` / `dflash_has_any_non_causal`; causal attention aligns those queries
+    to the end of the keys, so query j sees every context row and block slots 0..j."""
+    slots = jnp.arange(block_size)
+    if causal:
+        return slots[None, :] <= slots[:, None]
+    return jnp.ones((block_size, block_size), bool)
+
+
 def context_visibility(anchors_bn, ctx_segment_ids_bt) -> jnp.ndarray:
     """[B, N, T] bool: block n sees context row t iff t < anchor and t is in the anchor's segment
     (segment 0 = padding sees nothing)."""
@@ -315,12 +342,13 @@ def context_visibility(anchors_bn, ctx_segment_ids_bt) -> jnp.ndarray:
     return (t < anchors_bn[:, :, None]) & (ctx_segment_ids_bt[:, None, :] == anchor_seg) & (anchor_seg > 0)
 
 
-def dflash_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segment_ids):
+def dflash_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segment_ids, *, causal: bool = False):
     """Plain dense DFlash attention. q [B, N, S, nH, hd]; k_ctx/v_ctx [B, T, nKV, hd];
     k_blk/v_blk [B, N, S, nKV, hd]; anchors [B, N] int; ctx_segment_ids [B, T] (0 = padding).
 
     Keys are [context rows | all N*S block rows]; query (n, s) sees context row t iff t < anchors[n]
-    in the same segment, and block row (m, u) iff m == n. Returns [B, N, S, nH, hd]."""
+    in the same segment, and block row (m, u) iff m == n (and u <= s when `causal`). Returns
+    [B, N, S, nH, hd]."""
     B, N, S, nH, D = q.shape
     T, nKV = k_ctx.shape[1], k_ctx.shape[2]
     qf = q.reshape(B, N * S, nH, D).astype(jnp.float32)
@@ -336,16 +364,19 @@ def dflash_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segme
     sees_context = ((kv[None, None, :] < T) & (kv[None, None, :] < q_anchor[:, :, None])
                     & (kv_seg[:, None, :] == q_seg[:, :, None]) & (q_seg[:, :, None] > 0))
     sees_block = (kv[None, :] >= T) & ((kv[None, :] - T) // S == q_block[:, None])
+    if causal:
+        sees_block = sees_block & ((kv[None, :] - T) % S <= jnp.arange(N * S)[:, None] % S)
     mask = sees_context | sees_block[None]  # [B, N*S, T+N*S]
     probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return out.reshape(B, N, S, nH, D).astype(q.dtype)
 
 
-def attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible):
+def attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, *, causal: bool = False):
     """DFlash attention for n blocks against shared context rows, given the blocks' context
     visibility `ctx_visible` [B, n, T] (bool). q [B, n, S, nH, hd], k_ctx/v_ctx [B, T, nKV, hd],
-    k_blk/v_blk [B, n, S, nKV, hd]. One softmax over [visible context rows | own block]."""
+    k_blk/v_blk [B, n, S, nKV, hd]. One softmax over [visible context rows | own block's slots
+    (in_block_visibility: all of them, or slots 0..s when `causal`)]."""
     B, n, S, nH, D = q.shape
     nKV = k_ctx.shape[2]
     qg = q.reshape(B, n, S, nKV, nH // nKV, D).astype(jnp.float32)
@@ -353,7 +384,9 @@ def attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible):
     s_ctx = jnp.einsum("bnsgrd,btgd->bngrst", qg, k_ctx.astype(jnp.float32)) * scale
     s_blk = jnp.einsum("bnsgrd,bnugd->bngrsu", qg, k_blk.astype(jnp.float32)) * scale
     s_ctx = jnp.where(ctx_visible[:, :, None, None, None, :], s_ctx, -jnp.inf)
-    # the own block is always visible, so the row max is finite
+    if causal:
+        s_blk = jnp.where(in_block_visibility(S, causal), s_blk, -jnp.inf)
+    # every slot sees itself, so the row max is finite
     m = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
     p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
     denom = jnp.sum(p_ctx, axis=-1) + jnp.sum(p_blk, axis=-1)  # [B, n, g, r, S]
@@ -362,7 +395,8 @@ def attend_blocks(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible):
     return out.transpose(0, 1, 4, 2, 3, 5).reshape(B, n, S, nH, D).astype(q.dtype)
 
 
-def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segment_ids, *, anchor_chunk: int = 16):
+def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segment_ids, *, anchor_chunk: int = 16,
+                     causal: bool = False):
     """The values of dflash_attention_reference, computed `anchor_chunk` blocks at a time (see the
     module doc): only a [B, chunk, T] visibility and [chunk*S, T] scores per step, recomputed in
     the backward."""
@@ -378,7 +412,7 @@ def dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_segment_ids, *,
     @jax.checkpoint
     def one_chunk(args):
         qc, kc, vc, ac = args
-        return attend_blocks(qc, k_ctx, v_ctx, kc, vc, context_visibility(ac, ctx_segment_ids))
+        return attend_blocks(qc, k_ctx, v_ctx, kc, vc, context_visibility(ac, ctx_segment_ids), causal=causal)
 
     out = jax.lax.map(one_chunk, (chunked(q), chunked(k_blk), chunked(v_blk), chunked(anchors)))
     out = jnp.moveaxis(out, 0, 1).reshape(B, n_chunks * C, *q.shape[2:])
@@ -422,9 +456,10 @@ def draft_forward(params: dict, cfg: DFlashConfig, *, aux_hidden: Sequence[jnp.n
         q, k_blk, v_blk = block_qkv(layer, cfg, xn, pos_blk)
         k_ctx, v_ctx = context_kv(layer, cfg, ctx, positions)
         if attention == "reference":
-            attn = dflash_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, seg)
+            attn = dflash_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, seg, causal=cfg.causal)
         elif attention == "chunked":
-            attn = dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, seg, anchor_chunk=anchor_chunk)
+            attn = dflash_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, seg, anchor_chunk=anchor_chunk,
+                                    causal=cfg.causal)
         else:
             raise ValueError(f"attention={attention!r}: use 'chunked' or 'reference'")
         x = layer_output(layer, cfg, x, attn)
@@ -617,7 +652,8 @@ def propose_block(params: dict, cfg: DFlashConfig, cache: dict, *, embed_table, 
         layer = params["layers"][str(i)]
         xn = rms_norm(x, layer["input_layernorm"]["scale"].astype(dtype), cfg.rms_norm_eps)
         q, k_blk, v_blk = block_qkv(layer, cfg, xn, pos)
-        x = layer_output(layer, cfg, x, attend_blocks(q, cache["k"][i], cache["v"][i], k_blk, v_blk, visible))
+        x = layer_output(layer, cfg, x, attend_blocks(q, cache["k"][i], cache["v"][i], k_blk, v_blk, visible,
+                                                      causal=cfg.causal))
     logits = draft_logits(params, cfg, x)[:, 0, cfg.first_trained_slot:]
     draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = draft if d2t is None else draft + jnp.take(jnp.asarray(d2t), draft).astype(jnp.int32)

@@ -35,7 +35,7 @@ def build_llama_target(path) -> str:
 
 
 def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1, p_eagle: bool = False,
-                     dflash: bool = False) -> str:
+                     dflash: bool = False, jetspec: bool = False) -> str:
     from specjax.config import load_config
     from specjax.train.loop import train
 
@@ -44,6 +44,8 @@ def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1
     extra += ["draft.type=p_eagle", "draft.step_decay=1.0"] if p_eagle else []
     # DFlash: one block drafts block_size - 1 = 5 tokens, enough for the tier's K = 3 and 5
     extra += ["draft.type=dflash", "draft.block_size=6", "train.dflash_anchors=32"] if dflash else []
+    # JetSpec: the same block, causal inside it (vLLM serves it with dflash_config.causal true)
+    extra += ["draft.type=jetspec", "draft.block_size=6", "train.dflash_anchors=32"] if jetspec else []
     cfg = load_config(None, [
         f"target.path={target}", "target.dtype=float32", f"run.output_dir={out_dir}",
         "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=400", "data.seq_length=128",

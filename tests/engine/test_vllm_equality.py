@@ -36,9 +36,9 @@ pytestmark = engine_marks()
 
 KS = (3, 5)
 # A DFlash head drafts one block: specjax.serve_cmd gives vLLM num_speculative_tokens = block_size - 1
-# whatever K is asked for (the tier's DFlash head has block_size 6), so it is compared at K = 5 only.
-# The two-layer head checks the layer stack, which K does not change: K = 3 only (CI time).
-HEAD_KS = {"dflash": (5,), "eagle3-2layer": (3,)}
+# whatever K is asked for (the tier's DFlash and JetSpec heads have block_size 6), so they are compared
+# at K = 5 only. The two-layer head checks the layer stack, which K does not change: K = 3 only (CI time).
+HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,)}
 
 
 def head_ks(head: str) -> tuple:
@@ -124,7 +124,8 @@ def _llama(worker, root, target) -> Family:
              "eagle3-2layer": M.train_llama_head(target, os.path.join(root, "run_2layer"), eagle31=False,
                                                  num_layers=2),
              "p-eagle": M.train_llama_head(target, os.path.join(root, "run_p_eagle"), eagle31=False, p_eagle=True),
-             "dflash": M.train_llama_head(target, os.path.join(root, "run_dflash"), eagle31=False, dflash=True)}
+             "dflash": M.train_llama_head(target, os.path.join(root, "run_dflash"), eagle31=False, dflash=True),
+             "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
 
 
@@ -218,7 +219,7 @@ def tier(engine_workdir, request):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash"), "qwen3": ("eagle3",),
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec"), "qwen3": ("eagle3",),
             "qwen3_moe": ("eagle3",)}
 CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}") for f, hs in FAMILIES.items() for h in hs for k in head_ks(h)]
 
