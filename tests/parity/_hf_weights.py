@@ -1,0 +1,28 @@
+"""What the target parity tests (specjax.targets vs transformers) share: the error metric and the
+redraw of a transformers model's weights to scales far from its init.
+
+Import as `parity._hf_weights` (tests/ is on sys.path through its conftest)."""
+import numpy as np
+
+
+def rel_err(ours, ref) -> float:
+    """max|ours - ref| / max|ref|, in float64."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def randomize_(model, seed: int, embed_names=("embed_tokens",)) -> None:
+    """Redraw the weights of a transformers model in place (torch Generator seeded `seed`, in
+    named_parameters order): norm weights 1 + 0.2 * N(0, 1), parameters whose name holds one of
+    `embed_names` std 0.5, every other one std 0.15."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif any(e in name for e in embed_names):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
