@@ -40,12 +40,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-STATE, DATA, META = "state", "data_iter", "meta"
+from specjax.run_files import (CHECKPOINT_CHECKSUMS_FILE, CHECKPOINT_DATA_ITEM, CHECKPOINT_META_ITEM,
+                               CHECKPOINT_MOVED_ASIDE_DIR, CHECKPOINT_STATE_ITEM)
+
+STATE, DATA, META = CHECKPOINT_STATE_ITEM, CHECKPOINT_DATA_ITEM, CHECKPOINT_META_ITEM
 # state entries that older specjax versions saved and nothing reads any more: restored (orbax
 # restores whole trees) and dropped, so their checkpoints still resume. "rng": a PRNG key the
 # train step never used (removed 2026-12).
 LEGACY_STATE_KEYS = ("rng",)
-CHECKSUMS_FILE = "specjax_checksums.json"
 
 log = logging.getLogger("specjax")
 
@@ -149,7 +151,7 @@ def _files(root: str) -> list[str]:
     for d, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(d, n), root)
-            if rel != CHECKSUMS_FILE and not rel.startswith(CHECKSUMS_FILE):
+            if rel != CHECKPOINT_CHECKSUMS_FILE and not rel.startswith(CHECKPOINT_CHECKSUMS_FILE):
                 out.append(rel)
     return sorted(out)
 
@@ -161,7 +163,7 @@ def _folder_entries(root: str) -> tuple[dict[str, int], set[str]]:
     for d, dirs, names in os.walk(root):  # os.walk lists a symlink to a folder but does not enter it
         for n in names + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             rel = os.path.relpath(os.path.join(d, n), root)
-            if rel == CHECKSUMS_FILE or rel.startswith(CHECKSUMS_FILE):
+            if rel == CHECKPOINT_CHECKSUMS_FILE or rel.startswith(CHECKPOINT_CHECKSUMS_FILE):
                 continue
             st = os.lstat(os.path.join(d, n))
             if stat.S_ISREG(st.st_mode):
@@ -176,10 +178,10 @@ def write_checksums(directory: str, step: int) -> None:
     root = os.path.join(directory, str(step))
     sums = {rel: {"size": os.path.getsize(os.path.join(root, rel)),
                   "sha256": _sha256_of_regular_file(os.path.join(root, rel))} for rel in _files(root)}
-    tmp = os.path.join(root, CHECKSUMS_FILE + ".tmp")
+    tmp = os.path.join(root, CHECKPOINT_CHECKSUMS_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": 1, "files": sums}, f, indent=0)
-    os.replace(tmp, os.path.join(root, CHECKSUMS_FILE))
+    os.replace(tmp, os.path.join(root, CHECKPOINT_CHECKSUMS_FILE))
 
 
 def _entry_problem(rel, want) -> Optional[str]:
@@ -190,7 +192,7 @@ def _entry_problem(rel, want) -> Optional[str]:
     parts = rel.split("/")
     if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return f"entry {rel!r} is outside the step folder (absolute, or with '..', '.' or an empty part)"
-    if rel == CHECKSUMS_FILE or rel.startswith(CHECKSUMS_FILE):
+    if rel == CHECKPOINT_CHECKSUMS_FILE or rel.startswith(CHECKPOINT_CHECKSUMS_FILE):
         return f"entry {rel!r} lists the checksum list itself"
     if not isinstance(want, dict):
         return f"entry {rel!r} is {type(want).__name__}, not an object with size and sha256"
@@ -236,11 +238,12 @@ def check_files(directory: str, step: int) -> FileCheck:
     root = os.path.join(directory, str(step))
     if not os.path.isdir(root):
         return FileCheck(damage=f"{root} does not exist")
-    path = os.path.join(root, CHECKSUMS_FILE)
+    path = os.path.join(root, CHECKPOINT_CHECKSUMS_FILE)
     if not os.path.lexists(path):
         if os.path.exists(os.path.join(root, "_CHECKPOINT_METADATA")):
             return FileCheck(unverified=f"{path} is missing (deleted, or the checkpoint predates checksums)")
-        return FileCheck(damage=f"{root} is not a complete checkpoint (no {CHECKSUMS_FILE}, no _CHECKPOINT_METADATA)")
+        return FileCheck(damage=f"{root} is not a complete checkpoint (no {CHECKPOINT_CHECKSUMS_FILE}, "
+                                f"no _CHECKPOINT_METADATA)")
     listed, problem = _read_checksum_list(path)
     if problem is not None:
         return FileCheck(unverified=problem)
@@ -276,7 +279,8 @@ def verify(directory: str, step: int) -> Optional[str]:
 def quarantine(directory: str, step: int, label: str = "damaged") -> str:
     """Move a checkpoint out of orbax's sight (and out of its retention): <step>.<label>-<time>."""
     src = os.path.join(directory, str(step))
-    dst = f"{src}.{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dst = os.path.join(directory, CHECKPOINT_MOVED_ASIDE_DIR.format(step=step, label=label,
+                                                                   time=time.strftime('%Y%m%d-%H%M%S')))
     if jax.process_index() == 0:
         os.replace(src, dst)
     return dst
@@ -291,7 +295,7 @@ def remove_partial_saves(directory: str, step: int) -> list[str]:
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         partial = name.startswith(f"{step}.orbax-checkpoint-tmp") or (
-            name == str(step) and not os.path.exists(os.path.join(path, CHECKSUMS_FILE)))
+            name == str(step) and not os.path.exists(os.path.join(path, CHECKPOINT_CHECKSUMS_FILE)))
         if partial:
             _remove_tree(path)
             removed.append(path)

@@ -27,12 +27,11 @@ import numpy as np
 from specjax_converters.eagle3_export import normalize_dtype
 from specjax_converters.head_formats import errors, validate_folder
 
+from specjax.run_files import (CHECKPOINT_STATE_ITEM, CHECKPOINTS_DIR, RUN_META_FILE, VOCAB_FILE, checkpoint_meta_path,
+                               checkpoints_dir, metrics_path, run_meta_path)
+
 log = logging.getLogger("specjax")
 
-RUN_META_FILE = "run_meta.json"  # same names as specjax.train.loop (not imported: that pulls in training)
-VOCAB_FILE = "draft_vocab.npz"
-CHECKPOINTS_DIR = "checkpoints"
-STATE_ITEM = "state"
 
 
 def export_from_state(params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, dtype: str = "bfloat16",
@@ -58,7 +57,7 @@ def _checkpoint_steps(ckpt_dir: str) -> list[int]:
     steps = []
     for name in os.listdir(ckpt_dir):
         # orbax names finished steps by their number; in-progress saves carry a tmp suffix.
-        if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name, STATE_ITEM)):
+        if name.isdigit() and os.path.isdir(os.path.join(ckpt_dir, name, CHECKPOINT_STATE_ITEM)):
             steps.append(int(name))
     return sorted(steps)
 
@@ -66,11 +65,11 @@ def _checkpoint_steps(ckpt_dir: str) -> list[int]:
 def read_run(run_dir: str) -> dict:
     """run_meta.json of a run folder, with a clear error for anything else."""
     run_dir = os.path.abspath(run_dir)
-    meta_path = os.path.join(run_dir, RUN_META_FILE)
+    meta_path = run_meta_path(run_dir)
     if not os.path.isfile(meta_path):
         hint = ""
         for up in (os.path.dirname(run_dir), os.path.dirname(os.path.dirname(run_dir))):
-            if os.path.isfile(os.path.join(up, RUN_META_FILE)):
+            if os.path.isfile(run_meta_path(up)):
                 hint = f" (did you mean {up}?)"
                 break
         raise NotARunError(
@@ -93,7 +92,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
 
     from specjax.drafts.families import family_of
 
-    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
+    ckpt_dir = checkpoints_dir(os.path.abspath(run_dir))
     steps = _checkpoint_steps(ckpt_dir)
     if not steps:
         raise NotARunError(f"no finished checkpoints under {ckpt_dir}; train (or resume) the run first.")
@@ -101,7 +100,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
         step = steps[-1]
     elif step not in steps:
         raise ValueError(f"--step {step} is not saved in {ckpt_dir}; available steps: {steps}")
-    path = epath.Path(ckpt_dir) / str(step) / STATE_ITEM
+    path = epath.Path(ckpt_dir) / str(step) / CHECKPOINT_STATE_ITEM
 
     abstract = jax.eval_shape(lambda: family_of(draft_cfg).init_params(draft_cfg, jax.random.key(0)))
     handler = ocp.PyTreeCheckpointHandler()
@@ -126,7 +125,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
 def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
     """The metrics saved with checkpoint `step` (its meta item), else the last train row of
     metrics.jsonl at or before `step`; None when neither exists."""
-    meta_path = os.path.join(run_dir, CHECKPOINTS_DIR, str(step), "meta", "metadata")
+    meta_path = checkpoint_meta_path(run_dir, step)
     try:
         with open(meta_path) as f:
             metrics = json.load(f).get("metrics")
@@ -136,7 +135,7 @@ def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
         pass
     last = None
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        with open(metrics_path(run_dir)) as f:
             for line in f:
                 try:
                     row = json.loads(line)

@@ -36,6 +36,7 @@ from specjax.regen.common import (LOGGER_NAME, ConversationFlow, Item, Regenerat
 from specjax.regen.inputs import canonical_input, input_files, iter_rows
 from specjax.regen.output import (fingerprint_files, finished_shards, prepare_output_dir, read_shard_stats, shard_name,
                                   write_shard)
+from specjax.run_files import REGENERATED_DIR
 
 __all__ = ["regenerate", "run_from_config", "Summary", "RegenerateError", "main"]
 
@@ -381,7 +382,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
 
 def output_dir(cfg) -> str:
     """Where the regeneration stage of `cfg` writes: `regenerate.out_dir`, else `<run.output_dir>/regenerated`."""
-    return cfg.regenerate.out_dir or os.path.join(cfg.run.output_dir, "regenerated")
+    return cfg.regenerate.out_dir or os.path.join(cfg.run.output_dir, REGENERATED_DIR)
 
 
 def run_from_config(cfg) -> str:

@@ -30,7 +30,8 @@ import sys
 import time
 from typing import Iterator, Optional
 
-LOCK_FILE = "specjax.lock"
+from specjax.run_files import LOCK_FILE
+
 _MAX_HOLDER_BYTES = 4096
 
 log = logging.getLogger("specjax")

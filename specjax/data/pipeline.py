@@ -34,14 +34,14 @@ from specjax.data.chat import (ChatTemplateUnusable, Example, SkipRow, TemplateL
                                tokenize_conversation)
 from specjax.data.datasets import read_conversations
 from specjax.data.sources import RowLimits, format_skip
+from specjax.run_files import SKIP_REPORT_FILE
 
-__all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "SKIP_REPORT_FILE", "make_train_iterator",
+__all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "make_train_iterator",
            "make_eval_batches", "split_is_val", "batches_per_epoch"]
 
 log = logging.getLogger(__name__)
 
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
-SKIP_REPORT_FILE = "skipped_rows.jsonl"  # in the run folder: every skipped row, one JSON object a line
 LOCATIONS = ("locations are file:N, N counted from 1: the line of a .jsonl file, the row of a .json list or a "
              ".parquet file")
 _LOGGED_SKIPS = 5  # messages quoted in the log line and the no-usable-example error

@@ -36,6 +36,7 @@ from specjax.eval.measure import eos_token_ids, measure
 from specjax.eval.report import summarize
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.export import export_from_state
+from specjax.run_files import DECODE_EVAL_DIR, DECODE_EVAL_HEAD_DIR, DECODE_EVAL_SERVER_LOG
 from specjax.serve_cmd import vllm_argv, vllm_launcher
 from specjax.train.setup import resolve_path
 
@@ -148,7 +149,7 @@ class VllmDecodeEval:
         if jax.process_index() != 0:
             raise ValueError("decode_eval.backend=vllm runs in single-process jobs (one server per evaluation).")
         self.prompts = _load_prompts(de)
-        self.out_dir = os.path.join(out_dir, "decode_eval")
+        self.out_dir = os.path.join(out_dir, DECODE_EVAL_DIR)
         self.target_path = os.path.abspath(cfg.target.path)
 
     def due(self, step: int, total_steps: int, final: bool) -> bool:
@@ -157,14 +158,14 @@ class VllmDecodeEval:
     def __call__(self, params, step: int = 0) -> tuple[dict, dict]:
         t0 = time.time()
         os.makedirs(self.out_dir, exist_ok=True)
-        draft_dir = os.path.join(self.out_dir, f"step_{step}")
+        draft_dir = os.path.join(self.out_dir, DECODE_EVAL_HEAD_DIR.format(step=step))
         if os.path.exists(draft_dir):
             shutil.rmtree(draft_dir)
         export_from_state(jax.device_get(params), self.draft_cfg, self.vocab, self.target_hf, draft_dir,
                           dtype="float32", extra_manifest={"step": step, "purpose": "decode_eval"})
         argv = [*vllm_argv(draft_dir, self.target_path, self.cfg.num_spec_tokens, self.launcher),
                 *self.cfg.vllm_args]
-        server = EngineServer(argv, os.path.join(self.out_dir, f"step_{step}.server.log"))
+        server = EngineServer(argv, os.path.join(self.out_dir, DECODE_EVAL_SERVER_LOG.format(step=step)))
         short = {}
         try:
             server.wait_ready(self.cfg.vllm_start_timeout_s, "decode_eval.vllm_start_timeout_s")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
 from specjax.export import export_from_state
+from specjax.run_files import EXPORT_DIR
 from specjax.train.metrics import MetricsWriter, summarize
 from specjax.train.run import Run, build_run
 from specjax.train.signals import StopSignal
@@ -353,7 +354,7 @@ class _Trainer:
         # every process takes part in the gather (params may be sharded across hosts); one writes
         host_params = (multihost_utils.process_allgather(state["params"], tiled=True) if self.nproc > 1
                        else jax.device_get(state["params"]))
-        export_dir = cfg.export.out_dir or os.path.join(self.out_dir, "export")
+        export_dir = cfg.export.out_dir or os.path.join(self.out_dir, EXPORT_DIR)
         if self.proc == 0:
             export_from_state(host_params, self.run.setup.draft_config, self.run.vocab, self.run.target.hf_config,
                               export_dir, dtype=cfg.export.dtype,

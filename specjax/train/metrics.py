@@ -5,11 +5,13 @@ import json
 import os
 import time
 
+from specjax.run_files import TENSORBOARD_DIR, metrics_path
+
 
 class MetricsWriter:
     def __init__(self, out_dir: str, enabled: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = metrics_path(out_dir)
         self._tb = None
         if enabled and os.path.exists(self.path):
             # a killed run can leave a torn last line; start the resumed run on a fresh line
@@ -21,7 +23,7 @@ class MetricsWriter:
             try:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR))
             except ImportError:  # TensorBoard output is optional; metrics.jsonl is the record
                 self._tb = None
 
@@ -52,7 +54,7 @@ def summarize(m: dict) -> dict:
 
 
 def read_metrics(out_dir: str, split: str = "train") -> list[dict]:
-    path = os.path.join(out_dir, "metrics.jsonl")
+    path = metrics_path(out_dir)
     if not os.path.exists(path):
         return []
     rows = []

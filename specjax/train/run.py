@@ -42,17 +42,16 @@ from specjax.data import make_eval_batches, make_train_iterator, prepare_example
 from specjax.data.chat import TemplateLimits, check_chat_template
 from specjax.data.pipeline import batches_per_epoch
 from specjax.data.sources import RowLimits
+from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.setup import (
-    VOCAB_FILE, RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_writable,
+    RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_writable,
     load_prepared_target, make_mesh, preflight, prepare_target_folder, resolve_path,
 )
 from specjax.train.signals import StopSignal
 from specjax.train.step import init_state
 
 log = logging.getLogger("specjax")
-
-RUN_META_FILE = "run_meta.json"
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
                         out_shardings=setup.fns.state_shardings)(draft_params)
         del draft_params
 
-        mngr = ckpt.manager(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep)
+        mngr = ckpt.manager(checkpoints_dir(out_dir), keep=cfg.checkpoint.keep)
         state, start_step = _Resume(cfg, out_dir, identity, mngr, data.iterator).restore(state)
         _write_run_meta(cfg, setup, target, out_dir, resumed_at=start_step)
         decode_eval = _make_decode_eval(cfg, target, tokenizer, setup, vocab, mesh, out_dir)
@@ -251,7 +250,7 @@ def _write_run_meta(cfg: Config, setup: RunSetup, target, out_dir: str, resumed_
     if resumed_at:
         meta["resumed_at_step"] = resumed_at
     if jax.process_index() == 0:
-        with open(os.path.join(out_dir, RUN_META_FILE), "w") as f:
+        with open(run_meta_path(out_dir), "w") as f:
             json.dump(meta, f, indent=1)
 
 
@@ -400,7 +399,7 @@ class _Resume:
         if isinstance(saved, dict):
             allowed, other_vocab = resume_differences(saved, self.identity)
         else:
-            run_meta = os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), RUN_META_FILE)
+            run_meta = run_meta_path(os.path.dirname(os.path.abspath(ckpt_dir)))
             log.warning("checkpoint %s records no run identity (written by an older specjax): its data and draft "
                         "vocabulary could not be checked against this run's; only the settings in %s are compared.",
                         where, run_meta)
@@ -421,8 +420,8 @@ class _Resume:
                    "Use a new run.output_dir, set checkpoint.restore_from=none to start fresh, or set "
                    "checkpoint.allow_config_change=true to resume with the new settings and data.")
             raise ValueError(f"{head}\n  " + "\n  ".join(allowed) + f"\n{fix}")
-        path = os.path.join(self.out_dir, RUN_META_FILE)
-        kept = os.path.join(self.out_dir, f"run_meta.before_step{step}.json")
+        path = run_meta_path(self.out_dir)
+        kept = run_meta_kept_path(self.out_dir, step)
         moved = os.path.exists(path)
         if jax.process_index() == 0 and moved:
             os.replace(path, kept)
@@ -452,7 +451,7 @@ class _Resume:
                if other_step else []))
         if self.cfg.checkpoint.restore_from != "latest":
             fix = (f"To continue that run, start in a new run.output_dir holding a copy of "
-                   f"{os.path.join(run_dir, VOCAB_FILE)} (add checkpoint.allow_config_change=true if its settings or "
+                   f"{vocab_path(run_dir)} (add checkpoint.allow_config_change=true if its settings or "
                    "data differ); to start from its weights only, set draft.init_from to its export."
                    if other_vocab else
                    "Give the checkpoint folder whose name is its step.")

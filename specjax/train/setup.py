@@ -26,6 +26,7 @@ from specjax.config import Config
 from specjax.data.chat import TemplateLimits, check_chat_template
 from specjax.drafts.families import family_for_type
 from specjax.drafts.vocab import DraftVocab, build_draft_vocab, token_counts_from_examples
+from specjax.run_files import WRITE_PROBE_FILE, vocab_path
 from specjax.targets import load_target, validate_aux_layer_ids
 from specjax.targets.base import tree_set
 from specjax.targets.loading import read_hf_config
@@ -35,7 +36,6 @@ from specjax.targets.kernel_choices import KernelChoices
 from specjax.train.optim import lr_schedule, make_optimizer
 from specjax.train.step import StepFns, build_step_fns
 
-VOCAB_FILE = "draft_vocab.npz"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -57,7 +57,7 @@ def resolve_path(p: str) -> str:
 def check_writable(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_probe.{os.getpid()}")  # per process: hosts may share the folder
+        probe = os.path.join(path, WRITE_PROBE_FILE.format(pid=os.getpid()))  # per process: hosts may share the folder
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -160,7 +160,7 @@ def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str
 # the draft
 # ---------------------------------------------------------------------------------------------
 def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
-    path = os.path.join(out_dir, VOCAB_FILE)
+    path = vocab_path(out_dir)
     if os.path.exists(path):  # resume: the vocab must not change under a checkpoint
         vocab = DraftVocab.load(path)
         if vocab.t2d.shape[0] != vocab_size or vocab.draft_ids.shape[0] != cfg.draft.draft_vocab_size:

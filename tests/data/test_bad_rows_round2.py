@@ -17,6 +17,7 @@ import os
 import pytest
 
 from _tok import build_tokenizer
+from specjax import run_files
 from specjax.data import SkipRow, prepare_examples, read_conversations, tokenize_conversation
 from specjax.data import pipeline
 
@@ -208,7 +209,7 @@ def test_every_skip_goes_to_the_report_and_the_log_names_it(tmp_path, tok, caplo
     caplog.set_level(logging.WARNING, logger="specjax.data.pipeline")
     prep = prepare_examples([p], tok, 128, 0.0, 0, skip_report_dir=str(run))
     assert (len(prep.train), len(prep.skips), prep.skipped) == (10, 20, {"malformed JSON": 10, "no assistant turn": 10})
-    assert pipeline.SKIP_REPORT_FILE == SKIP_REPORT_FILE
+    assert run_files.SKIP_REPORT_FILE == SKIP_REPORT_FILE
     report = run / SKIP_REPORT_FILE
     recs = [json.loads(line) for line in report.read_text().splitlines()]
     assert len(recs) == 20

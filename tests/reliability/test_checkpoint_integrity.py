@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from specjax import checkpoint as ckpt
+from specjax import run_files
 from specjax.train.loop import train
 
 from _runs import inprocess_config, write_config
@@ -313,13 +314,13 @@ def test_second_sigint_during_compile_exits_promptly_and_cleanly(tiny_target, tm
 # link to /dev/zero would fill memory: the cases run in a subprocess under a time limit and a 3 GiB
 # address-space limit, so a regression fails instead of hanging or eating the machine.
 def _edit_list(step_dir, edit):
-    path = step_dir / ckpt.CHECKSUMS_FILE
+    path = step_dir / run_files.CHECKPOINT_CHECKSUMS_FILE
     listed = json.loads(path.read_text())
     path.write_text(json.dumps(edit(listed)))
 
 
 def _list_deleted(step_dir):
-    os.remove(step_dir / ckpt.CHECKSUMS_FILE)
+    os.remove(step_dir / run_files.CHECKPOINT_CHECKSUMS_FILE)
     return "specjax_checksums.json is missing"
 
 
@@ -329,7 +330,7 @@ def _files_is_a_list(step_dir):
 
 
 def _whole_list_is_x5(step_dir):
-    (step_dir / ckpt.CHECKSUMS_FILE).write_text('{"x": 5}')
+    (step_dir / run_files.CHECKPOINT_CHECKSUMS_FILE).write_text('{"x": 5}')
     return "keys ['x']"
 
 
@@ -359,8 +360,8 @@ def _entry_link_to_dev_zero(step_dir):
 
 
 def _list_is_a_link_to_dev_zero(step_dir):
-    os.remove(step_dir / ckpt.CHECKSUMS_FILE)
-    os.symlink("/dev/zero", step_dir / ckpt.CHECKSUMS_FILE)
+    os.remove(step_dir / run_files.CHECKPOINT_CHECKSUMS_FILE)
+    os.symlink("/dev/zero", step_dir / run_files.CHECKPOINT_CHECKSUMS_FILE)
     return "specjax_checksums.json is not a regular file"
 
 
@@ -444,7 +445,7 @@ def test_unverified_checkpoint_is_used_with_a_warning_when_none_verifies(tmp_pat
 
     d = tmp_path / "checkpoints"
     save_small_checkpoints(d, (6,))
-    os.remove(d / "6" / ckpt.CHECKSUMS_FILE)
+    os.remove(d / "6" / run_files.CHECKPOINT_CHECKSUMS_FILE)
     with caplog.at_level(logging.WARNING, logger="specjax"):
         state, _, step = ckpt.restore_verified(ckpt.manager(str(d)), small_abstract_state())
     assert step == 6 and float(state["params"]["w"][0, 0]) == 6.0

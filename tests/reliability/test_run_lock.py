@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from specjax import run_lock
+from specjax import run_files, run_lock
 from specjax.train.metrics import read_metrics
 
 from _runs import env, launch, run, wait_for_rows, write_config
@@ -41,7 +41,7 @@ def _probe(folder) -> str:
 
 def _wait_for_holder(out, proc, timeout=180):
     """Block until `proc` (a specjax run) holds out's lock, i.e. its pid is in the lock file."""
-    path = os.path.join(out, run_lock.LOCK_FILE)
+    path = os.path.join(out, run_files.LOCK_FILE)
     t0 = time.time()
     while time.time() - t0 < timeout:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -100,7 +100,7 @@ def test_lock_of_a_killed_run_does_not_stop_the_next_run(tiny_target, tmp_path, 
     finally:
         p.kill()  # SIGKILL: no clean-up of any kind
         p.communicate()
-    assert json.loads((out / run_lock.LOCK_FILE).read_text())["pid"] == p.pid  # the dead holder's record stays
+    assert json.loads((out / run_files.LOCK_FILE).read_text())["pid"] == p.pid  # the dead holder's record stays
     rc, log = run(config, repo_root)
     assert rc == 0, log[-6000:]
     assert json.loads(log[log.index('{\n "output_dir"'):])["steps"] == 4
@@ -116,7 +116,7 @@ def test_stale_lock_of_a_killed_holder_is_taken_over(tmp_path):
         holder.wait()
     assert run_lock.acquire(str(tmp_path)) is not None
     try:
-        record = json.loads((tmp_path / run_lock.LOCK_FILE).read_text())
+        record = json.loads((tmp_path / run_files.LOCK_FILE).read_text())
         assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
         assert _probe(tmp_path).startswith(f"refused: run.output_dir {tmp_path} is in use by another specjax run: "
                                            f"pid {os.getpid()}")
@@ -139,7 +139,7 @@ def test_lock_file_that_is_a_link_is_not_followed(tmp_path):
     target.write_text("keep me")
     out = tmp_path / "run"
     out.mkdir()
-    os.symlink(target, out / run_lock.LOCK_FILE)
+    os.symlink(target, out / run_files.LOCK_FILE)
     with pytest.raises(OSError, match="run.output_dir .* is not writable"):
         run_lock.acquire(str(out))
     assert target.read_text() == "keep me"
@@ -166,4 +166,4 @@ def test_every_process_of_a_multi_process_run_is_refused(tiny_target, tmp_path, 
     assert [p.returncode for p in procs] == [1, 1], [log[-2000:] for log in logs]
     assert f"is in use by another specjax run: pid {holder.pid} on host {socket.gethostname()}" in logs[0]
     assert f"error: process 0 could not lock run.output_dir {out}" in logs[1], logs[1][-2000:]
-    assert sorted(os.listdir(out)) == [run_lock.LOCK_FILE]  # nothing written by either process
+    assert sorted(os.listdir(out)) == [run_files.LOCK_FILE]  # nothing written by either process
