@@ -99,8 +99,9 @@ def run(name, out):
 
     if not t.supports_decoding:
         return
+    decode_chunk = getattr(t, "decode_chunk", None) or t.decode  # checkouts before the rename call it decode
     for j, taps in enumerate([t.default_aux_layer_ids(), (), (0, L - 1)]):
-        dec = jax.jit(lambda c, i, p, s, m=None, vf=None, li=None, taps=taps: t.decode(
+        dec = jax.jit(lambda c, i, p, s, m=None, vf=None, li=None, taps=taps: decode_chunk(
             t.params, c, i, p, s, aux_layer_ids=taps, chunk_mask=m, valid_from=vf, logits_index=li))
         cache = t.init_cache(B, 40)
         save(f"d{j}/init", cache)
@@ -137,7 +138,7 @@ def run(name, out):
         o = dec(cache2, ids[:, :9], ppos, at(0), None, vf, li)
         save(f"d{j}/padded", o)
         # eager (unjitted) single step too
-        o = t.decode(t.params, o[3], ids[:, 9:10], pos[:, 9:10], at(9), aux_layer_ids=taps)
+        o = decode_chunk(t.params, o[3], ids[:, 9:10], pos[:, 9:10], at(9), aux_layer_ids=taps)
         save(f"d{j}/eager", o)
 
 

@@ -116,8 +116,8 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
         "batch": int(batch),
         "seq": seq,
     }
-    if hasattr(target, "active_params_per_token"):
-        report["target_active_params_per_token"] = int(target.active_params_per_token())
+    if target.active_params_per_token() is not None:
+        report["target_active_params_per_token"] = target.active_params_per_token()
     if compile_step:
         # see the module docstring: XLA:CPU would count bf16 weights twice, so compile fp32 there
         step_dtype = "float32" if jax.default_backend() == "cpu" else run_cfg.target.dtype

@@ -93,8 +93,8 @@ def cache_batch_axes(target_cls, config, dtype) -> dict:
     """The batch axis of every cache leaf (same tree as the cache), found by comparing the cache
     shapes for one and for two rows: targets lay their caches out differently ([L, B, ...] KV and
     SSM states, [B, W] slot labels)."""
-    one = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 16, dtype))
-    two = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 2, 16, dtype))
+    one = jax.eval_shape(lambda: target_cls.decoder.init_cache(config, 1, 16, dtype))
+    two = jax.eval_shape(lambda: target_cls.decoder.init_cache(config, 2, 16, dtype))
     return _axis_that_changes(one, two, "batch", optional=False)
 
 
@@ -102,8 +102,8 @@ def cache_slot_axes(target_cls, config, dtype) -> dict:
     """The axis of every cache leaf that grows with the cache length (KV slots, Nemotron-H's conv
     inputs by slot), or -1 for a leaf of fixed size (SSM states and their slot labels); found by
     comparing the caches for two lengths."""
-    short = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, CACHE_MULTIPLE, dtype))
-    long = jax.eval_shape(lambda: target_cls.init_cache_fn(config, 1, 2 * CACHE_MULTIPLE, dtype))
+    short = jax.eval_shape(lambda: target_cls.decoder.init_cache(config, 1, CACHE_MULTIPLE, dtype))
+    long = jax.eval_shape(lambda: target_cls.decoder.init_cache(config, 1, 2 * CACHE_MULTIPLE, dtype))
     return _axis_that_changes(short, long, "slot", optional=True)
 
 

@@ -70,10 +70,10 @@ def _refill(params, cache, out, gen, lens, done, sid, rows_n, ids_nt, lens_n, si
     n, t = ids_nt.shape
     axes = jax.tree.unflatten(axes_def[0], [a for a, _ in axes_def[1]])
     slot_axes = jax.tree.unflatten(axes_def[0], [sx for _, sx in axes_def[1]])
-    dtype = target_cls.embed_fn(params, config).dtype
-    small = target_cls.init_cache_fn(config, n, min(t, num_slots), dtype)
+    dtype = target_cls.decoder.embed_table(params, config).dtype
+    small = target_cls.decoder.init_cache(config, n, min(t, num_slots), dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-    logits, _, _, small = target_cls.decode_fn(params, config, small, ids_nt, positions, jnp.zeros((n,), jnp.int32),
+    logits, _, _, small = target_cls.decoder.decode_chunk(params, config, small, ids_nt, positions, jnp.zeros((n,), jnp.int32),
                                                logits_index=(lens_n - 1)[:, None])
     tok = _sample_rows(logits[:, 0], _row_keys(seed, sid_n, jnp.zeros_like(sid_n)), temperature, top_p, sample)
     cache = scatter_rows(cache, small, rows_n, axes, slot_axes)
@@ -103,7 +103,7 @@ def _segment(params, cache, out, gen, lens, done, sid, max_new, seed, temperatur
         live = ~done
         prev = out[rows, jnp.maximum(gen - 1, 0)]
         pos = jnp.maximum(lens + gen - 1, 0)  # slot == position of the previous token
-        logits, _, _, cache = target_cls.decode_fn(params, config, cache, prev[:, None], pos[:, None], pos)
+        logits, _, _, cache = target_cls.decoder.decode_chunk(params, config, cache, prev[:, None], pos[:, None], pos)
         tok = _sample_rows(logits[:, 0], _row_keys(seed, sid, gen), temperature, top_p, sample)
         out = out.at[rows, jnp.where(live, gen, n_out)].set(tok, mode="drop")
         gen = gen + live.astype(gen.dtype)
@@ -178,7 +178,7 @@ class ContinuousGenerator:
             raise ValueError(f"{cls.__name__}: continuous batching needs each cache leaf's slot axis right after its "
                              f"batch axis; got (batch, slot) axes {pairs}")
         axes_def = (jax.tree.structure(axes), pairs)
-        cache = cls.init_cache_fn(cfg, b, self.num_slots, dtype)
+        cache = cls.decoder.init_cache(cfg, b, self.num_slots, dtype)
         out = jnp.zeros((b, self.n_out), jnp.int32)
         gen = jnp.zeros((b,), jnp.int32)
         lens = jnp.zeros((b,), jnp.int32)

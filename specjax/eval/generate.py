@@ -50,9 +50,9 @@ def _prefill(params, ids_bt, lens_b, *, target_cls, config, cache_len):
     """The right-padded prompts [B, T] into a fresh B-row cache of `cache_len` slots: (fp32 logits
     [B, 1, V] at each prompt's last token, the cache)."""
     b, t = ids_bt.shape
-    cache = target_cls.init_cache_fn(config, b, cache_len, target_cls.embed_fn(params, config).dtype)
+    cache = target_cls.decoder.init_cache(config, b, cache_len, target_cls.decoder.embed_table(params, config).dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, _, _, cache = target_cls.decode_fn(
+    logits, _, _, cache = target_cls.decoder.decode_chunk(
         params, config, cache, ids_bt, positions, jnp.zeros((b,), jnp.int32), logits_index=(lens_b - 1)[:, None])
     return logits, cache
 
@@ -75,7 +75,7 @@ def _generate_batch(params, ids_bt, lens_b, max_new, key, temperature, top_p, eo
         step, cache, out, done, key = state
         prev = jax.lax.dynamic_index_in_dim(out, step - 1, axis=1, keepdims=True)  # [B, 1]
         pos = lens_b + step - 1  # slot == position of the previous token
-        logits, _, _, cache = target_cls.decode_fn(params, config, cache, prev, pos[:, None], pos)
+        logits, _, _, cache = target_cls.decoder.decode_chunk(params, config, cache, prev, pos[:, None], pos)
         key, sub = jax.random.split(key)
         tok = sample_token(logits[:, 0], sub, temperature, top_p, sample=sample)
         tok = jnp.where(done, 0, tok)
@@ -94,7 +94,7 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
     handed back after the step that stopped it and refilled at once. Each answer's tokens are the
     same argmaxes as `_generate_batch`'s (greedy decoding does not depend on the batch)."""
     n = ids_nt.shape[0]
-    axes = cache_batch_axes(target_cls, config, target_cls.embed_fn(params, config).dtype)
+    axes = cache_batch_axes(target_cls, config, target_cls.decoder.embed_table(params, config).dtype)
     whole_rows = jax.tree.map(lambda _: -1, axes)
 
     def prefill(ids, lens):
@@ -135,7 +135,7 @@ def _greedy_stream(params, ids_nt, lens_n, max_new, eos_e, *, target_cls, config
         rows, cache, nxt, outs = c
         go = ~rows["stop"] & (rows["req"] >= 0)
         pos = rows["lens"] + rows["count"] - 1  # slot == position of the newest token
-        logits, _, _, cache = target_cls.decode_fn(params, config, cache, rows["last"][:, None], pos[:, None], pos)
+        logits, _, _, cache = target_cls.decoder.decode_chunk(params, config, cache, rows["last"][:, None], pos[:, None], pos)
         tok = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         b = jnp.arange(slots)
         out = rows["out"].at[b, jnp.where(go, rows["count"], n_out)].set(tok, mode="drop")

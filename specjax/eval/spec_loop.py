@@ -8,7 +8,7 @@ small target that host round trip costs more than the math (H200, SmolLM2-135M: 
 speculative step against 2.95 ms per greedy token, benchmarks/results/smollm2_eagle3.md). Here the
 same pieces (the draft family's `propose_chain` / `propose_tree`: drafts.eagle3_decoding, drafts.dflash_decoding;
 the verification's `chain_chunk` / `accept_chain` and `tree_chunk` / `accept_tree` of verify.py around
-the target's `decode_fn`) run inside the loop body, so nothing returns to the host until the generation ends;
+the target's `decoder.decode_chunk`) run inside the loop body, so nothing returns to the host until the generation ends;
 the greedy side of a speedup is `generate._generate_batch`, the same kind of loop.
 
 One row's program, in order:
@@ -25,7 +25,7 @@ the same seed.
 
 Batching: the drafters, acceptance and emission are written for one row and `jax.vmap`ped over rows
 (their caches and states are small); the target is not. The prefill and every verification are one
-`decode_fn` call over all rows, with the target cache in the target's own batched layout: each row's
+`decoder.decode_chunk` call over all rows, with the target cache in the target's own batched layout: each row's
 chunk goes to its own slots, as in a batched greedy step. (Vmapping the target call per row, as this
 loop first did, also copied each layer's whole cache for all rows in the compiled program:
 decode_speed.md, "Changed since run 6".) The `while_loop` runs until every row has
@@ -116,7 +116,7 @@ def _per_row(aux):
 def _start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, *, st: _Static):
     """The batch's prefill (one target call over every row's padded prompt) and each row's first token
     and state. Returns the loop's carry: (row states, target cache, pending tokens, pending aux)."""
-    tcache = st.target_cls.init_cache_fn(st.config, ids_bp.shape[0], st.cache_len, embed.dtype)
+    tcache = st.target_cls.decoder.init_cache(st.config, ids_bp.shape[0], st.cache_len, embed.dtype)
     keys = jax.vmap(lambda r: jax.random.fold_in(r, 0))(roots_b)
     first, aux, tcache = prefill(params, tcache, ids_bp, lens_b, keys, temperature, target_cls=st.target_cls,
                                   config=st.config, aux_ids=st.aux_ids, sample=st.sample)
@@ -178,7 +178,7 @@ def _step(shared, roots_b, temperature, eos_e, max_new, carry, *, st: _Static):
         dp, embed, d2t, roots_b, temperature, s, pend_tok, pend_aux)
     start = s["n"] - 1
     kv = jax.vmap(lambda r, i: jax.random.fold_in(r, 2 * i + 1))(roots_b, s["step"] + 1)
-    decode = functools.partial(st.target_cls.decode_fn, params, st.config, aux_layer_ids=st.aux_ids)
+    decode = functools.partial(st.target_cls.decoder.decode_chunk, params, st.config, aux_layer_ids=st.aux_ids)
     if st.mode == "chain":
         drafts, q = proposal
         chunk, pos = jax.vmap(chain_chunk)(s["last"], drafts, start)

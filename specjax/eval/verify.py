@@ -63,7 +63,7 @@ def prefill(params, cache, ids_bt, lens_b, keys_b, temperature, *, target_cls, c
     with its own key, aux [B,T,D], cache). SpecDecoder passes one row; SpecLoop a batch."""
     b, t = ids_bt.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, aux, _, cache = target_cls.decode_fn(
+    logits, aux, _, cache = target_cls.decoder.decode_chunk(
         params, config, cache, ids_bt, pos, jnp.zeros((b,), jnp.int32), aux_layer_ids=aux_ids,
         logits_index=(lens_b - 1)[:, None])
     first = jax.vmap(lambda lg, key: sample_first(lg, key, temperature, sample))(logits[:, 0], keys_b)
@@ -73,7 +73,7 @@ def prefill(params, cache, ids_bt, lens_b, keys_b, temperature, *, target_cls, c
 @functools.partial(jax.jit, static_argnames=("target_cls", "config"), donate_argnames=("cache",))
 def greedy_step(params, cache, tok, pos, *, target_cls, config):
     p = jnp.reshape(pos, (1,))
-    logits, _, _, cache = target_cls.decode_fn(params, config, cache, jnp.reshape(tok, (1, 1)), p[:, None], p)
+    logits, _, _, cache = target_cls.decoder.decode_chunk(params, config, cache, jnp.reshape(tok, (1, 1)), p[:, None], p)
     return jnp.argmax(logits[0, 0]).astype(jnp.int32), cache
 
 
@@ -100,7 +100,7 @@ def accept_chain(logits_tv, drafts_k, q_kvd, draft_ids, key, temperature, *, sam
 def verify_chain(params, cache, last_tok, drafts, start, q_kvd, draft_ids, key, temperature, *,
                   target_cls, config, aux_ids, sample):
     chunk, pos = chain_chunk(last_tok, drafts, start)
-    logits, aux, _, cache = target_cls.decode_fn(
+    logits, aux, _, cache = target_cls.decoder.decode_chunk(
         params, config, cache, chunk[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids)
     a, bonus, pending = accept_chain(logits[0], drafts, q_kvd, draft_ids, key, temperature, sample=sample)
     return a, bonus, pending, aux, cache
@@ -159,7 +159,7 @@ def accept_tree(logits_tv, toks, parent, depth: int):
 @functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth"), donate_argnames=("cache",))
 def verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth):
     toks, parent, pos, mask = tree_chunk(last_tok, node_toks, node_parents, start, depth)
-    logits, aux, _, cache = target_cls.decode_fn(
+    logits, aux, _, cache = target_cls.decoder.decode_chunk(
         params, config, cache, toks[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids,
         chunk_mask_btt=mask[None])
     a, bonus, path, pending = accept_tree(logits[0], toks, parent, depth)

@@ -4,13 +4,15 @@ rows, Target wrapper.
 A concrete architecture (see ``llama.py``) subclasses :class:`Target`, registers it
 (``registry.register``) and supplies ``config_class`` (whose ``from_hf`` starts with
 :func:`resolve_hf_config`), ``weight_specs`` and its ``decoder`` (``decoder.Decoder``), from which
-the static ``forward_fn`` / ``decode_fn`` / ``init_cache_fn`` / ``embed_fn`` / ``lm_head_fn`` come.
+the pure ``forward`` / ``decode_chunk`` / ``init_cache`` / ``embed_table`` / ``lm_head_weight`` come
+(``TargetClass.decoder.decode_chunk(params, config, ...)``; the instance methods bind them).
 The wrapper holds ``config``/``hf_config``/``params`` and a jitted ``__call__`` (one trace per
 config, static ``aux_layer_ids`` and input shapes, shared by all instances).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -141,10 +143,10 @@ def tree_set(tree: dict, path: Sequence[str], value: Any) -> None:
 
 
 def _target_call(params, input_ids, positions, segment_ids, *, target_cls, config, aux_layer_ids):
-    final, aux = target_cls.forward_fn(
+    final, aux = target_cls.decoder.forward(
         params, config, input_ids, aux_layer_ids=aux_layer_ids, positions=positions, segment_ids=segment_ids
     )
-    w_vd = target_cls.lm_head_fn(params, config)
+    w_vd = target_cls.decoder.lm_head_weight(params, config)
     logits = jnp.einsum("btd,vd->btv", final, w_vd, preferred_element_type=jnp.float32)
     return TargetOutput(logits, final, aux)
 
@@ -171,38 +173,26 @@ class Target:
     """A frozen target model: config, raw HF config, params and a pure forward.
 
     An architecture subclass provides ``config_class``, ``weight_specs`` and ``decoder`` (a
-    ``decoder.Decoder``), which sets the static functions
-    ``forward_fn(params, config, input_ids, *, aux_layer_ids, positions, segment_ids)``,
-    ``embed_fn(params, config)``, ``lm_head_fn(params, config)`` and cached decoding's ``decode_fn``
-    and ``init_cache_fn``. Its config must be a hashable (frozen) dataclass with
-    ``num_hidden_layers``, ``architecture`` and ``kernels`` (a KernelChoices).
+    ``decoder.Decoder``), whose pure functions are the target's computation:
+    ``forward(params, config, input_ids, *, aux_layer_ids, positions, segment_ids)``,
+    ``embed_table(params, config)``, ``lm_head_weight(params, config)``, and cached decoding's
+    ``init_cache(config, batch_size, max_len, dtype)`` and ``decode_chunk(params, config, cache,
+    input_ids, positions, start, *, aux_layer_ids, chunk_mask_btt, valid_from_b, logits_index) ->
+    (logits, aux, final_hidden, cache)``. The methods below of the same names bind ``params``/``config``.
+    Its config must be a hashable (frozen) dataclass with ``num_hidden_layers``, ``architecture``
+    and ``kernels`` (a KernelChoices).
     """
 
-    forward_fn: Callable[..., Any]
-    embed_fn: Callable[..., Any]
-    lm_head_fn: Callable[..., Any]
-    # Cached decoding (generation / speculative decoding), optional per architecture:
-    # decode_fn(params, config, cache, input_ids, positions, start, *, aux_layer_ids, chunk_mask_btt,
-    #           valid_from_b, logits_index) -> (logits, aux, final_hidden, cache)   (see llama.decode_chunk)
-    # init_cache_fn(config, batch_size, max_len, dtype) -> cache pytree (layout: layers/attention.py "KV cache")
-    decode_fn: Callable[..., Any] | None = None
-    init_cache_fn: Callable[..., Any] | None = None
+    decoder: Any = None  # a decoder.Decoder; None only for a class that is not yet a family
     # commit_path_fn(cache, start, path, accepted) -> cache: after a tree chunk written at slots
     # start.., make the accepted root-to-node path (chunk rows path[0..accepted]) the linear sequence
     # at slots start..start+accepted (see commit_tree_path; a target with recurrent state overrides it)
     commit_path_fn: Callable[..., Any] = staticmethod(commit_tree_path)
     # init_params(config, key, dtype) -> random params, for architectures with toy targets (``init``)
     init_params: Callable[..., Any] | None = None
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        decoder = cls.__dict__.get("decoder")
-        if decoder is not None:  # every family's forward and cached decoding are its Decoder's
-            cls.forward_fn = staticmethod(decoder.forward)
-            cls.embed_fn = staticmethod(decoder.embed_table)
-            cls.lm_head_fn = staticmethod(decoder.lm_head_weight)
-            cls.decode_fn = staticmethod(decoder.decode_chunk)
-            cls.init_cache_fn = staticmethod(decoder.init_cache)
+    # an MoE family's routed-expert weights (the weight-path prefix); its config has
+    # num_experts_per_tok and num_routed_experts
+    routed_experts_path: tuple[str, ...] = ()
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
         self.config = config
@@ -247,6 +237,19 @@ class Target:
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
         return default_aux_layer_ids(self.num_layers)
 
+    def active_params_per_token(self) -> int | None:
+        """Parameters one token uses: all but the routed experts it is not sent to (the published
+        "activated" count, embeddings included); None for a target without routed experts."""
+        prefix = type(self).routed_experts_path
+        if not prefix:
+            return None
+        k, e = self.config.num_experts_per_tok, self.config.num_routed_experts
+        total = 0
+        for spec in self.weight_specs(self.config):
+            n = math.prod(spec.shape)
+            total += n * k // e if spec.path[:len(prefix)] == prefix else n
+        return int(total)
+
     def param_logical_axes(self) -> dict:
         tree: dict = {}
         for spec in self.weight_specs(self.config):
@@ -255,29 +258,29 @@ class Target:
 
     def forward(self, params, input_ids, *, aux_layer_ids, positions=None, segment_ids=None):
         """PURE: (final_hidden [B,T,H], aux tuple). Safe inside a jitted train step."""
-        return type(self).forward_fn(
+        return type(self).decoder.forward(
             params, self.config, input_ids,
             aux_layer_ids=aux_layer_ids, positions=positions, segment_ids=segment_ids,
         )
 
     def embed_table(self, params) -> jax.Array:
         """[V, H] token embedding table."""
-        return type(self).embed_fn(params, self.config)
+        return type(self).decoder.embed_table(params, self.config)
 
     def lm_head_weight(self, params) -> jax.Array:
         """[V, H] output projection in HF layout (rows = vocab; tied -> the embedding table)."""
-        return type(self).lm_head_fn(params, self.config)
+        return type(self).decoder.lm_head_weight(params, self.config)
 
     # ---- cached decoding ------------------------------------------------------------------------
     @property
     def supports_decoding(self) -> bool:
-        return type(self).decode_fn is not None
+        return type(self).decoder is not None
 
     def require_decoding(self) -> None:
         """Raise NotImplementedError naming the architectures with cached decoding."""
         if self.supports_decoding:
             return
-        ok = sorted(a for a, cls in registry.ARCHITECTURES.items() if cls.decode_fn is not None)
+        ok = sorted(a for a, cls in registry.ARCHITECTURES.items() if cls.decoder is not None)
         raise NotImplementedError(
             f"speculative decoding/regeneration supports {', '.join(ok)}; got {self.arch}. Use one of "
             f"those targets, or regenerate through an OpenAI-compatible endpoint (regenerate.backend=openai)."
@@ -289,14 +292,14 @@ class Target:
         self.require_decoding()
         if dtype is None:
             dtype = self.embed_table(self.params).dtype
-        return type(self).init_cache_fn(self.config, batch_size, max_len, dtype)
+        return type(self).decoder.init_cache(self.config, batch_size, max_len, dtype)
 
-    def decode(self, params, cache, input_ids, positions, start, *, aux_layer_ids=(), chunk_mask=None,
+    def decode_chunk(self, params, cache, input_ids, positions, start, *, aux_layer_ids=(), chunk_mask=None,
                valid_from=None, logits_index=None):
         """PURE cached forward of a chunk [B,T] written at slots start[b].. (usable inside jit):
-        (fp32 logits, aux tuple, final hidden, new cache). See specjax.targets.llama.decode_chunk."""
+        (fp32 logits, aux tuple, final hidden, new cache). The contract is decoder.Decoder.decode_chunk's."""
         self.require_decoding()
-        return type(self).decode_fn(
+        return type(self).decoder.decode_chunk(
             params, self.config, cache, input_ids, positions, start, aux_layer_ids=aux_layer_ids,
             chunk_mask_btt=chunk_mask, valid_from_b=valid_from, logits_index=logits_index,
         )

@@ -5,8 +5,9 @@ A family (``llama.py``, ``qwen3_moe.py``, ``hrm_text.py``, ``nemotron_h.py``; ``
 Llama's schedule over virtual layers) describes itself with one :class:`Decoder`: its layer stack
 (``run_layers``: which block at which depth, split at the aux taps, through ``layers/scan.py``) and
 the hooks where it differs from the Llama defaults (embedding path and scale, final norm, the
-inputs every layer shares, the cache). Its Target class sets ``decoder = ...``; ``base.Target``
-then takes ``forward_fn`` / ``decode_fn`` / ``init_cache_fn`` / ``embed_fn`` / ``lm_head_fn`` from it.
+inputs every layer shares, the cache). Its Target class sets ``decoder = ...``: the pure functions
+``forward``, ``decode_chunk``, ``init_cache``, ``embed_table`` and ``lm_head_weight`` (params and
+config first) are the decoder's, and ``base.Target``'s methods of the same names bind them.
 
 The carry through a stack is ``(x, cache)``: the residual stream [B,T,D] and the cache pytree in
 cached decoding, None in the training forward. Aux id k is the state after (virtual) layer k.

@@ -32,11 +32,11 @@ from specjax.layers.norms import rms_norm
 from specjax.layers.rope import RopeSpec, rope_spec_from_hf
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config
 from specjax.targets.decoder import Decoder, StackInputs, attention_ffn_block, swiglu
-from specjax.targets.hf_keys import attention_keys, read_hf_keys
+from specjax.targets.hf_keys import attention_keys, hf_values, read_hf_keys
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, scan_layers
-from specjax.targets.registry import register
+from specjax.targets.registry import model_type_of, register
 
 HRM_ARCH = "HrmTextForCausalLM"
 # config.json keys -> config fields; HRM attention is MHA, so num_key_value_heads is not read
@@ -116,6 +116,16 @@ class HrmTextTargetConfig:
                   rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         return cls(**kw)
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read;
+        num_hidden_layers is the virtual count, as transformers writes it."""
+        return {"architectures": [self.architecture], "model_type": model_type_of(self.architecture), "dtype": dtype,
+                **hf_values(HF_KEYS, self), "num_hidden_layers": self.num_hidden_layers,
+                "num_layers_per_stack": self.num_layers_per_stack, "H_cycles": self.H_cycles,
+                "L_cycles": self.L_cycles, "embedding_scale": self.embedding_scale,
+                "rope_parameters": self.rope.to_hf(), "hidden_act": "silu", "attention_bias": False,
+                "mlp_bias": False}
 
 
 # =============================================================================================

@@ -40,6 +40,7 @@ import numpy as np
 
 from specjax.targets.base import Target, WeightSpec, commit_tree_path, resolve_hf_config, tree_set
 from specjax.targets.decoder import Decoder, StackInputs, tap_split
+from specjax.targets.hf_keys import HFKey, hf_values, read_hf_keys
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import AttentionConfig, attention_block, segment_causal_mask
@@ -68,6 +69,40 @@ _KEY_ALIASES = {
     "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
     "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
 }
+
+def _optional_int(v):
+    return None if v is None else int(v)
+
+
+# config.json keys -> config fields, with transformers' NemotronHConfig defaults (the block pattern,
+# activation, time_step_limit and rope are read by NemotronHTargetConfig.from_hf)
+HF_KEYS = (
+    HFKey("vocab_size"),
+    HFKey("hidden_size"),
+    HFKey("num_attention_heads", int, 32),
+    HFKey("num_key_value_heads", default=lambda hf: int(hf.get("num_attention_heads") or 32), zero_is_absent=True),
+    HFKey("head_dim", default=lambda hf: int(hf["hidden_size"]) // int(hf.get("num_attention_heads") or 32),
+          zero_is_absent=True),
+    HFKey("intermediate_size", int, 21504),
+    HFKey("mamba_num_heads", int, 128),
+    HFKey("mamba_head_dim", int, 64),
+    HFKey("n_groups", int, 8),
+    HFKey("ssm_state_size", int, 128),
+    HFKey("conv_kernel", int, 4),
+    HFKey("chunk_size", int, 128),
+    HFKey("use_conv_bias", bool, True),
+    HFKey("n_routed_experts", default=lambda hf: hf.get("num_local_experts", 8)),
+    HFKey("num_experts_per_tok", int, 2),
+    HFKey("moe_intermediate_size", int, 7688),
+    HFKey("moe_shared_expert_intermediate_size", int, 7688),
+    HFKey("moe_latent_size", _optional_int, None),
+    HFKey("n_group", int, 1),
+    HFKey("topk_group", int, 1),
+    HFKey("norm_topk_prob", bool, True),
+    HFKey("routed_scaling_factor", float, 1.0),
+    HFKey("layer_norm_epsilon", float, 1e-5),
+    HFKey("max_position_embeddings", int, 4096),
+)
 
 _ACTIVATIONS = {
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # transformers' ReLUSquaredActivation
@@ -207,6 +242,10 @@ class NemotronHTargetConfig:
         return tuple(out)
 
     @property
+    def num_routed_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
     def has_mamba(self) -> bool:
         return MAMBA in self.layer_types
 
@@ -238,39 +277,9 @@ class NemotronHTargetConfig:
         act = hf.get("mlp_hidden_act", "relu2")
         if act not in _ACTIVATIONS:
             raise ValueError(f"mlp_hidden_act={act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
-        heads = int(hf.get("num_attention_heads", 32))
-        latent = hf.get("moe_latent_size")
-        kw = dict(
-            architecture=ARCHITECTURE,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            layer_types=types,
-            num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            intermediate_size=int(hf.get("intermediate_size", 21504)),
-            mlp_hidden_act=act,
-            mamba_num_heads=int(hf.get("mamba_num_heads", 128)),
-            mamba_head_dim=int(hf.get("mamba_head_dim", 64)),
-            n_groups=int(hf.get("n_groups", 8)),
-            ssm_state_size=int(hf.get("ssm_state_size", 128)),
-            conv_kernel=int(hf.get("conv_kernel", 4)),
-            chunk_size=int(hf.get("chunk_size", 128)),
-            use_conv_bias=bool(hf.get("use_conv_bias", True)),
-            dt_limit=_dt_limit(hf.get("time_step_limit")),
-            n_routed_experts=int(hf.get("n_routed_experts", hf.get("num_local_experts", 8))),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size", 7688)),
-            moe_shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688)),
-            moe_latent_size=None if latent is None else int(latent),
-            n_group=int(hf.get("n_group", 1)),
-            topk_group=int(hf.get("topk_group", 1)),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            rope=rope_spec_from_hf(hf),
-        )
+        kw = dict(architecture=ARCHITECTURE, layer_types=types, mlp_hidden_act=act,
+                  dt_limit=_dt_limit(hf.get("time_step_limit")), rope=rope_spec_from_hf(hf),
+                  **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         if "dt_limit" in overrides:
             kw["dt_limit"] = tuple(float(v) for v in overrides["dt_limit"])
@@ -305,25 +314,10 @@ class NemotronHTargetConfig:
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """A config.json dict (transformers-5.24 layout) that transformers and ``from_hf`` both read."""
-        d = {
-            "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "dtype": dtype,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "layers_block_type": list(self.layer_types),
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
-            "mlp_hidden_act": self.mlp_hidden_act, "mamba_hidden_act": "silu",
-            "mamba_num_heads": self.mamba_num_heads, "mamba_head_dim": self.mamba_head_dim,
-            "n_groups": self.n_groups, "ssm_state_size": self.ssm_state_size, "conv_kernel": self.conv_kernel,
-            "chunk_size": self.chunk_size, "use_conv_bias": self.use_conv_bias,
-            "time_step_limit": list(self.dt_limit),
-            "n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
-            "moe_latent_size": self.moe_latent_size, "n_group": self.n_group, "topk_group": self.topk_group,
-            "norm_topk_prob": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor,
-            "layer_norm_epsilon": self.layer_norm_epsilon, "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": False, "use_bias": False, "mlp_bias": False, "attention_bias": False,
-        }
+        d = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "dtype": dtype, **hf_values(HF_KEYS, self),
+             "layers_block_type": list(self.layer_types), "mlp_hidden_act": self.mlp_hidden_act,
+             "mamba_hidden_act": "silu", "time_step_limit": list(self.dt_limit),
+             "tie_word_embeddings": False, "use_bias": False, "mlp_bias": False, "attention_bias": False}
         if self.rope != RopeSpec():
             d["rope_parameters"] = self.rope.to_hf()
         return d
@@ -704,13 +698,5 @@ class NemotronHTarget(Target):
     def check_draft_compat(cls, config: NemotronHTargetConfig, draft_num_kv_heads: int | None) -> None:
         check_draft_compat(config, draft_num_kv_heads)
 
-    def active_params_per_token(self) -> int:
-        """Parameters one token uses: all but the routed experts it is not sent to (embeddings
-        included; Nemotron 3 Nano 30B-A3B: 3.6 B of 31.6 B)."""
-        total = 0
-        for spec in self.weight_specs(self.config):
-            n = math.prod(spec.shape)
-            if spec.path[:3] == ("moe", "mixer", "experts"):
-                n = n * self.config.num_experts_per_tok // self.config.n_routed_experts
-            total += n
-        return int(total)
+    # Nemotron 3 Nano 30B-A3B: 3.6 B active of 31.6 B
+    routed_experts_path = ("moe", "mixer", "experts")

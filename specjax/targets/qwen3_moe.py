@@ -33,11 +33,11 @@ from specjax_kernels.moe import moe_experts
 from specjax.layers.rope import RopeSpec, rope_spec_from_hf
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config
 from specjax.targets.decoder import Decoder, StackInputs, attention_ffn_block, swiglu, tap_split
-from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, read_hf_keys
+from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, hf_values, read_hf_keys
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, layer_scan
-from specjax.targets.registry import register
+from specjax.targets.registry import model_type_of, register
 
 ARCH = "Qwen3MoeForCausalLM"
 # config.json keys -> config fields (rope: layers/rope.py)
@@ -94,6 +94,10 @@ class Qwen3MoeTargetConfig:
         )
 
     @property
+    def num_routed_experts(self) -> int:
+        return self.num_experts
+
+    @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_moe(i))
 
@@ -135,6 +139,14 @@ class Qwen3MoeTargetConfig:
         if bad:
             raise ValueError(f"mlp_only_layers {bad} outside 0..{cfg.num_hidden_layers - 1}")
         return cfg
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read."""
+        d = {"architectures": [self.architecture], "model_type": model_type_of(self.architecture), "dtype": dtype,
+             **hf_values(HF_KEYS, self), "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
+             "attention_bias": False, "use_sliding_window": False}
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        return d
 
 
 # =============================================================================================
@@ -262,13 +274,4 @@ class Qwen3MoeTarget(Target):
     decoder = DECODER
     weight_specs = staticmethod(weight_specs)
 
-    def active_params_per_token(self) -> int:
-        """Parameters one token uses: everything but the E - k experts it is not routed to (the
-        published "activated" count, embeddings included; Qwen3-30B-A3B: 3.3 B)."""
-        total = 0
-        for spec in self.weight_specs(self.config):
-            n = int(np.prod(spec.shape))
-            if spec.path[:2] == ("moe_layers", "experts"):
-                n = n * self.config.num_experts_per_tok // self.config.num_experts
-            total += n
-        return total
+    routed_experts_path = ("moe_layers", "experts")  # Qwen3-30B-A3B: 3.3 B active

@@ -170,9 +170,9 @@ def test_decoding_through_the_kernel(family, kernel, monkeypatch):
         for t in (xla, kern):
             cache = t.init_cache(1, 64)
             pos = jnp.arange(8, dtype=jnp.int32)[None]
-            _, _, _, cache = t.decode(t.params, cache, prompt[:, :6], pos[:, :6], jnp.array([0]))  # prefill
+            _, _, _, cache = t.decode_chunk(t.params, cache, prompt[:, :6], pos[:, :6], jnp.array([0]))  # prefill
             tree = jnp.asarray(np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)[None])
-            logits, aux, final, _ = t.decode(t.params, cache, prompt[:, 5:8], jnp.asarray([[6, 7, 7]]), jnp.array([6]),
+            logits, aux, final, _ = t.decode_chunk(t.params, cache, prompt[:, 5:8], jnp.asarray([[6, 7, 7]]), jnp.array([6]),
                                              aux_layer_ids=t.default_aux_layer_ids(), chunk_mask=tree)
             outs.append((logits, final))
         assert _diff(outs[0][0], outs[1][0]) < 1e-5 and _diff(outs[0][1], outs[1][1]) < 1e-5
@@ -293,7 +293,7 @@ def test_mask_operand_is_built_once_per_chunk(family, T, monkeypatch, tmp_path):
     cache = t.init_cache(2, 64)
     ids = jnp.ones((2, T), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 5, (2, T))
-    jaxpr = jax.make_jaxpr(lambda c: type(t).decode_fn(t.params, t.config, c, ids, pos, jnp.array([5, 9])))(cache)
+    jaxpr = jax.make_jaxpr(lambda c: type(t).decoder.decode_chunk(t.params, t.config, c, ids, pos, jnp.array([5, 9])))(cache)
     ops = _loop_mask_ops(jaxpr.jaxpr)
     g = t.config.attention.num_heads // t.config.attention.num_kv_heads
     once = _loop_mask_ops(jax.make_jaxpr(lambda m: pallas_gpu.mask_rows(m, g))(jnp.ones((2, T, 64), bool)).jaxpr)

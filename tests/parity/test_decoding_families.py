@@ -100,7 +100,7 @@ def target(request):
 
 
 def _decoder(target, aux_ids):
-    return jax.jit(lambda c, i, p, s, m=None, vf=None, li=None: target.decode(
+    return jax.jit(lambda c, i, p, s, m=None, vf=None, li=None: target.decode_chunk(
         target.params, c, i, p, s, aux_layer_ids=aux_ids, chunk_mask=m, valid_from=vf, logits_index=li))
 
 
@@ -117,7 +117,7 @@ DECODING_ARCHS = ("Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3F
 def test_registered_for_decoding():
     for name in FAMILIES:
         assert build(name).supports_decoding, name
-    ok = {a for a, cls in registry.ARCHITECTURES.items() if cls.decode_fn is not None}
+    ok = {a for a, cls in registry.ARCHITECTURES.items() if cls.decoder is not None}
     assert set(DECODING_ARCHS) <= ok
     # the refusal names every architecture that decodes
     other = Target(types.SimpleNamespace(architecture="NemotronHForCausalLM", num_hidden_layers=4), {}, {})

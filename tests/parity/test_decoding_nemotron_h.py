@@ -77,7 +77,7 @@ def _decoder(target):
 
 
 def _make_decoder(target):
-    return jax.jit(lambda c, i, s, m=None, vf=None, li=None: target.decode(
+    return jax.jit(lambda c, i, s, m=None, vf=None, li=None: target.decode_chunk(
         target.params, c, i, jnp.zeros_like(i), s, aux_layer_ids=target.default_aux_layer_ids(), chunk_mask=m,
         valid_from=vf, logits_index=li))
 

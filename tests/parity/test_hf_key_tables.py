@@ -1,0 +1,85 @@
+"""Each target family reads and writes config.json through one HF key table (targets/hf_keys.py).
+
+For every family: ``from_hf(to_hf(cfg)) == cfg``; every key of its table is written; and transformers'
+own config class reads ``to_hf()`` into a config that ``from_hf`` maps back to the same target config,
+so the dict is the one transformers would write, not just one we can read back. Values are chosen
+away from every default so a key dropped on either side changes the result.
+"""
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from specjax.layers.rope import RopeSpec  # noqa: E402
+from specjax.targets import hf_keys, hrm_text, llama, looped, nemotron_h, qwen3_moe  # noqa: E402
+
+ROPE = {"rope_type": "default", "rope_theta": 12345.0}
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                    num_attention_heads=6, num_key_value_heads=2, head_dim=12, rms_norm_eps=3e-6,
+                                    tie_word_embeddings=True, max_position_embeddings=777, rope_parameters=ROPE)
+
+
+def _qwen3_moe():
+    return transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=6,
+                                       num_attention_heads=6, num_key_value_heads=3, head_dim=10, rms_norm_eps=2e-6,
+                                       max_position_embeddings=999, moe_intermediate_size=24, num_experts=6,
+                                       num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2,
+                                       mlp_only_layers=[1], tie_word_embeddings=True, rope_parameters=ROPE)
+
+
+def _hrm():
+    return transformers.HrmTextConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=4, head_dim=12, H_cycles=3, L_cycles=2, rms_norm_eps=4e-6,
+                                      max_position_embeddings=555, tie_word_embeddings=True,
+                                      rope_parameters=ROPE)
+
+
+def _nemotron():
+    return transformers.NemotronHConfig(
+        vocab_size=96, hidden_size=64, layers_block_type=[nemotron_h.MAMBA, nemotron_h.MOE, nemotron_h.ATTENTION],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=3, chunk_size=8, use_conv_bias=False,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        n_group=2, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5, layer_norm_epsilon=3e-5,
+        max_position_embeddings=666, moe_latent_size=32, mlp_hidden_act="relu", time_step_limit=(0.01, 5.0))
+
+
+FAMILIES = {
+    "llama": (llama.LlamaTargetConfig, llama.HF_KEYS, _llama, transformers.LlamaConfig),
+    "qwen3_moe": (qwen3_moe.Qwen3MoeTargetConfig, qwen3_moe.HF_KEYS, _qwen3_moe, transformers.Qwen3MoeConfig),
+    "hrm_text": (hrm_text.HrmTextTargetConfig, hrm_text.HF_KEYS, _hrm, transformers.HrmTextConfig),
+    "nemotron_h": (nemotron_h.NemotronHTargetConfig, nemotron_h.HF_KEYS, _nemotron, transformers.NemotronHConfig),
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
+                 "nemotron_h": "NemotronHForCausalLM"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_to_hf_round_trips_through_transformers(name):
+    config_class, table, build, hf_class = FAMILIES[name]
+    hf = build().to_dict()
+    hf["architectures"] = [ARCHITECTURES[name]]
+    cfg = config_class.from_hf(hf)
+    written = cfg.to_hf()
+    assert config_class.from_hf(written) == cfg
+    assert not [row.key for row in table if row.key not in written], "a key of the table is not written"
+    for row in table:  # the test values are not the defaults, so a dropped key would be noticed
+        if not callable(row.default) and row.default is not hf_keys.REQUIRED:
+            assert getattr(cfg, row.field_name) != row.convert(row.default), \
+                f"{name}: {row.key} is at its default; pick another test value"
+    if name != "nemotron_h":
+        assert cfg.rope != RopeSpec()
+    through_hf = hf_class(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")}).to_dict()
+    through_hf["architectures"] = written["architectures"]
+    assert config_class.from_hf(through_hf) == cfg
+
+
+def test_looped_to_hf_round_trips():
+    base = _llama().to_dict()
+    base.update(architectures=["LoopedLlamaForCausalLM"], num_loops=3, loop_start=1, loop_end=3)
+    cfg = looped.LoopedLlamaConfig.from_hf(base)
+    assert looped.LoopedLlamaConfig.from_hf(cfg.to_hf()) == cfg
