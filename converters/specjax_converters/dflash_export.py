@@ -141,8 +141,8 @@ def _check_against_target(cfg, tc: Mapping) -> None:
         _fail("hidden_size", f"{cfg.hidden_size} differs from the target's {tc['hidden_size']}",
               "DFlash drafts use the target's hidden size; rebuild the config from the target")
     L = tc.get("num_hidden_layers")
-    if L is not None and max(cfg.target_layer_ids) >= int(L):
-        _fail("target_layer_ids", f"{list(cfg.target_layer_ids)} reach past the target's {L} layers "
+    if L is not None and max(cfg.aux_layer_ids) >= int(L):
+        _fail("aux_layer_ids", f"{list(cfg.aux_layer_ids)} reach past the target's {L} layers "
               "(output-of-layer-k, 0-based)", f"use ids in [0, {int(L) - 1}]")
     if not 0 <= int(cfg.mask_token_id) < int(tc.get("vocab_size", cfg.vocab_size)):
         _fail("mask_token_id", f"{cfg.mask_token_id} is outside the target vocab", "use a token id the target embeds")
@@ -190,7 +190,7 @@ def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "num_target_layers": int(tc.get("num_hidden_layers", cfg.num_target_layers or 0)) or None,
         "dflash_config": {
             "mask_token_id": int(cfg.mask_token_id),
-            "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
+            "target_layer_ids": [int(i) for i in cfg.aux_layer_ids],
             "causal": bool(cfg.causal),
             "sample_from_anchor": bool(cfg.sample_from_anchor),
             "use_aux_hidden_state": True,
@@ -234,25 +234,26 @@ def _refuse_existing(out_dir: str) -> None:
 
 
 def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str | os.PathLike, *, vocab=None,
-                  dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None) -> str:
+                  dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None, variant: str = VARIANT) -> str:
     """Validate, then write model.safetensors + config.json + specjax_manifest.json to `out_dir`
     (atomically: a temporary folder beside it, renamed at the end). Every rule of
     specjax_converters.dflash_validate runs on the tensors and config first and on the written files
     before the rename; an error raises ExportValidationError (a ValueError) and leaves no folder.
-    `extra_manifest` adds keys to the manifest (step, metrics, ...; the writer's own are refused). An
+    `extra_manifest` adds keys to the manifest (step, metrics, ...; the writer's own are refused);
+    `variant` is the manifest's name for the method ("jetspec" for a causal block). An
     existing out_dir is replaced only when it is empty or an earlier DFlash export. Returns the
     absolute out_dir."""
     dtype = _normalize_dtype(dtype)
     extra = manifest_extra(extra_manifest, "DFlash export")
     tensors = dflash_state_dict(params, cfg, vocab, dtype)
     config = dflash_hf_config(cfg, target_hf_config, dtype)
-    ids = [int(i) for i in cfg.target_layer_ids]
+    ids = [int(i) for i in cfg.aux_layer_ids]
     findings = check_dflash_head(config, tensors, target_config=target_hf_config, training_layer_ids=ids,
                                  causal=cfg.causal)
     if errors(findings):
         raise ExportValidationError(findings, "DFlash export")
     return write_head_folder(
         out_dir, tensors, config, replaceable=_is_replaceable, refuse_existing=_refuse_existing,
-        check_written=written_head_check(target_hf_config, ids, "DFlash export"), format=FORMAT, variant=VARIANT,
+        check_written=written_head_check(target_hf_config, ids, "DFlash export"), format=FORMAT, variant=variant,
         dtype=dtype, draft_config=manifest_draft_config(cfg), target_config=target_hf_config, warnings=findings,
         extra=extra)

@@ -73,7 +73,7 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
         num_key_value_heads=int(conf.get("num_key_value_heads") or n_heads),
         head_dim=int(conf.get("head_dim") or hidden // n_heads), intermediate_size=int(conf["intermediate_size"]),
         vocab_size=int(conf["vocab_size"]), draft_vocab_size=int(conf.get("draft_vocab_size") or conf["vocab_size"]),
-        target_layer_ids=tuple(int(i) for i in dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
+        aux_layer_ids=tuple(int(i) for i in dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
         block_size=int(conf["block_size"]), rms_norm_eps=float(conf.get("rms_norm_eps", 1e-6)),
         rope=rope_spec_from_hf(conf), max_position_embeddings=int(conf.get("max_position_embeddings", 2048)),
         num_target_layers=conf.get("num_target_layers"), sample_from_anchor=bool(dc.get("sample_from_anchor", False)),
@@ -171,10 +171,10 @@ def warm_start_dflash_params(folder: str, draft_cfg, vocab, init_params: Mapping
         raise ValueError(f"draft.init_from={folder}: the DFlash head does not fit this run's draft: {lines}. Fix: set "
                          "the keys named; a head for another target (hidden_size / vocab_size) cannot be "
                          "warm-started from")
-    if tuple(hc.target_layer_ids) != tuple(draft_cfg.target_layer_ids):
+    if tuple(hc.aux_layer_ids) != tuple(draft_cfg.aux_layer_ids):
         raise ValueError(f"draft.init_from={folder}: the head was trained on target layers "
-                         f"{list(hc.target_layer_ids)}, the run taps {list(draft_cfg.target_layer_ids)}. Fix: set "
-                         f"target.aux_layer_ids=[{','.join(map(str, hc.target_layer_ids))}] (fc is tied to its taps)")
+                         f"{list(hc.aux_layer_ids)}, the run taps {list(draft_cfg.aux_layer_ids)}. Fix: set "
+                         f"target.aux_layer_ids=[{','.join(map(str, hc.aux_layer_ids))}] (fc is tied to its taps)")
     for f in ("block_size", "sample_from_anchor", "rope", "rms_norm_eps", "causal"):
         if getattr(hc, f) != getattr(draft_cfg, f):
             log.warning("draft.init_from=%s: the head's %s (%s) differs from the run's (%s); training continues with "

@@ -95,7 +95,7 @@ class DFlashShape:
     head_dim: int
     intermediate_size: int
     draft_vocab_size: int
-    target_layer_ids: tuple[int, ...]
+    aux_layer_ids: tuple[int, ...]
 
 
 def _pos_int(v) -> Optional[int]:
@@ -111,7 +111,7 @@ def dflash_shape(config: Mapping) -> DFlashShape:
         num_key_value_heads=int(config["num_key_value_heads"]), head_dim=int(config["head_dim"]),
         intermediate_size=int(config["intermediate_size"]),
         draft_vocab_size=int(config.get("draft_vocab_size") or config["vocab_size"]),
-        target_layer_ids=tuple(int(i) for i in (dc.get("target_layer_ids") or ())))
+        aux_layer_ids=tuple(int(i) for i in (dc.get("target_layer_ids") or ())))
 
 
 def expected_dflash_weights(config: Mapping) -> dict[str, weights.Entry]:
@@ -401,5 +401,5 @@ def check_folder_head(config: Mapping, tensors: HeadTensors, *, target_config: O
 
 # the folder dispatch's entry (specjax_converters.head_formats)
 HEAD_FORMAT = HeadFormat(name="dflash", recognises=is_dflash_config, layout=lambda config: "dflash",
-                         training_ids_key="target_layer_ids", check=check_folder_head,
+                         check=check_folder_head,
                          refusal=speculators_dflash_error)

@@ -471,5 +471,5 @@ def check_folder_head(config: Mapping, tensors: HeadTensors, *, target_config: O
 
 # the folder dispatch's entry (specjax_converters.head_formats): every config no other format claims
 HEAD_FORMAT = HeadFormat(name="eagle3", recognises=lambda config: True,
-                         layout=lambda config: flatten_head_config(config)[0], training_ids_key="aux_layer_ids",
+                         layout=lambda config: flatten_head_config(config)[0],
                          check=check_folder_head)

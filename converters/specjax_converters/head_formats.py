@@ -54,7 +54,7 @@ def validate_folder(
 
     The rules are those of the folder's format (`format_of`): a DFlash head (layout "dflash") gets
     dflash_validate's, any other folder eagle3_validate's; `training_aux_ids` are the taps the head
-    was trained on (a DFlash head's target_layer_ids)."""
+    was trained on (else the manifest draft_config's aux_layer_ids)."""
     config, tensors, manifest, findings = read_head_files(folder)
     for fmt in FORMATS:
         refused = fmt.refusal(os.path.abspath(os.path.expanduser(os.fspath(folder))), config)
@@ -77,12 +77,14 @@ def validate_folder(
         if verifier and os.path.isfile(os.path.join(os.fspath(verifier), CONFIG_FILE)):
             target_config, info["target_source"] = _load_target_config(verifier), verifier
     if training_aux_ids is None and manifest and isinstance(manifest.get("draft_config"), Mapping):
-        training_aux_ids = manifest["draft_config"].get(fmt.training_ids_key)
+        saved = manifest["draft_config"]
+        # DFlash manifests written before the taps had one name spell them target_layer_ids
+        training_aux_ids = saved.get("aux_layer_ids", saved.get("target_layer_ids"))
     findings += fmt.check(config, tensors, target_config=target_config, training_ids=training_aux_ids,
                           manifest=manifest, check_finite=check_finite)
     if target_config is None:
         findings.append(Finding("target.unknown", "target", "no target config given, so the target rules "
-                                "(hidden size, vocab, RoPE, context, KV heads, aux range / target_layer_ids) "
+                                "(hidden size, vocab, RoPE, context, KV heads, aux range / dflash_config.target_layer_ids) "
                                 "were not run",
                                 "pass --target <target folder>", "warning"))
     return findings, info

@@ -57,14 +57,12 @@ def same_value(a, b) -> bool:
 class HeadFormat:
     """One head format for the folder dispatch (specjax_converters.head_formats.validate_folder):
     `recognises(config)` says whether a config.json is this format's, `layout(config)` names the
-    layout in the validation report, `training_ids_key` is the manifest draft_config key holding the
-    taps the head was trained on, `check(config, tensors, *, target_config, training_ids, manifest,
+    layout in the validation report, `check(config, tensors, *, target_config, training_ids, manifest,
     check_finite)` runs the format's rules, and `refusal(folder, config)` (checked for every folder)
     is the error for a folder no format can read, else None."""
     name: str
     recognises: Callable[[Mapping], bool]
     layout: Callable[[Mapping], str]
-    training_ids_key: str
     check: Callable[..., list]
     refusal: Callable[[str, Mapping], Optional[str]] = lambda folder, config: None
 

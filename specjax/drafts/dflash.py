@@ -1,7 +1,7 @@
 """The DFlash block drafter: one forward pass drafts a whole block of tokens.
 
 Network. Context rows come from the target: `c = hidden_norm(fc(concat(aux_k for k in
-target_layer_ids)))`, one row per target position. A block of S = block_size slots is embedded with
+aux_layer_ids)))`, one row per target position. A block of S = block_size slots is embedded with
 the target's (frozen) token table: slot 0 holds a real token (the anchor), slots 1..S-1 the
 `mask_token_id` token. Then N Qwen3 decoder layers run over the block only: per layer
 `x_n = input_layernorm(x)`, queries `q_norm(q_proj(x_n))`, keys `k_norm(k_proj(.))` and values
@@ -29,10 +29,11 @@ Alignment, for an anchor at packed-row position a (tokens x, target positions `p
                  SpecForge has no packing; its rows are one document, where the segment rule of
                  the context is the same as its `s < a`.
 
-Target layer ids use ONE convention here, the project's output-of-layer-k one (HF
-`hidden_states[k+1]`, the aux states specjax targets capture): this is SpecForge's
-`target_layer_ids` and vLLM's `dflash_config.target_layer_ids`. speculators' config field
-`aux_hidden_state_layer_ids` (and vLLM's `eagle_aux_hidden_state_layer_ids`) hold k+1.
+The taps are `aux_layer_ids`, the word every draft family uses, in the project's output-of-layer-k
+convention (HF `hidden_states[k+1]`, the aux states specjax targets capture): the same ids as
+SpecForge's `target_layer_ids` and vLLM's `dflash_config.target_layer_ids` (the exported key).
+speculators' config field `aux_hidden_state_layer_ids` (and vLLM's
+`eagle_aux_hidden_state_layer_ids`) hold k+1.
 
 Training (`dflash_loss`) follows one of two references, chosen by DFlashLossConfig.objective:
   "teacher_kl"  speculators 0.9 (DFlashDraftModel + compute_metrics, loss kl_div): anchors are
@@ -94,7 +95,7 @@ __all__ = [
     "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "JetSpecConfig", "OBJECTIVES",
     "anchor_candidates", "append_context", "attend_blocks", "block_metrics", "block_positions", "block_token_ids",
     "config_from_dict", "config_from_target", "config_to_dict", "context_kv", "context_visibility",
-    "context_states", "default_target_layer_ids", "dflash_attention", "dflash_attention_reference",
+    "context_states", "spread_aux_layer_ids", "dflash_attention", "dflash_attention_reference",
     "dflash_loss", "draft_forward", "draft_logits", "init_context_cache", "init_draft_params",
     "in_block_visibility", "param_logical_axes", "propose_block", "select_anchors", "slot_decay",
 ]
@@ -117,13 +118,13 @@ class DFlashConfig:
     intermediate_size: int
     vocab_size: int  # V, the target's vocab (the embedding the draft reads)
     draft_vocab_size: int  # Vd, the lm_head rows
-    target_layer_ids: tuple[int, ...]  # output-of-layer-k (HF hidden_states[k+1]); see the module doc
+    aux_layer_ids: tuple[int, ...]  # output-of-layer-k (HF hidden_states[k+1]); see the module doc
     mask_token_id: int  # the token embedded in slots 1..S-1
     block_size: int = 16  # S slots per block: the anchor + S-1 mask slots
     rms_norm_eps: float = 1e-6
     rope: RopeSpec = RopeSpec()  # the target's RoPE (the block continues the target's positions)
     max_position_embeddings: int = 2048
-    num_target_layers: Optional[int] = None  # the target's depth, when known (bounds target_layer_ids)
+    num_target_layers: Optional[int] = None  # the target's depth, when known (bounds aux_layer_ids)
     sample_from_anchor: bool = False  # slot 0 predicts too (S draft tokens instead of S-1)
     hidden_act: str = "silu"
     # the attention inside a block: False = every slot sees all S slots (DFlash); True = slot j sees
@@ -133,7 +134,7 @@ class DFlashConfig:
 
     @property
     def num_aux(self) -> int:
-        return len(self.target_layer_ids)
+        return len(self.aux_layer_ids)
 
     @property
     def first_trained_slot(self) -> int:
@@ -160,14 +161,14 @@ class DFlashConfig:
         if self.draft_vocab_size > self.vocab_size:
             fail("draft_vocab_size", f"exceeds the target vocab ({self.vocab_size})",
                  f"set draft_vocab_size <= {self.vocab_size}")
-        ids = tuple(self.target_layer_ids)
+        ids = tuple(self.aux_layer_ids)
         if not ids:
-            fail("target_layer_ids", "is empty", "name at least one target layer (output-of-layer-k ids)")
+            fail("aux_layer_ids", "is empty", "name at least one target layer (output-of-layer-k ids)")
         if any(int(i) != i for i in ids) or list(ids) != sorted(set(ids)) or ids[0] < 0:
-            fail("target_layer_ids", "must be unique, increasing, non-negative integers",
+            fail("aux_layer_ids", "must be unique, increasing, non-negative integers",
                  "list each tapped layer once in increasing order (output-of-layer-k convention)")
         if self.num_target_layers is not None and ids[-1] >= self.num_target_layers:
-            fail("target_layer_ids", f"names layer {ids[-1]} but the target has {self.num_target_layers} layers "
+            fail("aux_layer_ids", f"names layer {ids[-1]} but the target has {self.num_target_layers} layers "
                  "(ids are output-of-layer-k, 0-based)",
                  f"use ids in [0, {self.num_target_layers - 1}]; speculators' aux_hidden_state_layer_ids are these + 1")
         if self.block_size < 2 - int(self.sample_from_anchor):
@@ -186,7 +187,7 @@ class JetSpecConfig(DFlashConfig):
     causal: ClassVar[bool] = True
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+def spread_aux_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """SpecForge's default taps (output-of-layer-k): the middle layer for a one-layer draft, else
     `num_draft_layers` ids spread evenly (rounded) from layer 1 to layer L-3."""
     if num_draft_layers == 1:
@@ -196,20 +197,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 def config_from_target(target_cfg, *, draft_vocab_size: int, mask_token_id: int, num_layers: int = 1,
-                       block_size: int = 16, target_layer_ids: Optional[Sequence[int]] = None,
+                       block_size: int = 16, aux_layer_ids: Optional[Sequence[int]] = None,
                        intermediate_size: Optional[int] = None, sample_from_anchor: bool = False) -> DFlashConfig:
     """Draft shape from a target config (a specjax target config or anything with the HF field
     names): width, heads, norms, RoPE and vocab are the target's."""
     L = int(target_cfg.num_hidden_layers)
-    ids = tuple(int(i) for i in target_layer_ids) if target_layer_ids is not None else \
-        default_target_layer_ids(L, num_layers)
+    ids = tuple(int(i) for i in aux_layer_ids) if aux_layer_ids is not None else \
+        spread_aux_layer_ids(L, num_layers)
     H, nH = int(target_cfg.hidden_size), int(target_cfg.num_attention_heads)
     cfg = DFlashConfig(
         hidden_size=H, num_layers=int(num_layers), num_attention_heads=nH,
         num_key_value_heads=int(getattr(target_cfg, "num_key_value_heads", None) or nH),
         head_dim=int(getattr(target_cfg, "head_dim", None) or H // nH),
         intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
-        vocab_size=int(target_cfg.vocab_size), draft_vocab_size=int(draft_vocab_size), target_layer_ids=ids,
+        vocab_size=int(target_cfg.vocab_size), draft_vocab_size=int(draft_vocab_size), aux_layer_ids=ids,
         mask_token_id=int(mask_token_id), block_size=int(block_size),
         rms_norm_eps=float(target_cfg.rms_norm_eps), rope=getattr(target_cfg, "rope", RopeSpec()),
         max_position_embeddings=int(getattr(target_cfg, "max_position_embeddings", 2048)),
@@ -220,13 +221,15 @@ def config_from_target(target_cfg, *, draft_vocab_size: int, mask_token_id: int,
 
 def config_to_dict(cfg: DFlashConfig) -> dict:
     d = dataclasses.asdict(cfg)
-    d["target_layer_ids"] = list(cfg.target_layer_ids)
+    d["aux_layer_ids"] = list(cfg.aux_layer_ids)
     return d
 
 
 def config_from_dict(d: dict) -> DFlashConfig:
     d = dict(d)
-    d["target_layer_ids"] = tuple(d["target_layer_ids"])
+    if "target_layer_ids" in d:  # run_meta.json and manifests written before the taps had one name
+        d["aux_layer_ids"] = d.pop("target_layer_ids")
+    d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
     d["rope"] = RopeSpec(**d["rope"])
     return DFlashConfig(**d)
 
@@ -269,7 +272,7 @@ def _rope(x_btnd, positions_bt, cfg: DFlashConfig):
 def context_states(params: dict, cfg: DFlashConfig, aux_hidden: Sequence[jnp.ndarray], dtype=jnp.float32):
     """hidden_norm(fc(concat(aux))) [B, T, H]: the context rows every draft layer attends to."""
     if len(aux_hidden) != cfg.num_aux:
-        raise ValueError(f"expected {cfg.num_aux} target hidden states (target_layer_ids={cfg.target_layer_ids}), "
+        raise ValueError(f"expected {cfg.num_aux} target hidden states (aux_layer_ids={cfg.aux_layer_ids}), "
                          f"got {len(aux_hidden)}")
     g = jnp.concatenate([a.astype(dtype) for a in aux_hidden], axis=-1)
     return rms_norm(_linear(g, params["fc"]), params["hidden_norm"]["scale"].astype(dtype), cfg.rms_norm_eps)
@@ -440,7 +443,7 @@ def draft_forward(params: dict, cfg: DFlashConfig, *, aux_hidden: Sequence[jnp.n
                   segment_ids, anchors, embed_table, attention: Literal["chunked", "reference"] = "chunked",
                   anchor_chunk: int = 16, compute_dtype=jnp.float32) -> jnp.ndarray:
     """The draft over the blocks of one packed batch: [B, N, S, H] hidden states before the final
-    norm. aux_hidden: cfg.num_aux x [B, T, H] (the target's states at target_layer_ids);
+    norm. aux_hidden: cfg.num_aux x [B, T, H] (the target's states at aux_layer_ids);
     input_ids / positions / segment_ids [B, T]; anchors [B, N] int (block n starts at anchors[n]);
     embed_table [V, H] (the target's, frozen: no gradient flows into it)."""
     params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), params)
@@ -617,7 +620,7 @@ def init_context_cache(cfg: DFlashConfig, batch: int, max_len: int, dtype=jnp.fl
 
 def append_context(params: dict, cfg: DFlashConfig, cache: dict, aux_hidden: Sequence[jnp.ndarray], positions_bn,
                    num_valid_b=None) -> dict:
-    """Write n new context rows (the target's states at target_layer_ids for positions
+    """Write n new context rows (the target's states at aux_layer_ids for positions
     `positions_bn` [B, n]) after each row's valid ones; only the first `num_valid_b` [B] (default n)
     count, the rest are overwritten by the next append. The caller keeps length + n <= max_len
     (dynamic_update_slice clamps an overflowing write instead of failing)."""

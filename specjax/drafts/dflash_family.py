@@ -92,8 +92,8 @@ class DFlashFamily(DraftFamily):
 
     # -- the draft config ----------------------------------------------------------------------
     def default_aux_layer_ids(self, cfg, target) -> tuple[int, ...]:
-        """One tap per draft layer, spread over the target (dflash.default_target_layer_ids)."""
-        ids = dflash.default_target_layer_ids(target.num_layers, cfg.draft.num_layers)
+        """One tap per draft layer, spread over the target (dflash.spread_aux_layer_ids)."""
+        ids = dflash.spread_aux_layer_ids(target.num_layers, cfg.draft.num_layers)
         if len(set(ids)) != len(ids):
             raise ValueError(f"draft.type={self.draft_type}: the default taps {list(ids)} for {cfg.draft.num_layers} draft layers "
                              f"of a {target.num_layers}-layer target repeat a layer; set target.aux_layer_ids.")
@@ -105,7 +105,7 @@ class DFlashFamily(DraftFamily):
         d, t = cfg.draft, target.config
         base = dflash.config_from_target(
             t, draft_vocab_size=d.draft_vocab_size, mask_token_id=resolve_mask_token_id(cfg, target),
-            num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=aux_ids,
+            num_layers=d.num_layers, block_size=d.block_size, aux_layer_ids=aux_ids,
             intermediate_size=d.intermediate_size, sample_from_anchor=d.sample_from_anchor)
         overrides = {k: v for k, v in (("num_attention_heads", d.num_attention_heads),
                                        ("num_key_value_heads", d.num_key_value_heads), ("head_dim", d.head_dim))
@@ -145,9 +145,9 @@ class DFlashFamily(DraftFamily):
 
     def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
         """DFlash's loss on one packed batch: anchors drawn from the loss-masked rows (anchor_key), the
-        target's taps at draft_cfg.target_layer_ids. The lm_head stays the target's copy (a constant
+        target's taps at draft_cfg.aux_layer_ids. The lm_head stays the target's copy (a constant
         to the optimizer, as in both references)."""
-        tap_ids = tuple(draft_cfg.target_layer_ids)
+        tap_ids = tuple(draft_cfg.aux_layer_ids)
         loss_cfg = objective.loss
 
         def loss_fn(draft_params, target_params, vocab, batch, step=None):
@@ -179,10 +179,11 @@ class DFlashFamily(DraftFamily):
     # -- the head format -----------------------------------------------------------------------
     def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",
                extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
-        if variant not in (None, "dflash"):
-            raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; a DFlash run exports as DFlash (drop --variant)")
+        if variant not in (None, self.draft_type):
+            raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; a {self.display_name} run exports as "
+                             f"{self.display_name} (drop --variant)")
         return export_dflash(params, draft_cfg, target_hf_config, out_dir, dtype=dtype, vocab=vocab,
-                             extra_manifest=extra_manifest)
+                             extra_manifest=extra_manifest, variant=self.draft_type)
 
     def recognises_head(self, head_config: Mapping) -> bool:
         """A DFlash-format head whose block attends as the family's config class does."""
@@ -191,19 +192,19 @@ class DFlashFamily(DraftFamily):
 
     # -- speculative decoding ------------------------------------------------------------------
     def decode_taps(self, draft_cfg) -> tuple[int, ...]:
-        return tuple(draft_cfg.target_layer_ids)
+        return tuple(draft_cfg.aux_layer_ids)
 
     def check_decoding(self, draft_cfg, *, mode: str, num_spec_tokens: int) -> None:
         if mode != "chain":
-            raise ValueError("a DFlash head drafts one block (a chain) per step; use mode='chain'")
+            raise ValueError(f"a {self.display_name} head drafts one block (a chain) per step; use mode='chain'")
         if int(num_spec_tokens) > draft_cfg.num_draft_tokens:
             raise ValueError(f"num_spec_tokens={num_spec_tokens} exceeds the {draft_cfg.num_draft_tokens} tokens one "
-                             f"block of this DFlash head drafts (block_size={draft_cfg.block_size}); use "
+                             f"block of this {self.display_name} head drafts (block_size={draft_cfg.block_size}); use "
                              f"num_spec_tokens <= {draft_cfg.num_draft_tokens}")
 
     def resolve_draft_dtype(self, draft_dtype: str, target_dtype) -> str:
         if draft_dtype not in ("auto", "float32"):
-            raise ValueError(f"draft_dtype={draft_dtype!r}: a DFlash head drafts in float32 here; use "
+            raise ValueError(f"draft_dtype={draft_dtype!r}: a {self.display_name} head drafts in float32 here; use "
                              "draft_dtype='float32'")
         return "float32"
 

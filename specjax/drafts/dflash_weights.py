@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from specjax.drafts.weights import INTER, KV, Q, VD, Dim, DraftWeight, H
 
-FC_IN = Dim("aux*H", lambda c: len(c.target_layer_ids) * c.hidden_size)  # fc input: the taps concatenated
+FC_IN = Dim("aux*H", lambda c: len(c.aux_layer_ids) * c.hidden_size)  # fc input: the taps concatenated
 HEAD_DIM = Dim("hd", lambda c: c.head_dim)
 NUM_LAYERS = Dim("N", lambda c: c.num_layers)
 

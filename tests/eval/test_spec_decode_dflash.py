@@ -32,7 +32,7 @@ BLOCK = 5
 def setup(tmp_path_factory):
     def make_draft(target, vocab):
         dcfg = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=MASK_ID, num_layers=1,
-                                         block_size=BLOCK, target_layer_ids=(0, 2))
+                                         block_size=BLOCK, aux_layer_ids=(0, 2))
         # std 0.1: with the 0.02 init a block's argmax hardly depends on its context (a weak check)
         return Draft(dflash.init_draft_params(dcfg, jax.random.key(0), std=0.1), dcfg, vocab)
 
@@ -107,7 +107,7 @@ def test_proposals_follow_the_training_forward(setup, head, short):
     for tokens, drafts in dec.seen:
         seq = PROMPT + tokens
         x = jnp.asarray([seq + [0] * (T - len(seq))], jnp.int32)
-        aux = target(x, aux_layer_ids=cfg.target_layer_ids).aux_hidden
+        aux = target(x, aux_layer_ids=cfg.aux_layer_ids).aux_hidden
         logits = np.asarray(block_logits(x, aux, len(seq) - 1))  # the anchor: the newest token
         for j in range(K):
             row = int(np.flatnonzero(drafts[j] - d2t == np.arange(len(d2t)))[0])

@@ -38,7 +38,7 @@ def _head(target, kind):
     tc = target.config
     if kind == "dflash":
         cfg = dflash.config_from_target(tc, draft_vocab_size=V, mask_token_id=0, num_layers=1, block_size=4,
-                                        target_layer_ids=(0, 2))
+                                        aux_layer_ids=(0, 2))
         return Draft(dflash.init_draft_params(cfg, jax.random.key(0), std=0.1), cfg, DraftVocab.identity(V))
     extra = dict(parallel_drafting=True, mask_token_id=0) if kind == "p_eagle" else {}
     cfg = config_from_target(tc, draft_vocab_size=4, aux_layer_ids=target.default_aux_layer_ids(), **extra)

@@ -34,7 +34,7 @@ TAPS, MASK = (0, 2), V - 1
 
 def make_cfg(**overrides) -> D.DFlashConfig:
     base = dict(hidden_size=H, num_layers=2, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
-                intermediate_size=I, vocab_size=V, draft_vocab_size=VD, target_layer_ids=TAPS, mask_token_id=MASK,
+                intermediate_size=I, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=TAPS, mask_token_id=MASK,
                 block_size=4, rope=RopeSpec("default", 10000.0), max_position_embeddings=256, num_target_layers=L)
     return D.DFlashConfig(**{**base, **overrides})
 
@@ -76,7 +76,7 @@ def test_good_export_validates_and_carries_the_manifest(good, capsys):
     assert "dflash layout" in out and "OK: 0 error(s), 0 warning(s)" in out
     m = json.load(open(os.path.join(good["dir"], "specjax_manifest.json")))
     assert (m["format"], m["variant"], m["dtype"], m["step"]) == ("specjax-dflash", "dflash", "float32", 7)
-    assert m["target_config"] == TARGET and m["draft_config"]["target_layer_ids"] == list(TAPS)
+    assert m["target_config"] == TARGET and m["draft_config"]["aux_layer_ids"] == list(TAPS)
     for name in ("model.safetensors", "config.json"):
         assert m["files"][name]["sha256"] == file_sha256(os.path.join(good["dir"], name))
     rep = Report()
@@ -132,7 +132,7 @@ CASES = {
     "dflash.target_layer_ids/depth": ("dflash_config.target_layer_ids",
                                       lambda c, t, m: (c["dflash_config"].update(target_layer_ids=[0, 5]),
                                                        c.pop("num_target_layers"), m["draft_config"].update(
-                                                           target_layer_ids=[0, 5]))),
+                                                           aux_layer_ids=[0, 5]))),
     "dflash.training": ("dflash_config.target_layer_ids", _set("dflash_config", "target_layer_ids", [1, 2])),
     "dflash.aux_override": ("eagle_aux_hidden_state_layer_ids", _set(None, "eagle_aux_hidden_state_layer_ids", [1, 2])),
     "dflash.causal": ("dflash_config.causal", _set("dflash_config", "causal", True)),
@@ -243,7 +243,7 @@ def test_warm_start_loads_the_exported_params(good):
     ({"intermediate_size": 48}, r"intermediate_size: head 64 vs run 48 \(set draft.intermediate_size=64\)"),
     ({"mask_token_id": 0}, r"mask_token_id: head 49 vs run 0 \(set draft.mask_token_id=49\)"),
     ({"hidden_size": 2 * H, "num_attention_heads": 8}, r"hidden_size: head 32 vs run 64 \(another target\)"),
-    ({"target_layer_ids": (1, 3)}, r"trained on target layers \[0, 2\], the run taps \[1, 3\]\. Fix: set "
+    ({"aux_layer_ids": (1, 3)}, r"trained on target layers \[0, 2\], the run taps \[1, 3\]\. Fix: set "
                                    r"target.aux_layer_ids=\[0,2\]"),
 ])
 def test_warm_start_refuses_a_head_that_does_not_fit(good, overrides, match):

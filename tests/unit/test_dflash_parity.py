@@ -47,7 +47,7 @@ def rel_err(ours, ref) -> float:
 
 def make_cfg(vd=VD, block_size=4, num_layers=2, sample_from_anchor=False):
     cfg = D.DFlashConfig(hidden_size=H, num_layers=num_layers, num_attention_heads=NH, num_key_value_heads=NKV,
-                         head_dim=HD, intermediate_size=I, vocab_size=V, draft_vocab_size=vd, target_layer_ids=TAPS,
+                         head_dim=HD, intermediate_size=I, vocab_size=V, draft_vocab_size=vd, aux_layer_ids=TAPS,
                          mask_token_id=MASK, block_size=block_size, rms_norm_eps=1e-6,
                          rope=RopeSpec("default", 10000.0), max_position_embeddings=256, num_target_layers=4,
                          sample_from_anchor=sample_from_anchor)
@@ -158,7 +158,7 @@ def speculators_model(sp, cfg, params, vocab, batch):
                                 default_proposal_method="greedy",
                                 verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
     conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
-                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.target_layer_ids], mask_token_id=cfg.mask_token_id,
+                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
                      sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -303,7 +303,7 @@ def specforge_run(cfg, params, batch, anchors, valid, gamma, perturb=None):
                        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                        layer_types=["full_attention"] * cfg.num_layers)
     conf.block_size, conf.num_target_layers = cfg.block_size, 4
-    conf.dflash_config = {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    conf.dflash_config = {"target_layer_ids": list(cfg.aux_layer_ids), "mask_token_id": cfg.mask_token_id}
     conf._attn_implementation = "eager"
     draft = DFlashDraftModel(conf).float()
     state = {k: torch.from_numpy(np.array(v)) for k, v in exported(params, cfg, None).items()}
@@ -450,16 +450,19 @@ def test_propose_block_matches_training_forward():
 
 
 def test_config_validation_names_field_and_fix():
-    with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids=.*Fix: use ids in \[0, 3\]"):
-        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "target_layer_ids": (1, 4)}).validate()
+    with pytest.raises(ValueError, match=r"DFlashConfig.aux_layer_ids=.*Fix: use ids in \[0, 3\]"):
+        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "aux_layer_ids": (1, 4)}).validate()
     with pytest.raises(ValueError, match=r"DFlashConfig.mask_token_id=.*Fix:"):
-        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "target_layer_ids": TAPS,
+        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "aux_layer_ids": TAPS,
                           "mask_token_id": V}).validate()
     with pytest.raises(ValueError, match=r"DFlashConfig.num_attention_heads=.*Fix:"):
-        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "target_layer_ids": TAPS,
+        D.DFlashConfig(**{**D.config_to_dict(make_cfg()), "rope": RopeSpec(), "aux_layer_ids": TAPS,
                           "num_key_value_heads": 3}).validate()
     assert D.config_from_dict(D.config_to_dict(make_cfg())) == make_cfg()
-    assert D.default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # SpecForge's spread over 36 layers
+    saved = D.config_to_dict(make_cfg())  # run_meta.json / manifests written before the rename
+    saved["target_layer_ids"] = saved.pop("aux_layer_ids")
+    assert D.config_from_dict(saved) == make_cfg()
+    assert D.spread_aux_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # SpecForge's spread over 36 layers
 
 
 def test_export_folder(tmp_path):
@@ -478,7 +481,7 @@ def test_export_folder(tmp_path):
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["dflash_config"]["target_layer_ids"] == [0, 2]
     assert conf["dflash_config"]["mask_token_id"] == MASK and conf["dflash_config"]["causal"] is False
     export_dflash(jax.device_get(params), cfg, target, out, vocab=vocab)  # an earlier export is replaced
-    with pytest.raises(ValueError, match="target_layer_ids.*Fix"):
+    with pytest.raises(ValueError, match="aux_layer_ids.*Fix"):
         dflash_hf_config(cfg, {**target, "num_hidden_layers": 2})
     with pytest.raises(ValueError, match="vocab.*Fix"):
         dflash_state_dict(jax.device_get(params), cfg, None)

@@ -39,7 +39,7 @@ def _eagle3_config(parallel=False):
 def _dflash_config():
     return dflash.DFlashConfig(hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=8, intermediate_size=64, vocab_size=V, draft_vocab_size=48,
-                               target_layer_ids=(1,), mask_token_id=3, block_size=4)
+                               aux_layer_ids=(1,), mask_token_id=3, block_size=4)
 
 
 DRAFT_CONFIGS = {"eagle3": _eagle3_config, "p_eagle": lambda: _eagle3_config(parallel=True), "dflash": _dflash_config}

@@ -30,7 +30,7 @@ V, H, S, T = 64, 32, 5, 20
 
 def make_cfg(cls=dflash.JetSpecConfig, **kw):
     base = dict(hidden_size=H, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                intermediate_size=48, vocab_size=V, draft_vocab_size=40, target_layer_ids=(0, 2), mask_token_id=3,
+                intermediate_size=48, vocab_size=V, draft_vocab_size=40, aux_layer_ids=(0, 2), mask_token_id=3,
                 block_size=S, num_target_layers=4)
     return cls(**{**base, **kw})
 
@@ -191,7 +191,7 @@ def target_and_draft(tmp_path_factory):
     target = load_target(path, dtype="float32")
     tv = target.config.vocab_size
     cfg = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=3, num_layers=1, block_size=S,
-                                    target_layer_ids=(0, 2))
+                                    aux_layer_ids=(0, 2))
     cfg = as_jetspec(cfg)
     params = dflash.init_draft_params(cfg, jax.random.key(0), std=0.1)
     return path, target, cfg, params, DraftVocab.from_ids(np.arange(0, tv, 2), tv)
@@ -207,7 +207,7 @@ def test_export_validate_load_round_trip(target_and_draft, tmp_path):
     conf = json.load(open(os.path.join(out, "config.json")))
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["dflash_config"]["causal"] is True
     manifest = json.load(open(os.path.join(out, "specjax_manifest.json")))
-    assert manifest["draft_config"]["causal"] is True and manifest["variant"] == "dflash"
+    assert manifest["draft_config"]["causal"] is True and manifest["variant"] == "jetspec"
     findings, info = validate_folder(out, target=path)
     assert info["layout"] == "dflash" and not errors(findings), [str(f) for f in findings]
 
