@@ -85,6 +85,9 @@ def parse_variants(specs) -> dict[str, list[str]]:
 
 def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE_CONFIG, sets=(),
            variants: dict | None = None) -> dict:
+    sys.path.insert(0, ROOT)
+    from specjax import run_files
+
     overrides = (variants or METHODS)[name]
     run_dir = _run_dir(name)
     # the checkpoint cadence is the config's: a timeout's SIGTERM checkpoints anyway, and a save every
@@ -103,17 +106,17 @@ def _train(name: str, steps: int, timeout_s: float, out: str, config: str = BASE
             p.send_signal(signal.SIGTERM)
             rc = p.wait()
     wall = time.time() - t0
-    export_dir = os.path.join(run_dir, "export")
+    export_dir = os.path.join(run_dir, run_files.EXPORT_DIR)
     if not os.path.isfile(os.path.join(export_dir, "config.json")):
         _log(f"train {name}: exporting the last checkpoint")
         subprocess.run([sys.executable, "-m", "specjax.export", "--checkpoint", run_dir, "--out", export_dir,
                         "--dtype", "bf16"], check=True, cwd=ROOT)
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(run_files.metrics_path(run_dir))]
     train_rows = [r for r in rows if r.get("split") == "train"]
     val_rows = [r for r in rows if r.get("split") == "val"]
     # the first logged window holds the compile; the rest are steady steps
     rates = [r["tokens_per_s"] for r in train_rows[1:] if "tokens_per_s" in r]
-    ckpt_dir = os.path.join(ROOT, run_dir, "checkpoints")
+    ckpt_dir = run_files.checkpoints_dir(os.path.join(ROOT, run_dir))
     ckpts = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
     # the exported step: the last checkpoint (a SIGTERM writes one past the last logged window)
     last_step = max(ckpts, default=max((r["step"] for r in train_rows), default=0))

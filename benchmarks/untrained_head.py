@@ -27,6 +27,7 @@ def main():
     from specjax.config import load_config
     from specjax.drafts import eagle3
     from specjax.drafts.vocab import DraftVocab
+    from specjax import run_files
     from specjax.targets import load_target
     from specjax.train.setup import make_draft_config, resolve_aux_ids
     from specjax_converters.eagle3_export import export_eagle3
@@ -37,7 +38,7 @@ def main():
         cfg = load_config(args.config)
         target = load_target(cfg.target.path, dtype="float32")
         dcfg = make_draft_config(cfg, target, resolve_aux_ids(cfg, target))
-        vocab = DraftVocab.load(os.path.join(cfg.run.output_dir, "draft_vocab.npz"))
+        vocab = DraftVocab.load(run_files.vocab_path(cfg.run.output_dir))
         params = eagle3.init_draft_params(dcfg, jax.random.key(args.seed), std=cfg.draft.init_std)
     else:
         target = load_target(args.target, dtype="float32")
