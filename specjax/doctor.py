@@ -1,8 +1,13 @@
-"""`python -m specjax.doctor --config X [--draft DIR] [--rows N]`: check a setup before a long run.
+"""Check a setup before a long run.
+
+    python -m specjax.doctor --config X [overrides ...] [--draft DIR] [--rows N]
+    python -m specjax.doctor --target DIR [--data FILE ...] [--draft DIR]
 
 Checks the environment (versions, devices, mesh fit), the target folder, the tokenizer and its chat
 template, a sample of the data (usable rows, tokens, loss-mask density) and, with --draft, the
-export contract of a draft folder. Prints one line per check; exits 1 if any check failed.
+export contract of a draft folder. `--target` checks a target folder (e.g. one `specjax.convert`
+wrote) with the default config, and the data files given with `--data` if any. Prints one line per
+check; exits 1 if any check failed: a setup the doctor passes is one `specjax.launch` accepts.
 """
 from __future__ import annotations
 
@@ -107,19 +112,25 @@ def _check_target(rep: Report, cfg):
     except ValueError as e:
         rep.fail("target config / aux ids", str(e))
         return None
-    if cfg.draft.draft_vocab_size > config.vocab_size:
-        rep.fail("draft vocab", f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} > target vocab {config.vocab_size}")
+    from specjax.train.setup import check_draft_fits_target
+
+    try:  # the check training runs before its data pass
+        check_draft_fits_target(cfg)
+        rep.ok("draft", f"draft.type={cfg.draft.type}, {cfg.draft.num_layers} layer(s), draft vocab "
+                        f"{cfg.draft.draft_vocab_size} of {config.vocab_size}")
+    except ValueError as e:
+        rep.fail("draft", str(e))
     return config
 
 
-def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> None:
-    from transformers import AutoTokenizer
+def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int, target_only: bool = False) -> None:
+    from specjax.train.setup import build_tokenizer
 
     tok_path = cfg.data.tokenizer or cfg.target.path
-    try:
-        tok = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - report whatever the tokenizer loader says
-        rep.fail("tokenizer", f"cannot load from {tok_path!r}: {e}")
+    try:  # the loader training uses, so its refusals are the doctor's
+        tok = build_tokenizer(cfg)
+    except ValueError as e:
+        rep.fail("tokenizer", str(e))
         return
     if target_config is not None and len(tok) > target_config.vocab_size:
         rep.fail("tokenizer", f"{len(tok)} tokens > target vocab_size {target_config.vocab_size}; use the target's tokenizer")
@@ -138,7 +149,8 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int) -> N
         return
     files = tuple(resolve_path(p) for p in cfg.data.train_files)
     if not files:
-        rep.fail("data", "data.train_files is empty")
+        (rep.warn if target_only else rep.fail)("data", "data.train_files is empty" + (
+            " (give data files with --data to check them)" if target_only else ""))
         return
     try:
         prep = prepare_examples(files, tok, cfg.data.seq_length, 0.0, 0, max_rows=n_rows,
@@ -178,18 +190,34 @@ def _check_draft(rep: Report, draft_dir: str, target_path: str | None) -> None:
         rep.ok("draft export contract", f"{draft_dir} ({info.get('layout')}, target from {info.get('target_source')})")
 
 
-def run_doctor(config_path: str, overrides=(), draft: str | None = None, rows: int = 200) -> Report:
+def run_doctor(config_path: str | None, overrides=(), draft: str | None = None, rows: int = 200,
+               target: str | None = None, data=()) -> Report:
+    """The checks for a config file (`config_path` + dotted `overrides`), or, with config_path None,
+    for the target folder `target` (and the data files `data`) under the default config."""
     from specjax.config import load_config
+    from specjax.train.setup import tokenizer_files
 
     rep = Report()
-    cfg = load_config(config_path, overrides)
-    rep.ok("config", config_path)
+    if config_path is None:
+        if data:
+            overrides = (*overrides, "data.train_files=[" + ",".join(data) + "]")
+        cfg = load_config(None, [f"target.path={target}", *overrides])
+        rep.ok("config", f"the default config with target.path={target}")
+    else:
+        cfg = load_config(config_path, overrides)
+        rep.ok("config", config_path)
     _check_env(rep, cfg)
     target_config = _check_target(rep, cfg)
-    if os.path.exists(os.path.join(cfg.data.tokenizer or cfg.target.path, "tokenizer_config.json")) or cfg.data.tokenizer:
-        _check_tokenizer_and_data(rep, cfg, target_config, rows)
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    will_be_written = not cfg.data.tokenizer and (cfg.target.build_demo or cfg.target.gguf)
+    if os.path.isdir(tok_path) and not tokenizer_files(tok_path) and will_be_written:
+        rep.warn("tokenizer", f"no tokenizer files in {tok_path!r} yet (the first run writes them: "
+                              f"{'target.build_demo' if cfg.target.build_demo else 'target.gguf'})")
+    elif not os.path.isdir(tok_path) and not cfg.data.tokenizer:
+        if will_be_written:  # else the target folder check has failed already
+            rep.warn("tokenizer", f"no tokenizer files in {tok_path!r} yet (the first run builds them)")
     else:
-        rep.warn("tokenizer", f"no tokenizer files in {cfg.data.tokenizer or cfg.target.path!r} yet")
+        _check_tokenizer_and_data(rep, cfg, target_config, rows, target_only=config_path is None and not data)
     if draft:
         _check_draft(rep, draft, cfg.target.path)
     return rep
@@ -197,15 +225,21 @@ def run_doctor(config_path: str, overrides=(), draft: str | None = None, rows: i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specjax.doctor", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", help="the run's YAML config")
+    p.add_argument("--target", help="instead of --config: a target folder, checked with the default config")
+    p.add_argument("--data", action="append", default=[], help="with --target: a data file to sample (repeat for more)")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--draft", help="also validate an exported draft folder")
     p.add_argument("--rows", type=int, default=200, help="data rows to sample")
     a = p.parse_args(argv)
+    if (a.config is None) == (a.target is None):
+        p.error("give --config (a run's config) or --target (a target folder), not both")
+    if a.data and a.config:
+        p.error("--data goes with --target; with --config the data is data.train_files")
     from specjax.config import ConfigError
 
     try:
-        rep = run_doctor(a.config, a.overrides, a.draft, a.rows)
+        rep = run_doctor(a.config, a.overrides, a.draft, a.rows, target=a.target, data=a.data)
     except ConfigError as e:
         print(f"[FAIL] config: {e}")
         return 1

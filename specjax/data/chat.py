@@ -990,7 +990,7 @@ def tokenize_conversation(
                 keep[a:b] = False
 
     try:
-        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     except NotImplementedError as e:
         raise ValueError(
             "the tokenizer cannot return character offsets; load a fast tokenizer "

@@ -36,7 +36,7 @@ from specjax.targets.kernel_choices import KernelChoices
 from specjax.train.optim import lr_schedule, make_optimizer
 from specjax.train.step import StepFns, build_step_fns
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,29 +65,45 @@ def check_writable(path: str) -> None:
         raise OSError(f"run.output_dir {path!r} is not writable ({e}); choose another run.output_dir.") from e
 
 
+def tokenizer_files(folder: str) -> list[str]:
+    """The tokenizer files (TOKENIZER_FILES) present in a local folder."""
+    return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, f))]
+
+
 def build_tokenizer(cfg: Config):
+    """The run's tokenizer (data.tokenizer, else the target folder). A ValueError says what specjax
+    knows first (no tokenizer files; the fix) and transformers' own words after, shortened: its advice
+    (install sentencepiece, ...) is rarely the fix when the folder simply lacks tokenizer.json."""
     from transformers import AutoTokenizer
 
     tok_path = cfg.data.tokenizer or cfg.target.path
+    fix = ("Fix: set data.tokenizer to the target's tokenizer (a folder with tokenizer.json, or a hub id), "
+           "or copy the target's tokenizer.json and tokenizer_config.json into target.path")
+    if tok_path and os.path.isdir(tok_path) and not tokenizer_files(tok_path):
+        raise ValueError(f"no tokenizer in {tok_path!r}: none of {', '.join(TOKENIZER_FILES)} is there. {fix}.")
     try:
         return AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.target.trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
-        raise ValueError(
-            f"cannot load the tokenizer from {tok_path!r} ({type(e).__name__}: {e}); point data.tokenizer "
-            f"(or target.path) at a folder with tokenizer.json / tokenizer_config.json.") from e
+        said = " ".join(str(e).split())
+        said = said if len(said) <= 300 else said[:300] + " ..."
+        raise ValueError(f"cannot load the tokenizer from {tok_path!r}. {fix}. (transformers: {type(e).__name__}: "
+                         f"{said})") from e
 
 
 def preflight(cfg: Config):
     """Problems of the machine or the config that no row causes, checked before any expensive stage
     (GGUF conversion, regeneration, the target build, compilation): jinja2 importable, and, when the
     tokenizer is already on disk, that it loads and its chat template renders. Raises one ValueError
-    naming the cause and the fix. Returns the tokenizer when it was loaded, else None (the demo and
-    GGUF targets write theirs during the build)."""
+    naming the cause and the fix (a tokenizer folder without tokenizer files too). Returns the
+    tokenizer, or None when the demo build or the GGUF conversion is still to write it."""
 
     check_chat_template()
     tok_path = cfg.data.tokenizer or cfg.target.path
-    if not tok_path or not any(os.path.isfile(os.path.join(tok_path, f)) for f in _TOKENIZER_FILES):
+    if not tok_path:
         return None
+    if not cfg.data.tokenizer and (not os.path.isdir(tok_path) or (
+            not tokenizer_files(tok_path) and (cfg.target.build_demo or cfg.target.gguf))):
+        return None  # the target stage reports a missing folder; a demo build / GGUF conversion writes it
     tokenizer = build_tokenizer(cfg)
     check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
     return tokenizer
@@ -159,6 +175,25 @@ def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str
 # ---------------------------------------------------------------------------------------------
 # the draft
 # ---------------------------------------------------------------------------------------------
+def check_draft_fits_target(cfg: Config) -> None:
+    """The draft section against the target's config.json alone, before the data pass and the
+    weights load: the aux taps, the draft vocabulary size and the draft config the family builds
+    (heads, KV heads, ...). Each problem is the ValueError training would raise later, after
+    minutes of tokenization. A target folder that is still to be written (demo, GGUF) is checked
+    when it exists."""
+    if not os.path.isfile(os.path.join(cfg.target.path, "config.json")):
+        return
+    hf = read_hf_config(cfg.target.path)
+    cls = get_target_class(hf)
+    target = cls(cls.config_from_hf(hf), hf, None)  # shapes only: no weights are read
+    vocab_size = int(target.config.vocab_size)
+    if cfg.draft.draft_vocab_size > vocab_size:
+        raise ValueError(f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} is larger than the target's vocab "
+                         f"({vocab_size} tokens in {cfg.target.path}/config.json); set draft.draft_vocab_size <= "
+                         f"{vocab_size}.")
+    make_draft_config(cfg, target, resolve_aux_ids(cfg, target))
+
+
 def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
     path = vocab_path(out_dir)
     if os.path.exists(path):  # resume: the vocab must not change under a checkpoint

@@ -139,6 +139,26 @@ def test_truncation_vs_drop(tok):
     assert e.value.reason == "no assistant token after truncation"
 
 
+def test_rows_longer_than_the_tokenizers_max_length_are_quiet(tok, caplog):
+    """specjax truncates to data.seq_length itself, so transformers' "Token indices sequence length is
+    longer than the specified maximum" warning (once per tokenizer copy, i.e. once per data worker)
+    says nothing useful; the ids are the same without it."""
+    import copy
+    import logging
+
+    msgs = conv(("user", "Tell me a story"), ("assistant", " ".join(["The quick brown fox."] * 40)))
+    small = copy.deepcopy(tok)
+    small.model_max_length = 16
+    with caplog.at_level(logging.WARNING):
+        ex = tokenize_conversation(small, msgs, 4096)
+    assert len(ex) > 16
+    assert not [r for r in caplog.records if "sequence length is longer" in r.getMessage()], caplog.text
+    np.testing.assert_array_equal(ex.input_ids, tokenize_conversation(tok, msgs, 4096).input_ids)
+    # the warning does fire for a plain call, so the check above can fail
+    with caplog.at_level(logging.WARNING):
+        copy.deepcopy(small)("x " * 40)
+    assert [r for r in caplog.records if "sequence length is longer" in r.getMessage()], caplog.text
+
 # ----------------------------------------------------------------------------- sources
 
 def _write_lines(path, lines: list[bytes]):

@@ -9,7 +9,7 @@ from specjax.doctor import main
 
 # every check the doctor runs for a config (without --draft), in the order it prints them
 CHECKS = ("config", "devices", "mesh fit", "target architecture", "target weights", "aux layer ids",
-          "tokenizer", "chat template", "data sample")
+          "draft", "tokenizer", "chat template", "data sample")
 
 
 def _yaml(tmp_path, target, **extra):
@@ -38,10 +38,11 @@ def test_doctor_passes_on_a_good_setup(tiny_target, tmp_path, capsys):
     assert "[OK  ] target architecture: LlamaForCausalLM (supported: " in out
     assert "[OK  ] target weights: model.safetensors" in out
     assert "[OK  ] aux layer ids: [1, 2, 3] of 4 layers (output-of-layer-k convention)" in out
+    assert "[OK  ] draft: draft.type=eagle3, 1 layer(s), draft vocab 96 of 320" in out
     assert f"[OK  ] tokenizer: 320 tokens from {tiny_target}" in out
     assert f"[OK  ] chat template: the tokenizer's chat template ({tiny_target})" in out
     assert re.search(r"^\[OK  \] data sample: 50/50 rows usable, \d+ tokens, loss-mask density 0\.\d\d, ", out, re.M)
-    assert out.rstrip().endswith("doctor: 10 ok, 0 failing")
+    assert out.rstrip().endswith("doctor: 11 ok, 0 failing")
 
 
 def test_doctor_reports_each_problem(tiny_target, tmp_path, capsys):
@@ -87,10 +88,11 @@ def test_doctor_data_problems(tiny_target, tmp_path, capsys):
     rc = main(["--config", cfg, f"data.train_files=[{mixed}]", "draft.draft_vocab_size=400", "--rows", "20"])
     out = capsys.readouterr().out
     assert rc == 1
-    assert "[FAIL] draft vocab: draft.draft_vocab_size=400 > target vocab 320\n" in out
+    assert ("[FAIL] draft: draft.draft_vocab_size=400 is larger than the target's vocab (320 tokens in "
+            f"{tiny_target}/config.json); set draft.draft_vocab_size <= 320.\n") in out
     assert re.search(r"^\[WARN\] data sample: 10/11 rows usable, .*; skipped \{'malformed JSON': 1\}; "
                      rf"first: \['{re.escape(str(mixed))}:6: malformed JSON", out, re.M), out
-    assert [(c, s) for c, s in _statuses(out).items() if s != "OK"] == [("draft vocab", "FAIL"),
+    assert [(c, s) for c, s in _statuses(out).items() if s != "OK"] == [("draft", "FAIL"),
                                                                          ("data sample", "WARN")], out
 
 
@@ -101,14 +103,15 @@ def test_doctor_target_folder_not_built_yet(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (f"[WARN] target folder: no config.json in '{tmp_path / 'not_yet'}' "
             "(it is built on the first run: target.build_demo=true)\n") in out
-    assert f"[WARN] tokenizer: no tokenizer files in '{tmp_path / 'not_yet'}' yet\n" in out
+    assert (f"[WARN] tokenizer: no tokenizer files in '{tmp_path / 'not_yet'}' yet (the first run builds "
+            "them)\n") in out
     assert _statuses(out) == {"config": "OK", "python": "OK", "devices": "OK", "mesh fit": "OK",
                               "target folder": "WARN", "tokenizer": "WARN"}, out
 
     assert main(["--config", cfg]) == 1
     out = capsys.readouterr().out
     assert f"[FAIL] target folder: no config.json in '{tmp_path / 'not_yet'}'\n" in out
-    assert _statuses(out)["target folder"] == "FAIL" and out.rstrip().endswith("doctor: 5 ok, 1 failing")
+    assert _statuses(out)["target folder"] == "FAIL" and out.rstrip().endswith("doctor: 4 ok, 1 failing")
 
 
 def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
@@ -146,7 +149,7 @@ def test_doctor_checks_a_draft_folder(tiny_target, tmp_path, capsys):
             "export)") in text
     assert [(c, s) for c, s in _statuses(text).items() if s != "OK"] == [("draft model.safetensors", "FAIL"),
                                                                          ("draft d2t", "FAIL")], text
-    assert text.rstrip().endswith("doctor: 10 ok, 2 failing")
+    assert text.rstrip().endswith("doctor: 11 ok, 2 failing")
 
 
 def test_doctor_fails_a_template_that_does_not_compile(tiny_target, tmp_path, capsys):
@@ -178,3 +181,46 @@ def test_the_row_and_template_limits_of_the_config_reach_the_checks(tiny_target,
     assert re.search(r"^\[FAIL\] data sample: .*row nested too deep", out, re.M), out
     with pytest.raises(ChatTemplateLimitExceeded, match=r"data\.max_template_chars = 20\b"):
         preflight(load_config(cfg, ["data.max_template_chars=20"]))
+
+
+def test_doctor_fails_a_target_without_a_tokenizer_as_launch_does(tiny_target, tmp_path, capsys):
+    """A converted target folder without tokenizer files: the doctor fails it with the message the
+    run's preflight raises (before anything expensive), not a warning that lets launch refuse later."""
+    from specjax.config import load_config
+    from specjax.train.setup import preflight
+
+    t = tmp_path / "no_tok"
+    shutil.copytree(tiny_target, t)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (t / name).exists():
+            (t / name).unlink()
+    cfg = _yaml(tmp_path, str(t))
+    assert main(["--config", cfg, "--rows", "5"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^\[FAIL\] tokenizer: no tokenizer in '{re.escape(str(t))}': none of tokenizer\.json, "
+                     r"tokenizer_config\.json, tokenizer\.model is there\. Fix: set data\.tokenizer", out, re.M), out
+    with pytest.raises(ValueError, match=r"no tokenizer in .*no_tok"):
+        preflight(load_config(cfg))
+
+
+def test_doctor_checks_a_target_folder_without_a_config(tiny_target, tmp_path, capsys):
+    """--target DIR: the target, its tokenizer and template under the default config; data only with
+    --data; draft keys from overrides. A draft vocab the default config cannot take is named."""
+    fit = "data.batch_size=8"  # the tests' 8 CPU devices take 8 rows a step
+    assert main(["--target", tiny_target, "draft.draft_vocab_size=96", fit]) == 0
+    out = capsys.readouterr().out
+    st = _statuses(out)
+    assert st["target architecture"] == "OK" and st["tokenizer"] == "OK" and st["chat template"] == "OK", out
+    assert st["data"] == "WARN" and "give data files with --data" in out, out
+    assert f"[OK  ] config: the default config with target.path={tiny_target}" in out
+
+    src = os.path.join(os.path.dirname(__import__("specjax").__file__), "assets", "demo_chat.jsonl")
+    assert main(["--target", tiny_target, "--data", src, "draft.draft_vocab_size=96", fit, "--rows", "10"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\[OK  \] data sample: 10/10 rows usable", out, re.M), out
+
+    assert main(["--target", tiny_target, fit]) == 1  # the default draft vocab (32000) is larger than 320
+    out = capsys.readouterr().out
+    assert "[FAIL] draft: draft.draft_vocab_size=32000 is larger than the target's vocab" in out
+    with pytest.raises(SystemExit):
+        main(["--target", tiny_target, "--config", _yaml(tmp_path, tiny_target)])

@@ -74,8 +74,21 @@ def test_unloadable_tokenizer_stops_before_the_target(tmp_path, tiny_target, no_
     bad = tmp_path / "tok"
     bad.mkdir()
     (bad / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"cannot load the tokenizer from .*tok.*data\.tokenizer"):
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer from .*tok.*\. Fix: set data\.tokenizer.*"
+                                         r"\(transformers: "):
         train(_cfg(tmp_path, tiny_target, f"data.tokenizer={bad}"))
+
+
+def test_a_folder_without_tokenizer_files_names_them_and_the_fix(tmp_path, tiny_target, no_target_build):
+    """The fix comes first, not transformers' advice (install sentencepiece, ...)."""
+    from specjax.train.loop import train
+
+    empty = tmp_path / "no_tok"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"no tokenizer in .*no_tok.*none of tokenizer\.json, tokenizer_config\.json, "
+                                         r"tokenizer\.model is there\. Fix: set data\.tokenizer") as e:
+        train(_cfg(tmp_path, tiny_target, f"data.tokenizer={empty}"))
+    assert "sentencepiece" not in str(e.value)
 
 
 def test_a_rows_template_error_is_still_a_counted_skip(tiny_target):

@@ -101,8 +101,14 @@ def test_tokenizer_written_by_the_target_build_is_loaded_once(tiny_target, tmp_p
     after the target folder is ready."""
     from specjax.train import run, setup
 
-    monkeypatch.setattr(setup, "_TOKENIZER_FILES", ("no-such-file",))
-    with run.build_run(_cfg(tiny_target, tmp_path / "run")):
+    real, calls = setup.tokenizer_files, []
+
+    def absent_at_preflight(folder):  # the first look (preflight) finds none, as before a demo build
+        calls.append(folder)
+        return [] if len(calls) == 1 else real(folder)
+
+    monkeypatch.setattr(setup, "tokenizer_files", absent_at_preflight)
+    with run.build_run(_cfg(tiny_target, tmp_path / "run", "target.build_demo=true")):
         pass
     assert stages.count("tokenizer load") == 1 and stages.count("preflight") == 1
     assert stages.index("tokenizer load") > stages.index("load_prepared_target")
@@ -122,7 +128,7 @@ def test_a_failing_stage_releases_the_lock(tiny_target, tmp_path):
 def no_setup(monkeypatch):
     """Every set-up entry point refuses: the launcher must leave them to train()."""
     import specjax.convert
-    from specjax.train import run, setup
+    from specjax.train import loop, run, setup  # noqa: F401 - loop binds build_run at import: import it unpatched
 
     def refuse(*a, **k):
         raise AssertionError("the launcher did set-up work itself")
