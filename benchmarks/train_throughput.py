@@ -91,7 +91,10 @@ def model_hf(name: str, tiny: bool) -> dict:
         return llama_hf(512, 64, 128, 4, 4, 2, 16, 4096) if tiny else llama_hf(128256, 4096, 14336, 32, 32, 8, 128)
     if name == "qwen3_30b_a3b":
         return qwen3_moe_hf(tiny)
-    raise ValueError(f"unknown model {name!r}; choose llama3_8b or qwen3_30b_a3b")
+    if name == "smollm2_135m":  # the README's first real head (SmolLM2-135M-Instruct's shape); sizing table
+        with open(os.path.join(ROOT, "configs", "targets", "smollm2_135m", "config.json")) as f:
+            return json.load(f)
+    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b or smollm2_135m")
 
 
 def draft_shape(hf: dict, Vd: int) -> dict:
@@ -1050,7 +1053,7 @@ def run_inprocess(plan: dict, systems=("specjax", "specforge")) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny widths, both systems in-process")
-    ap.add_argument("--models", default="llama3_8b", help="comma list: llama3_8b, qwen3_30b_a3b")
+    ap.add_argument("--models", default="llama3_8b", help="comma list: llama3_8b, qwen3_30b_a3b, smollm2_135m")
     ap.add_argument("--systems", default="specjax,specforge",
                     help="comma list of specjax, specforge and specjax variants: specjax:moe=mgpu, "
                          "specjax:draft=p_eagle (a variant is also compared with plain specjax)")
