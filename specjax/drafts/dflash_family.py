@@ -16,7 +16,7 @@ from typing import ClassVar, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from specjax.config_fields import ConfigError, DraftSection, ranged
+from specjax.config_fields import ConfigError, DraftSection, described, ranged
 from specjax.drafts import dflash, dflash_decoding
 from specjax.targets.layers.attention import cache_size_for
 from specjax.drafts.family import (DraftFamily, ServePlan, read_head_config, register, resolve_mask_token_id,
@@ -31,13 +31,17 @@ from specjax_converters.target_facts import target_text_config
 @dataclass(frozen=True)
 class DFlashSection(DraftSection):
     """draft.* keys of draft.type=dflash."""
+    DOC: ClassVar[str] = "DFlash: a block drafter, block_size - 1 tokens from one forward over a masked block."
     type: str = "dflash"
     # the token the mask slots read (None: the target's pad_token_id, else its EOS)
-    mask_token_id: Optional[int] = ranged(None, ge=0)
+    mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the block's mask slots read; null: the "
+                                                          "target's pad_token_id, else its EOS")
     # slots per block (the anchor + block_size-1 mask slots; vLLM num_speculative_tokens = block_size-1),
     # and whether slot 0 (the anchor) is trained to draft too
-    block_size: int = ranged(16, ge=2)
-    sample_from_anchor: bool = False
+    block_size: int = ranged(16, ge=2, doc="Slots per block: the anchor and block_size - 1 drafted slots (vLLM "
+                                           "num_speculative_tokens)")
+    sample_from_anchor: bool = described(False, "Train slot 0 (the anchor) to draft too, so a block drafts "
+                                                "block_size tokens; not with token_ce")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.aux_ids import default_aux_layer_ids as engine_default_aux_ids
-from specjax.config_fields import DraftSection, ranged
+from specjax.config_fields import DraftSection, described, ranged
 from specjax.drafts import eagle3, eagle3_decoding
 from specjax.drafts.family import (DEFAULT_META_NAME, DraftFamily, ServePlan, family_for_folder, register,
                                    resolve_mask_token_id, target_config_for_serving)
@@ -30,20 +30,26 @@ from specjax_converters.target_facts import is_hybrid_target, target_text_config
 @dataclass(frozen=True)
 class Eagle3Section(DraftSection):
     """draft.* keys of draft.type=eagle3."""
+    DOC: ClassVar[str] = "EAGLE-3 / EAGLE-3.1: K sequential draft steps, trained by training-time test (TTT)."
     type: str = "eagle3"
-    ttt_steps: int = ranged(7, ge=1)  # K: TTT steps (eagle3) or parallel depths (p_eagle)
-    step_decay: float = ranged(0.8, gt=0.0, le=1.0)  # weight of TTT step k: step_decay**k
+    ttt_steps: int = ranged(7, ge=1, doc="K: draft steps trained per position (eagle3: sequential TTT steps; "
+                                         "p_eagle: parallel depths)")
+    step_decay: float = ranged(0.8, gt=0.0, le=1.0, doc="Loss weight of draft step k: step_decay**k")
     # EAGLE-3.1 (needs 2026+ engines): per-aux-chunk RMSNorms before fc; feed norm(h) to the next step
-    fc_norm: bool = False
-    norm_output: bool = False
+    fc_norm: bool = described(False, "EAGLE-3.1: an RMSNorm on each target tap before the fc layer (needs a "
+                                     "2026+ engine)")
+    norm_output: bool = described(False, "EAGLE-3.1: the next draft step reads norm(h), not h (needs a 2026+ "
+                                         "engine; not for p_eagle)")
 
 
 @dataclass(frozen=True)
 class PEagleSection(Eagle3Section):
     """draft.* keys of draft.type=p_eagle: EAGLE-3's and the mask token."""
+    DOC: ClassVar[str] = "P-EAGLE: the EAGLE-3 head drafting all K tokens in one parallel forward."
     type: str = "p_eagle"
     # the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
-    mask_token_id: Optional[int] = ranged(None, ge=0)
+    mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the undrafted positions read; null: the "
+                                                          "target's pad_token_id, else its EOS")
 
 
 class Eagle3Family(DraftFamily):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import ClassVar, Mapping, Optional
 
 from specjax.config_fields import DraftSection, ranged
 from specjax.drafts import dflash
@@ -35,11 +35,15 @@ FORWARD_KL = "teacher_kl"  # dflash_loss's objective that is KL(p_target || q_dr
 @dataclass(frozen=True)
 class JetSpecSection(DraftSection):
     """draft.* keys of draft.type=jetspec."""
+    DOC: ClassVar[str] = ("JetSpec: DFlash's block drafter with causal attention inside the block, trained by "
+                          "forward KL.")
     type: str = "jetspec"
     # the token the mask slots read (None: the target's pad_token_id, else its EOS)
-    mask_token_id: Optional[int] = ranged(None, ge=0)
+    mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the block's mask slots read; null: the "
+                                                          "target's pad_token_id, else its EOS")
     # slots per block (the anchor + block_size-1 drafted slots; vLLM num_speculative_tokens = block_size-1)
-    block_size: int = ranged(16, ge=2)
+    block_size: int = ranged(16, ge=2, doc="Slots per block: the anchor and block_size - 1 drafted slots (vLLM "
+                                           "num_speculative_tokens)")
 
     @property
     def sample_from_anchor(self) -> bool:

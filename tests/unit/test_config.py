@@ -81,7 +81,7 @@ def test_dict_sections_and_help():
     assert d["draft"]["ttt_steps"] == 7 and d["decode_eval"]["prompts"] == ["mtbench"]  # tuples become lists
     text = describe_sections().splitlines()
     assert "    ttt_steps: int = 7" in text and "  parallelism:" in text
-    assert "    aux_layer_ids: list of int | NoneType = None" in text
+    assert "    aux_layer_ids: list of int | null = null" in text
 
 
 @pytest.mark.parametrize("name,overrides", [
