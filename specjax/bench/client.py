@@ -11,7 +11,15 @@ server-sent events as they arrive and stamps every chunk that carries text with
   server sends no usage, the number of text chunks (`tokens_source` says which);
 * `itl_s`: the mean inter-token latency after the first token, (t_last - t_first) / (tokens - 1)
   (vLLM's "TPOT"; with speculation several tokens share a chunk, so per-chunk gaps are not it);
-* `chunk_times_s`: the arrival time of every text chunk (relative to the send).
+* `chunk_times_s`: the arrival time of every text chunk (relative to the send);
+* `prompt_token_ids` / `output_token_ids`: with `return_token_ids` (vLLM's request field of that
+  name), the prompt's token ids as the server tokenized them (vLLM sends them in its first chunk)
+  and the output's, concatenated from every chunk's `token_ids` (the stop token included); None
+  when the server sent none.
+
+A prompt for `/v1/completions` may be a list of token ids: the server then decodes exactly those
+ids (no tokenization, no template), which is how `specjax.bench --eval-tokens` repeats
+specjax.eval's inputs.
 
 Bounds, so that a misbehaving server costs a counted failed request and never a hang or the
 machine's memory (a failure does not raise: the record has `ok: False` and `error`):
@@ -51,7 +59,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 __all__ = ["Endpoint", "ServerError", "request_json", "fetch_text", "fetch_metrics_text", "list_models",
            "server_version", "stream_request", "api_key_from_env", "default_request_timeout",
@@ -272,12 +280,17 @@ def _count(x: Any) -> Optional[int]:
     return int(x)
 
 
-def stream_request(ep: Endpoint, model: str, *, messages: Optional[list] = None, prompt: Optional[str] = None,
+def stream_request(ep: Endpoint, model: str, *, messages: Optional[list] = None,
+                   prompt: Optional[Union[str, list[int]]] = None,
                    max_tokens: int, temperature: float = 0.0, ignore_eos: bool = False,
                    extra_body: Optional[dict] = None, timeout: Optional[float] = None,
-                   idle_timeout: Optional[float] = None, max_reply_bytes: Optional[int] = None) -> dict:
+                   idle_timeout: Optional[float] = None, max_reply_bytes: Optional[int] = None,
+                   return_token_ids: bool = False) -> dict:
     """Send one streaming request and time it. Returns the per-request record (see the module
     docstring); a failure does not raise: the record has `ok: False` and `error`.
+    `prompt` (completions): a string, or a list of token ids sent as they are.
+    `return_token_ids`: ask for the prompt and output token ids (`prompt_token_ids`,
+    `output_token_ids` of the record).
 
     `timeout`: the whole-request deadline in seconds (default `default_request_timeout(max_tokens)`);
     `idle_timeout`: fail when nothing arrives for this long (default: only the deadline);
@@ -293,14 +306,17 @@ def stream_request(ep: Endpoint, model: str, *, messages: Optional[list] = None,
     if chat:
         body["messages"] = messages
     else:
-        body["prompt"] = prompt
+        body["prompt"] = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
     if ignore_eos:
         body["ignore_eos"] = True
+    if return_token_ids:
+        body["return_token_ids"] = True
     if extra_body:
         body.update(extra_body)
     rec: dict[str, Any] = {"ok": False, "error": None, "endpoint": path, "output_tokens": 0, "tokens_source": None,
                            "prompt_tokens": None, "ttft_s": None, "e2e_s": None, "itl_s": None, "chunks": 0,
-                           "chunk_times_s": [], "finish_reason": None, "text": "", "reply_bytes": 0}
+                           "chunk_times_s": [], "finish_reason": None, "text": "", "reply_bytes": 0,
+                           "prompt_token_ids": None, "output_token_ids": None}
     conn, prefix = ep.connect(_socket_timeout(deadline_s, idle_timeout))
     t0 = time.perf_counter()
     rec["t_start"] = time.time()
@@ -317,6 +333,13 @@ def stream_request(ep: Endpoint, model: str, *, messages: Optional[list] = None,
 
 class _Failed(Exception):
     """Ends a stream early with the record's error message."""
+
+
+def _token_ids(x: Any, field: str) -> list[int]:
+    """A `token_ids` / `prompt_token_ids` value of an event: a list of ints >= 0 (else the request fails)."""
+    if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x):
+        raise _Failed(f"bad event: {field} is not a list of token ids: {str(x)[:100]}")
+    return x
 
 
 def _stream(conn, prefix: str, path: str, body: dict, ep: Endpoint, rec: dict, chat: bool, t0: float,
@@ -349,6 +372,18 @@ def _stream(conn, prefix: str, path: str, body: dict, ep: Endpoint, rec: dict, c
             state["usage"] = obj["usage"]
         piece = _chunk_text(obj, chat)
         choices = obj.get("choices")
+        if body.get("return_token_ids"):
+            # vLLM: the prompt's ids in the first chunk (chat: top level; completions: in the choice),
+            # the output's as each chunk's delta
+            first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+            for src in (obj, first):
+                if src.get("prompt_token_ids") is not None and rec["prompt_token_ids"] is None:
+                    rec["prompt_token_ids"] = _token_ids(src["prompt_token_ids"], "prompt_token_ids")
+            if first.get("token_ids") is not None:
+                ids = _token_ids(first["token_ids"], "token_ids")
+                if rec["output_token_ids"] is None:
+                    rec["output_token_ids"] = []
+                rec["output_token_ids"].extend(ids)
         if isinstance(choices, list) and choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
             rec["finish_reason"] = str(choices[0]["finish_reason"])[:100]
         if piece:

@@ -43,7 +43,7 @@ from specjax.bench.client import Endpoint, ServerError, fetch_metrics_text, stre
 from specjax.eval import stats
 
 __all__ = [
-    "BenchJob", "jobs_from_prompts", "load_jobs", "quantile_estimate", "latency_summary", "Scraper",
+    "BenchJob", "jobs_from_prompts", "load_jobs", "request_input", "quantile_estimate", "latency_summary", "Scraper",
     "run_level", "busy_time", "summarize_level", "summarize_acceptance", "speedup", "PERCENTILES", "UNITS",
 ]
 
@@ -67,10 +67,14 @@ UNITS = {
 @dataclass(frozen=True)
 class BenchJob:
     """One prompt to send: its id/dataset and the user turns (answered one after another when the
-    run sends every turn; otherwise only the first)."""
+    run sends every turn; otherwise only the first). A job with `prompt_ids` is one turn given as
+    token ids (sent as they are to /v1/completions; `turn` is its index in the source conversation,
+    e.g. a specjax.eval record's, and `turns` is empty)."""
     id: str
     dataset: str
     turns: tuple[str, ...]
+    prompt_ids: Optional[tuple[int, ...]] = None
+    turn: int = 0
 
 
 def jobs_from_prompts(prompts: Sequence) -> list[BenchJob]:
@@ -245,13 +249,28 @@ def _messages_for(job: BenchJob, turn: int, answers: list[str], system: Optional
     return msgs
 
 
+def request_input(job: BenchJob, turn: int = 0, answers: Sequence[str] = (), system: Optional[str] = None,
+                  endpoint: str = "chat") -> dict:
+    """`stream_request`'s input for turn `turn` of `job`: {"messages": [...]} (chat: the system
+    message, the user turns and the answers so far) or {"prompt": text or token ids} (completions: the
+    first user turn's text, or the job's token ids). A token-id job needs the completions endpoint."""
+    if job.prompt_ids is not None:
+        if endpoint != "completions":
+            raise ValueError(f"prompt {job.dataset}/{job.id} is given as token ids: send it to /v1/completions "
+                             "(endpoint 'completions'); a chat request would template it again")
+        return {"prompt": list(job.prompt_ids)}
+    if endpoint == "chat":
+        return {"messages": _messages_for(job, turn, list(answers), system)}
+    return {"prompt": job.turns[0]}
+
+
 def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: int, *, max_tokens: int,
               temperature: float = 0.0, endpoint: str = "chat", turns: str = "first",
               max_requests: Optional[int] = None, time_budget_s: Optional[float] = None,
               ignore_eos: bool = False, extra_body: Optional[dict] = None, system: Optional[str] = None,
               scrape: str = "request", request_timeout: Optional[float] = None,
               idle_timeout: Optional[float] = None, max_reply_bytes: Optional[int] = None,
-              progress: Optional[Callable[[dict], None]] = None) -> dict:
+              return_token_ids: bool = False, progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Send `jobs` with `concurrency` requests in flight, and scrape /metrics around them.
 
     `concurrency` worker threads take jobs from one queue; a job is its first user turn
@@ -264,7 +283,15 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
     windows), "level" (before and after the level only) or "none". `progress(record)` is called
     after each request. `request_timeout` (whole-request deadline), `idle_timeout` and
     `max_reply_bytes` bound every request (`specjax.bench.client.stream_request`; None: its
-    defaults for `max_tokens`).
+    defaults for `max_tokens`). `return_token_ids`: ask the server for the prompt and output token
+    ids of every request (vLLM), kept in the records. A job given as token ids (`BenchJob.prompt_ids`)
+    is sent as they are (completions endpoint); its record's `prompt_token_ids` are the server's
+    echo, else the ids sent (`prompt_token_ids_from` says which).
+
+    At concurrency 1 with `scrape="request"` each request's own spec-decode counters are kept in its
+    record ("spec": drafts, draft_tokens, accepted, accepted_per_pos; None when unavailable): the
+    difference of the scrapes around it, the one after it settled (read until two reads agree, as
+    the engine may count a step a moment after the client saw its tokens).
 
     Returns {"concurrency", "wall_s", "busy_s" (see `busy_time`), "scrape_s" (time the workers spent
     scraping), "requests": [per-request records (specjax.bench.client), in completion order, each
@@ -284,11 +311,15 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
         raise ValueError("turns='all' needs the chat endpoint (a completion has no conversation to continue)")
     if scrape not in ("request", "level", "none"):
         raise ValueError(f"scrape must be 'request', 'level' or 'none', got {scrape!r}")
+    for j in jobs:
+        request_input(j, endpoint=endpoint)  # a token-id job on the chat endpoint fails here, before any request
     q: "queue.Queue[BenchJob]" = queue.Queue()
     for j in jobs:
         q.put(j)
     scraper = Scraper(ep, model)
-    limits = dict(timeout=request_timeout, idle_timeout=idle_timeout, max_reply_bytes=max_reply_bytes)
+    per_request = concurrency == 1 and scrape == "request"
+    limits = dict(timeout=request_timeout, idle_timeout=idle_timeout, max_reply_bytes=max_reply_bytes,
+                  return_token_ids=return_token_ids)
     lock = threading.Lock()
     records: list[dict] = []
     started = [0]
@@ -313,24 +344,31 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
             except queue.Empty:
                 return
             answers: list[str] = []
-            n_turns = len(job.turns) if turns == "all" else 1
+            n_turns = len(job.turns) if turns == "all" and job.prompt_ids is None else 1
             for t in range(n_turns):
                 idx = may_start()
                 if idx is None:
                     return
-                if endpoint == "chat":
-                    rec = stream_request(ep, model, messages=_messages_for(job, t, answers, system),
-                                         max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
-                                         extra_body=extra_body, **limits)
-                else:
-                    rec = stream_request(ep, model, prompt=job.turns[0], max_tokens=max_tokens,
-                                         temperature=temperature, ignore_eos=ignore_eos, extra_body=extra_body,
-                                         **limits)
-                rec.update(job_id=job.id, dataset=job.dataset, turn=t, index=idx,
-                           start_s=rec.pop("perf_start") - t0)
+                rec = stream_request(ep, model, **request_input(job, t, answers, system, endpoint),
+                                     max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                                     extra_body=extra_body, **limits)
+                rec.update(job_id=job.id, dataset=job.dataset, turn=job.turn if job.prompt_ids is not None else t,
+                           index=idx, start_s=rec.pop("perf_start") - t0)
+                if job.prompt_ids is not None:
+                    from_server = rec["prompt_token_ids"] is not None
+                    if not from_server:
+                        rec["prompt_token_ids"] = list(job.prompt_ids)
+                    rec["prompt_token_ids_from"] = "server" if from_server else "sent"
+                elif rec["prompt_token_ids"] is not None:
+                    rec["prompt_token_ids_from"] = "server"
                 if scrape == "request":
                     t_s = time.perf_counter()
-                    scraper.scrape()
+                    if per_request:  # one worker: last_seen is the scrape right before this request
+                        after = scraper.settle()
+                        rec["spec"] = _request_counters(last_seen[0], after)
+                        last_seen[0] = after
+                    else:
+                        scraper.scrape()
                     with lock:
                         scrape_time[0] += time.perf_counter() - t_s
                 with lock:
@@ -341,8 +379,9 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
                     break  # a later turn would continue a conversation that failed
                 answers.append(rec["text"])
 
+    last_seen: list[Optional[prom.SpecCounters]] = [None]
     if scrape != "none":
-        scraper.scrape()
+        last_seen[0] = scraper.scrape()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, name=f"bench-c{concurrency}-{i}", daemon=True)
                for i in range(concurrency)]
@@ -361,6 +400,19 @@ def run_level(ep: Endpoint, model: str, jobs: Sequence[BenchJob], concurrency: i
     return {"concurrency": int(concurrency), "wall_s": wall, "busy_s": busy_time(records),
             "scrape_s": scrape_time[0], "requests": records, "spec": _level_counters(scraper, scrape),
             "scrape_errors": scraper.errors[:20]}
+
+
+def _request_counters(before: Optional[prom.SpecCounters], after: Optional[prom.SpecCounters]) -> Optional[dict]:
+    """One request's spec-decode counters (the scrapes around it at concurrency 1), None when either
+    scrape failed, the server has no per-position counters (SGLang's gauges) or they went down."""
+    if before is None or after is None or not (before.available and after.available) or after.engine != "vllm":
+        return None
+    try:
+        d = prom.counters_delta(before, after).to_dict()
+    except ValueError:
+        return None
+    return {"drafts": int(round(d["drafts"])), "draft_tokens": int(round(d["draft_tokens"])),
+            "accepted": int(round(d["accepted"])), "accepted_per_pos": [int(round(x)) for x in d["accepted_per_pos"]]}
 
 
 def _level_counters(scraper: Scraper, scrape: str) -> dict:

