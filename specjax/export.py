@@ -122,7 +122,7 @@ def restore_params(run_dir: str, draft_cfg, step: Optional[int] = None) -> tuple
     return restored["params"], step
 
 
-def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
+def train_metrics_at(run_dir: str, step: int) -> Optional[dict]:
     """The metrics saved with checkpoint `step` (its meta item), else the last train row of
     metrics.jsonl at or before `step`; None when neither exists."""
     meta_path = checkpoint_meta_path(run_dir, step)
@@ -148,6 +148,40 @@ def _metrics_at(run_dir: str, step: int) -> Optional[dict]:
     return last
 
 
+# where each kind of number in a manifest comes from (the manifest key -> its source)
+METRICS_SOURCES = {
+    "metrics": "the last logged training batch at or before `step` (checkpoint meta, else metrics.jsonl split train)",
+    "val_metrics": "held-out validation at `val_step`: the mean over the validation batches (train.eval_batches) "
+                   "of data.val_fraction's split (metrics.jsonl split val)",
+    "decode_eval": "real speculative decoding at `decode_eval_step` (decode_eval.*; tau = 1 + accepted draft "
+                   "tokens per verification step; metrics.jsonl split decode)",
+}
+
+
+def eval_manifest(run_dir: str, step: int) -> dict:
+    """The manifest keys that judge the head exported at `step`, from the run's metrics.jsonl (the
+    latest row per step, every resume included): `val_step` / `val_metrics` (the last validation at or
+    before `step`), `decode_eval_step` / `decode_eval` (the last decode_eval at or before `step`) and
+    `metrics_sources` (where each comes from). Keys without a row are left out; {} without the file."""
+    from specjax.train.metrics import read_history
+
+    hist = read_history(run_dir)
+    out = {}
+    bookkeeping = ("step", "split", "time")
+    val = hist.at_or_before("val", step)
+    if val:
+        out["val_step"] = val["step"]
+        out["val_metrics"] = {k: v for k, v in val.items() if k not in bookkeeping}
+    dec = hist.at_or_before("decode", step)
+    if dec:
+        out["decode_eval_step"] = dec["step"]
+        out["decode_eval"] = {k: v for k, v in dec.items() if k not in bookkeeping}
+    if out:
+        out["metrics_sources"] = {k: v for k, v in METRICS_SOURCES.items()
+                                  if k == "metrics" or k in out}
+    return out
+
+
 def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Optional[int] = None,
                variant: Optional[str] = None) -> str:
     from specjax.drafts.families import draft_config_from_meta
@@ -162,7 +196,7 @@ def export_run(run_dir: str, out_dir: str, dtype: str = "bfloat16", step: Option
     vocab = DraftVocab.load(vocab_path)
     params, step = restore_params(run_dir, draft_cfg, step)
     extra = {"step": step, "source_run": run_dir, "target_path": meta.get("target_path"),
-             "metrics": _metrics_at(run_dir, step)}
+             "metrics": train_metrics_at(run_dir, step), **eval_manifest(run_dir, step)}
     if "config" in meta:
         extra["config"] = meta["config"]
     return export_from_state(params, draft_cfg, vocab, meta["target_config"], out_dir, dtype=dtype,

@@ -2,7 +2,8 @@
 
 Parses the arguments and dispatches: --print-config, --compile-only (specjax.train.aot), or a
 training run (specjax.train.loop.train, whose set-up is specjax.train.run.build_run), whose result
-it prints as one JSON summary."""
+it prints as one JSON summary over the whole run, resumes included (`summary_of`), with the path of
+the run report (specjax.report)."""
 from __future__ import annotations
 
 import argparse
@@ -114,22 +115,57 @@ def main(argv=None) -> int:
     if result.preempted:
         print(f"stopped at step {result.final_step} with a checkpoint in {result.output_dir}; "
               "run the same command again to resume.")
+        if result.report_path:
+            print(f"run report so far: {result.report_path}")
         return 0
-    first, last = result.first_metrics, result.last_metrics
+    print(json.dumps(summary_of(result), indent=1))
+    return 0
+
+
+_SUMMARY_KEYS = ("step", "loss", "acc_0", "tau_sim", "acc", "accept_len")
+
+
+def _pick(m: dict) -> dict:
+    return {k: (m[k] if k == "step" else round(m[k], 4)) for k in _SUMMARY_KEYS if isinstance(m.get(k), (int, float))}
+
+
+def summary_of(result) -> dict:
+    """The end-of-run JSON summary. first / last (training) and val_first / val (validation) are over
+    the whole run, every resume included, read from its metrics.jsonl (the later row where a resume
+    re-logged a step); without that file (another process of a multi-host run), from this
+    invocation's result. wall_time_s is this invocation's; wall_time_s_all_runs the whole run's when it
+    was resumed."""
+    from specjax.train.metrics import read_history
+
+    try:
+        hist = read_history(result.output_dir)
+    except OSError:
+        hist = None
+    rows = (lambda split: hist.rows.get(split) if hist is not None else None)
+    first = hist.first("train") if rows("train") else result.first_metrics
+    last = hist.last("train") if rows("train") else result.last_metrics
     summary = {
         "output_dir": result.output_dir,
         "steps": result.final_step,
         "wall_time_s": round(result.wall_time_s, 1),
-        "first": {k: round(first[k], 4) for k in ("loss", "acc_0", "tau_sim") if k in first},
-        "last": {k: round(last[k], 4) for k in ("loss", "acc_0", "tau_sim") if k in last},
-        "val": {k: round(v, 4) for k, v in result.val_metrics.items() if k in ("loss", "acc_0", "tau_sim")},
-        "export_dir": result.export_dir,
+        "first": _pick(first),
+        "last": _pick(last),
     }
+    if rows("val"):
+        summary["val_first"] = _pick(hist.first("val"))
+        summary["val"] = _pick(hist.last("val"))
+    else:
+        summary["val"] = _pick(result.val_metrics)
+    if hist is not None and len(hist.segments) > 1 and hist.wall_time_s is not None:
+        summary["resumed_at"] = [s.start_step for s in hist.segments[1:]]
+        summary["wall_time_s_all_runs"] = round(hist.wall_time_s, 1)
+    summary["export_dir"] = result.export_dir
+    if getattr(result, "report_path", None):
+        summary["report"] = result.report_path
     decode = getattr(result, "decode_eval", None) or {}
     if decode:
         summary["decode_eval"] = decode.get(result.final_step, decode[max(decode)])
-    print(json.dumps(summary, indent=1))
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -62,3 +62,14 @@ def checkpoints_dir(run_dir: str) -> str:
 def checkpoint_meta_path(run_dir: str, step: int) -> str:
     """The meta item's JSON of checkpoint `step` of the run folder."""
     return os.path.join(run_dir, CHECKPOINTS_DIR, str(step), CHECKPOINT_META_ITEM, CHECKPOINT_META_FILE)
+
+
+# --- the run report (specjax.report), rewritten at the end of every invocation -----------------
+REPORT_FILE = "report.md"  # the run, its first/best/last validation, the plots and where the head stands
+REPORT_LOSS_PLOT = "report_loss.png"  # train (raw and smoothed) and validation loss over steps
+REPORT_ACC_PLOT = "report_acc.png"  # accuracy at each draft position (validation) over steps
+REPORT_TAU_PLOT = "report_tau.png"  # predicted tau (train, validation) and decode_eval's measured tau over steps
+
+
+def report_path(run_dir: str) -> str:
+    return os.path.join(run_dir, REPORT_FILE)

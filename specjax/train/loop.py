@@ -3,16 +3,24 @@
 `train(cfg)` builds the run (`build_run`: lock, preflight, target, tokenizer, data, vocab, run
 set-up, restore), then trains: each step is followed by the hooks whose `every` says the step is
 theirs (log, progress, stop, validate, decode_eval, checkpoint, in that order); then the final
-validation, decode_eval and checkpoint, and the export. SIGTERM/SIGINT ask the run to checkpoint and
-stop (specjax.train.signals).
+validation, decode_eval and checkpoint, the export and the run report (specjax.report). SIGTERM/SIGINT
+ask the run to checkpoint and stop (specjax.train.signals).
+
+A stop never loses a validation or decode_eval: one that was due at the step where the run stops,
+but had not run, is named in that checkpoint's meta (`DUE_NOT_RUN`), and the resumed run does it
+first, on the very state it was due on. Each validation prints one line; the progress bar shows the
+smoothed train loss and the last validation. Every invocation marks its start and end in
+metrics.jsonl (split `run`), and ends by writing the report of the whole run, a stopped one too.
 
 The mutable state of a run (train state, step, timing, the non-finite guard) lives in one `_Loop`
 object that the hooks read and update, instead of closures over `nonlocal` variables.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -21,17 +29,22 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from specjax import checkpoint as ckpt
 from specjax.config import Config, config_to_dict
-from specjax.export import export_from_state
+from specjax.export import eval_manifest, export_from_state, train_metrics_at
+from specjax.report import write_report
 from specjax.run_files import EXPORT_DIR
-from specjax.train.metrics import MetricsWriter, summarize
+from specjax.train.metrics import RUN_SPLIT, MetricsWriter, Smoothed, summarize, validation_line
 from specjax.train.run import Run, build_run
 from specjax.train.signals import StopSignal
 from specjax.train.step import BATCH_KEYS
 
 log = logging.getLogger("specjax")
+
+# the checkpoint meta key naming the hooks that were due at its step when a stop came before them
+DUE_NOT_RUN = "due_not_run"
 
 
 @dataclass
@@ -50,6 +63,8 @@ class RunResult:
     # real acceptance from speculative decoding (decode_eval.*): {step: {dataset: summary}}, where a
     # summary has tau, tau_lo, tau_hi (95%), accept (per position), n_prompts, steps, tok_s
     decode_eval: dict = field(default_factory=dict)
+    start_step: int = 0  # the step this invocation started from (a resume's checkpoint step)
+    report_path: Optional[str] = None  # the run report (specjax.report), None when it could not be written
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -73,14 +88,17 @@ def _disk_full(e: BaseException) -> bool:
     return getattr(e, "errno", None) == 28 or "RESOURCE_EXHAUSTED" in text or "No space left" in text
 
 
-def _save(mngr, step, state, data_iter, result, identity: dict) -> None:
-    """A checkpoint (its meta: the step, the last metrics and the run's `identity`), or one error that
-    says the previous one is intact. A full disk reaches us as an OSError, or as orbax/tensorstore's
+def _save(mngr, step, state, data_iter, result, identity: dict, due_not_run: tuple = ()) -> None:
+    """A checkpoint (its meta: the step, the last metrics, the run's `identity` and, when a stop came
+    before them, the hooks due at this step that did not run), or one error that says the previous
+    one is intact. A full disk reaches us as an OSError, or as orbax/tensorstore's
     ValueError(RESOURCE_EXHAUSTED ...); what the failed save left behind is removed so it does not
     keep the disk full."""
+    meta = {"step": step, "metrics": result.last_metrics, ckpt.IDENTITY: identity}
+    if due_not_run:
+        meta[DUE_NOT_RUN] = list(due_not_run)
     try:
-        ckpt.save(mngr, step, state, data_iter,
-                  {"step": step, "metrics": result.last_metrics, ckpt.IDENTITY: identity})
+        ckpt.save(mngr, step, state, data_iter, meta)
     except ckpt.NonFiniteState:
         raise
     except (OSError, ValueError) as e:
@@ -135,16 +153,21 @@ class _Loop:
     consecutive_skips: int = 0
     pending: Optional[tuple] = None  # (step, skipped flag array, example ids): read one step late
     metrics: Any = None  # the last step's metrics (device arrays)
+    due_not_run: tuple = ()  # hooks due at `step` that a stop came before (recorded in its checkpoint)
 
 
 @dataclass(frozen=True)
 class Hook:
     """Runs `fn(loop)` after every step for which `every(step)` is true; `settle` first resolves the
-    non-finite guard, so e.g. a checkpoint never holds a step whose skip has not been looked at."""
+    non-finite guard, so e.g. a checkpoint never holds a step whose skip has not been looked at.
+    `resumable`: work a stop must not lose (validation, decode_eval): a requested stop is checked
+    right before it, and when the run stops first, the checkpoint names it and the resumed run does
+    it on the same state."""
     name: str
     every: Callable[[int], bool]
     fn: Callable[[_Loop], None]
     settle: bool = False
+    resumable: bool = False
 
 
 def every(n: int, before: int) -> Callable[[int], bool]:
@@ -177,6 +200,9 @@ class _Trainer:
                           result=RunResult(output_dir=self.out_dir, final_step=run.start_step))
         self.bar = None
         self.hooks: list[Hook] = []
+        self.smooth = Smoothed()  # the bar's train metrics: one batch's loss is too noisy to read
+        self.last_val: dict = {}  # the last validation, for the bar
+        self.last_decode: Optional[tuple] = None  # (step, flat metrics) of the last decode_eval
 
     def _hooks(self) -> list[Hook]:
         """The hooks after each step, in the order they run: the log line before the progress bar moves;
@@ -187,10 +213,11 @@ class _Trainer:
         if self.bar is not None:
             hooks.append(Hook("progress", each_step, lambda lp: self.bar.update(1)))
         hooks.append(Hook("stop", each_step, self._stop_if_requested))
-        hooks.append(Hook("validate", every(cfg.train.eval_every, steps), lambda lp: self._validate(lp.step)))
+        hooks.append(Hook("validate", every(cfg.train.eval_every, steps), lambda lp: self._validate(lp.step),
+                          resumable=True))
         if self.decode_eval is not None:
             hooks.append(Hook("decode_eval", lambda s: self.decode_eval.due(s, steps, final=False),
-                              lambda lp: self._decode_eval(lp.step)))
+                              lambda lp: self._decode_eval(lp.step), resumable=True))
         hooks.append(Hook("checkpoint", every(cfg.checkpoint.every_steps, steps),
                           lambda lp: self._checkpoint(lp.step), settle=True))
         return hooks
@@ -206,8 +233,10 @@ class _Trainer:
         if not lp.result.first_metrics:
             lp.result.first_metrics = dict(m, step=lp.step)
         lp.result.last_metrics = dict(m, step=lp.step)
-        if self.bar is not None:
-            self.bar.set_postfix(summarize(m), refresh=False)
+        smoothed = self.smooth.update(m)
+        if self.bar is not None:  # tokens/s as measured: its first window holds the compile
+            self.bar.set_postfix(summarize(dict(smoothed, tokens_per_s=m["tokens_per_s"]), self.last_val),
+                                 refresh=False)
 
     def _validate(self, step: int) -> dict:
         if not self.run.data.val_batches:
@@ -216,6 +245,9 @@ class _Trainer:
                                  _global_batch(b, self.fns.batch_sharding)) for b in self.run.data.val_batches]
         agg = {k: float(np.mean([_to_float_dict(m)[k] for m in ms])) for k in _to_float_dict(ms[0])}
         self.writer.write(step, "val", agg)
+        self.last_val = agg
+        if self.proc == 0:
+            log.info("%s", validation_line(step, agg, self.last_decode))
         return agg
 
     def _decode_eval(self, step: int) -> None:
@@ -223,12 +255,33 @@ class _Trainer:
         flat, short = self.decode_eval(self.loop.state["params"], step)
         self.loop.t_since += time.time() - t0  # keep decoding time out of the training tokens/s
         self.writer.write(step, "decode", flat)
+        self.last_decode = (step, flat)
         self.loop.result.decode_eval[step] = short
         log.info("step %d decode_eval: %s", step,
                  ", ".join(f"{n} tau {d['tau']:.3f} [{d['tau_lo']:.3f}, {d['tau_hi']:.3f}]" for n, d in short.items()))
 
-    def _checkpoint(self, step: int) -> None:
-        _save(self.mngr, step, self.loop.state, self.data_iter, self.loop.result, self.run.identity)
+    def _checkpoint(self, step: int, due_not_run: tuple = ()) -> None:
+        _save(self.mngr, step, self.loop.state, self.data_iter, self.loop.result, self.run.identity, due_not_run)
+
+    def _mark(self, event: str, step: int, **info) -> None:
+        """An invocation's start or end in metrics.jsonl (split `run`): where each resume began, and
+        its wall time, for the run report."""
+        self.writer.write(step, RUN_SPLIT, {"event": event, **info})
+
+    def _report(self) -> Optional[str]:
+        """The run report (specjax.report) of the whole run so far; a failure is logged, never raised:
+        the run it describes has trained and saved."""
+        if self.proc != 0:
+            return None
+        try:
+            path = write_report(self.out_dir)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the checkpoint and export stand
+            log.error("the run report could not be written (%s: %s); the run is not affected. Write it again with "
+                      "`python -m specjax.report %s`.", type(e).__name__, str(e).splitlines()[0][:300] if str(e)
+                      else "", self.out_dir)
+            return None
+        log.info("run report: %s", path)
+        return path
 
     # ---- the non-finite guard (one step behind, so the host never waits on the device) ----------
     def _settle(self) -> None:
@@ -269,9 +322,16 @@ class _Trainer:
 
     def _stop_if_requested(self, lp: _Loop) -> None:
         if self._stop_requested():
-            self._settle()
-            lp.result.preempted = True
-            raise _StopNow
+            self._stop_now(self.hooks)
+
+    def _stop_now(self, remaining: list[Hook]) -> None:
+        """End the steps here: settle the guard, note which of the `remaining` hooks were due at this
+        step and are resumable (the checkpoint will name them), mark the result."""
+        lp = self.loop
+        self._settle()
+        lp.due_not_run = tuple(h.name for h in remaining if h.resumable and h.every(lp.step))
+        lp.result.preempted = True
+        raise _StopNow
 
     def _train_steps(self) -> None:
         """Step, then the due hooks, until the end step or a stop."""
@@ -279,30 +339,67 @@ class _Trainer:
         try:
             while lp.step < lp.end_step:
                 self._step()
-                for hook in self.hooks:
+                for i, hook in enumerate(self.hooks):
                     if hook.every(lp.step):
                         if hook.settle:
                             self._settle()
+                        if hook.resumable and self._stop_requested():  # e.g. during the previous hook
+                            self._stop_now(self.hooks[i:])
                         hook.fn(lp)
         except _StopNow:
             return
         self._settle()
 
+    def _run_due_from_checkpoint(self) -> bool:
+        """A resumed run first does the validation / decode_eval that its checkpoint says a stop came
+        before (DUE_NOT_RUN), at the checkpoint's step, on its state. True when a stop is requested
+        meanwhile (the checkpoint still names them, so the next resume does them again)."""
+        lp = self.loop
+        due = self.run.resume_meta.get(DUE_NOT_RUN) or []
+        if lp.start_step >= lp.end_step:  # the end-of-run validation and decode_eval run at this step anyway
+            return False
+        for hook in self.hooks:
+            if hook.name in due:
+                if self._stop_requested():
+                    return True
+                log.info("step %d: %s was due when the previous run stopped; running it now", lp.step, hook.name)
+                hook.fn(lp)
+        return False
+
+    def _console(self):
+        """While the bar is drawn, log lines go through tqdm.write, above it, instead of breaking it."""
+        if self.bar is None:
+            return contextlib.nullcontext()
+        consoles = [lg for lg in (logging.getLogger(), log) if any(
+            isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stdout, sys.stderr)
+            for h in lg.handlers)]
+        return logging_redirect_tqdm(loggers=consoles) if consoles else contextlib.nullcontext()
+
     def fit(self) -> RunResult:
         cfg, lp = self.cfg, self.loop
         result = lp.result
+        result.start_step = lp.start_step
+        self._mark("start", lp.start_step, start_step=lp.start_step, end_step=lp.end_step, steps=cfg.train.steps,
+                   setup_s=round(time.time() - self.run.t_start, 3))
         if cfg.train.progress and self.proc == 0:
             self.bar = tqdm(total=cfg.train.steps, initial=lp.start_step, desc="train", dynamic_ncols=True)
         self.hooks = self._hooks()
-        if self.stop.requested:  # a signal during the set-up: nothing trained, nothing to save
-            return self._stopped()
-        if lp.start_step == 0:
-            result.initial_val_metrics = self._validate(0)  # the untrained draft, for comparison
-        lp.tokens_since, lp.t_since = 0, time.time()
+        stopped = False
         try:
-            self._train_steps()
+            with self._console():
+                if self.stop.requested:  # a signal during the set-up: nothing trained, nothing to save
+                    stopped = True
+                elif lp.start_step == 0:
+                    result.initial_val_metrics = self._validate(0)  # the untrained draft, for comparison
+                else:
+                    stopped = self._run_due_from_checkpoint()
+                lp.tokens_since, lp.t_since = 0, time.time()
+                if not stopped:
+                    self._train_steps()
         except _TooManySkips as e:
             self._checkpoint(lp.step)
+            self._mark("end", lp.step, wall_time_s=round(time.time() - self.run.t_start, 3), stopped=False,
+                       error="non-finite loss or gradient")
             self.writer.close()
             raise NonFiniteTrainingError(
                 f"{cfg.train.max_consecutive_skips} consecutive steps (up to step {e.step}) had a non-finite loss "
@@ -315,7 +412,7 @@ class _Trainer:
             if self.bar is not None:
                 self.bar.close()
         step = lp.step
-        if result.preempted or self.stop.requested:
+        if stopped or result.preempted or self.stop.requested:
             return self._stopped()
 
         result.final_step = step
@@ -329,10 +426,13 @@ class _Trainer:
             self._checkpoint(step)
         if self.stop.requested:  # during the final validation or save: the checkpoint is there
             return self._stopped()
-        self.writer.close()
         if cfg.export.at_end and not result.stopped_early:
             result.export_dir = self._export(step)
         result.wall_time_s = time.time() - self.run.t_start
+        self._mark("end", step, wall_time_s=round(result.wall_time_s, 3), stopped=False,
+                   exported=result.export_dir is not None)
+        self.writer.close()
+        result.report_path = self._report()
         return result
 
     def _stopped(self) -> RunResult:
@@ -340,13 +440,17 @@ class _Trainer:
         (a rerun of the same command resumes there, and exports when the schedule is done)."""
         lp, result = self.loop, self.loop.result
         if lp.step > lp.start_step and self.mngr.latest_step() != lp.step:
-            self._checkpoint(lp.step)
-        self.writer.close()
+            self._checkpoint(lp.step, lp.due_not_run)
         result.preempted = True
         result.final_step, result.stopped_early = lp.step, True
         result.wall_time_s = time.time() - self.run.t_start
+        self._mark("end", lp.step, wall_time_s=round(result.wall_time_s, 3), stopped=True)
+        self.writer.close()
         log.warning("stop requested (SIGTERM/SIGINT or preemption): checkpoint at step %s in %s; run the same "
-                    "command again to resume.", self.mngr.latest_step(), self.mngr.directory)
+                    "command again to resume%s.", self.mngr.latest_step(), self.mngr.directory,
+                    f" (it first runs {', '.join(lp.due_not_run)} at step {lp.step}, due when the stop came)"
+                    if lp.due_not_run else "")
+        result.report_path = self._report()  # after the checkpoint: a kill during it loses nothing
         return result
 
     def _export(self, step: int) -> str:
@@ -355,12 +459,15 @@ class _Trainer:
         host_params = (multihost_utils.process_allgather(state["params"], tiled=True) if self.nproc > 1
                        else jax.device_get(state["params"]))
         export_dir = cfg.export.out_dir or os.path.join(self.out_dir, EXPORT_DIR)
-        if self.proc == 0:
+        if self.proc == 0:  # which holds metrics.jsonl, where the validation and decode_eval rows are read
             export_from_state(host_params, self.run.setup.draft_config, self.run.vocab, self.run.target.hf_config,
                               export_dir, dtype=cfg.export.dtype,
-                              extra_manifest={"step": step, "metrics": self.loop.result.last_metrics,
+                              extra_manifest={"step": step,
+                                              "metrics": (self.loop.result.last_metrics
+                                                          or train_metrics_at(self.out_dir, step)),
                                               "config": config_to_dict(cfg),
-                                              "target_path": os.path.abspath(cfg.target.path)})
+                                              "target_path": os.path.abspath(cfg.target.path),
+                                              **eval_manifest(self.out_dir, step)})
         return export_dir
 
 

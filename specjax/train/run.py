@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import jax
@@ -90,6 +90,7 @@ class Run:
     mngr: Any  # the run's checkpoint manager (<out_dir>/checkpoints)
     decode_eval: Any  # JaxDecodeEval / VllmDecodeEval (specjax.train.decode_eval), or None when off
     held: contextlib.ExitStack  # the run-folder lock
+    resume_meta: dict = field(default_factory=dict)  # the restored checkpoint's meta ({} when starting fresh)
 
     def close(self) -> None:
         self.held.close()
@@ -134,13 +135,14 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         del draft_params
 
         mngr = ckpt.manager(checkpoints_dir(out_dir), keep=cfg.checkpoint.keep)
-        state, start_step = _Resume(cfg, out_dir, identity, mngr, data.iterator).restore(state)
+        resume = _Resume(cfg, out_dir, identity, mngr, data.iterator)
+        state, start_step = resume.restore(state)
         _write_run_meta(cfg, setup, target, out_dir, resumed_at=start_step)
         decode_eval = _make_decode_eval(cfg, target, tokenizer, setup, vocab, mesh, out_dir)
         return Run(cfg=cfg, out_dir=out_dir, t_start=t_start, mesh=mesh, target=target, tokenizer=tokenizer,
                    data=data, vocab=vocab, identity=identity, setup=setup, target_params=target_params,
                    vocab_arrays=vocab_arrays, state=state, start_step=start_step, mngr=mngr,
-                   decode_eval=decode_eval, held=held.pop_all())
+                   decode_eval=decode_eval, held=held.pop_all(), resume_meta=resume.meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +330,7 @@ class _Resume:
     identity: dict
     mngr: Any
     data_iter: Any
+    meta: dict = field(default_factory=dict)  # the restored checkpoint's meta, once restore() found one
 
     def restore(self, state):
         """latest: the newest checkpoint that verifies (damaged ones are moved aside, see
@@ -345,10 +348,11 @@ class _Resume:
             except Exception:  # noqa: BLE001 - unreadable metadata: restore_verified handles the damage
                 pass
             rdir = str(self.mngr.directory)
-            restored, _, _ = ckpt.restore_verified(
+            restored, meta, _ = ckpt.restore_verified(
                 self.mngr, abstract, self.data_iter, check_meta=lambda step, meta: self._check_resume(rdir, step, meta))
             if restored is None:  # every step folder was damaged and moved aside: start fresh
                 return state, 0
+            self.meta = meta if isinstance(meta, dict) else {}
         else:
             restored, rdir = self._restore_explicit(restore_from, abstract)
         start_step = int(restored["step"])
@@ -374,7 +378,8 @@ class _Resume:
                         "changed byte in it would go unnoticed.", restore_from, files.unverified)
         rmngr = ckpt.manager(rdir, read_only=True)
         ckpt.check_compatible(rmngr, step, abstract)
-        self._check_resume(rdir, step, ckpt.read_meta(rmngr, step))
+        self.meta = ckpt.read_meta(rmngr, step)
+        self._check_resume(rdir, step, self.meta)
         restored, _ = ckpt.restore(rmngr, abstract, self.data_iter, step=step)
         ckpt.check_restored_step(rdir, step, restored)
         if not ckpt.all_finite({"params": restored["params"], "opt_state": restored["opt_state"]}):
