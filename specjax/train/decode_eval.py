@@ -37,7 +37,7 @@ from specjax.eval.report import summarize
 from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.export import export_from_state
 from specjax.run_files import DECODE_EVAL_DIR, DECODE_EVAL_HEAD_DIR, DECODE_EVAL_SERVER_LOG
-from specjax.serve_cmd import vllm_argv, vllm_launcher
+from specjax.serve_cmd import serve_settings, vllm_argv, vllm_launcher
 from specjax.train.setup import resolve_path
 
 log = logging.getLogger("specjax")
@@ -163,7 +163,9 @@ class VllmDecodeEval:
             shutil.rmtree(draft_dir)
         export_from_state(jax.device_get(params), self.draft_cfg, self.vocab, self.target_hf, draft_dir,
                           dtype="float32", extra_manifest={"step": step, "purpose": "decode_eval"})
-        argv = [*vllm_argv(draft_dir, self.target_path, self.cfg.num_spec_tokens, self.launcher),
+        # the target served in the dtype training runs it in (vLLM's default would downcast float32)
+        settings = serve_settings(draft_dir, self.target_path, dtype=self.run_cfg.target.dtype)[0]
+        argv = [*vllm_argv(draft_dir, self.target_path, self.cfg.num_spec_tokens, self.launcher, settings),
                 *self.cfg.vllm_args]
         server = EngineServer(argv, os.path.join(self.out_dir, DECODE_EVAL_SERVER_LOG.format(step=step)))
         short = {}

@@ -2,7 +2,8 @@
 
 Stages, each run once, in this order: the run-folder lock (specjax.run_lock: one run per
 run.output_dir, held until the Run is closed) -> preflight (jinja2, the tokenizer when it is on
-disk, its chat template) -> the target folder (the demo build, the GGUF conversion) -> the
+disk, its chat template) -> the target folder (the demo build, the GGUF conversion) -> the draft
+against the target's config.json (taps, draft vocab size, draft config) -> the
 regeneration stage (regenerate.enabled) -> the target, its weights on the mesh -> the tokenizer
 (preflight's, or loaded now when the target build wrote it) -> the data (training examples, eval
 batches, the data iterator) -> the draft vocabulary -> the run set-up (specjax.train.setup: draft
@@ -45,7 +46,7 @@ from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.setup import (
-    RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_writable,
+    RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_draft_fits_target, check_writable,
     load_prepared_target, make_mesh, preflight, prepare_target_folder, resolve_path,
 )
 from specjax.train.signals import StopSignal
@@ -113,6 +114,7 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         check_writable(out_dir)
         tokenizer = preflight(cfg)  # before anything expensive: jinja2, the tokenizer, its template
         prepare_target_folder(cfg)
+        check_draft_fits_target(cfg)  # the taps, the draft vocab, the draft config: before any data pass
         with stop.paused() if stop is not None else contextlib.nullcontext():
             cfg = run_regenerate_stage(cfg)
         mesh = make_mesh(cfg)

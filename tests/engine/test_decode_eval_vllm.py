@@ -49,8 +49,10 @@ def test_decode_eval_through_vllm_equals_the_jax_decoder(llama_target, tmp_path,
     vllm_run = train(_cfg(target, tmp_path / "vllm", prompts, "decode_eval.backend=vllm",
                           f"decode_eval.vllm_python={vllm_python()}",
                           # --enforce-eager: no torch.compile at the server's start (15-44 s of CPU
-                          # here); the tier's other engines run eager too
-                          'decode_eval.vllm_args=["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]'))
+                          # here); the tier's other engines run eager too. No --dtype: decode_eval
+                          # serves the target in target.dtype itself (float32 here; vLLM's default
+                          # would downcast it and the counts below would differ)
+                          'decode_eval.vllm_args=["--max-model-len", "512", "--enforce-eager"]'))
 
     (step_j, by_j), = jax_run.decode_eval.items()
     (step_v, by_v), = vllm_run.decode_eval.items()

@@ -132,3 +132,22 @@ def test_a_template_past_a_rendering_limit_stops_the_cli_before_the_target(tmp_p
                       "every value a template builds; a row within data.max_row_bytes renders to far less). Fix the "
                       "template, or raise data.max_template_chars."], out
     assert "skipped" not in out and "train:" not in out
+
+
+@pytest.mark.parametrize("override, match", [
+    ("target.aux_layer_ids=[0,9,10]", r"aux_layer_ids \(0, 9, 10\) out of range: valid ids are 0\.\.3"),
+    ("draft.draft_vocab_size=400", r"draft\.draft_vocab_size=400 is larger than the target's vocab \(320 tokens"),
+])
+def test_draft_that_does_not_fit_the_target_stops_before_the_data(tmp_path, tiny_target, monkeypatch, override, match):
+    """Bad taps or a draft vocab larger than the target's are found from config.json, before the data
+    pass (minutes of tokenization on a real data set) and before the weights load."""
+    from specjax.train import run
+    from specjax.train.loop import train
+
+    def refuse(*a, **k):
+        raise AssertionError("reached the data pass / weight load before the draft check")
+
+    monkeypatch.setattr(run, "_prepare_data", refuse)
+    monkeypatch.setattr(run, "load_prepared_target", refuse)
+    with pytest.raises(ValueError, match=match):
+        train(_cfg(tmp_path, tiny_target, override))
