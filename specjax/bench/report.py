@@ -305,7 +305,7 @@ def write_plots(results: dict, out_dir: str, log: Callable[[str], None] = print)
     delta-method interval of the ratio of means as a band). Returns the paths."""
     plt = _matplotlib()
     if plt is None:
-        log("matplotlib is not installed (pip install matplotlib, or specjax[bench]): plots skipped")
+        log("matplotlib is not installed (pip install matplotlib; a dependency of specjax): plots skipped")
         return []
     paths = []
 
