@@ -23,6 +23,8 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "hrm_text": "HrmTextForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -44,6 +44,19 @@ def _hrm():
                                       L_cycles=2, max_position_embeddings=4096)
 
 
+def _mistral():
+    return transformers.MistralConfig(vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      max_position_embeddings=4096, sliding_window=None)
+
+
+def _phi3():  # partial rotary, GQA (fused qkv_proj / gate_up_proj on disk); no LongRoPE: EAGLE-3 drafts lack it
+    return transformers.Phi3Config(vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=4096, partial_rotary_factor=0.5, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2)
+
+
 # architecture -> (transformers config factory, extra config.json keys)
 CASES = {
     "LlamaForCausalLM": (hf_parity._llama_cfg, {}),
@@ -53,6 +66,8 @@ CASES = {
     "LoopedQwen3ForCausalLM": (hf_parity._qwen3_cfg, {"num_loops": 3, "loop_start": 1, "loop_end": 3}),
     "HrmTextForCausalLM": (_hrm, {}),
     "NemotronHForCausalLM": (nemotron_parity._hf_config, {}),  # Mamba-2, attention, MoE and MLP blocks
+    "MistralForCausalLM": (_mistral, {}),
+    "Phi3ForCausalLM": (_phi3, {}),
 }
 
 

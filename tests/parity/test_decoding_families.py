@@ -4,7 +4,7 @@ virtual layer) and HRM-Text (H/L cycles, a cache row per virtual layer). Tiny ra
 from their configs; CPU, fp32, no torch.
 
 Bars:
-  (a) ``target.decode`` equals the uncached forward (logits, the three aux states and the final
+  (a) ``target.decode_chunk`` equals the uncached forward (logits, the three aux states and the final
       hidden; 1e-5 abs + 1e-5 rel, fp32) for a prefill written over a stale chunk after a rollback,
       then one token at a time, then a chunk (two rows); a left-padded row (valid_from) with
       logits_index; a tree-masked chunk against the forward of each root-to-node path. Every
@@ -31,7 +31,10 @@ from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.targets import registry
 from specjax.targets.base import Target, tree_set
 from specjax.targets.hrm_text import HrmTextTarget, HrmTextTargetConfig
+from specjax.layers.rope import RopeSpec
 from specjax.targets.looped import LoopedLlamaConfig, LoopedLlamaTarget
+from specjax.targets.mistral import MistralTarget, MistralTargetConfig
+from specjax.targets.phi3 import Phi3Target, Phi3TargetConfig
 from specjax.targets.qwen3_moe import Qwen3MoeTarget, Qwen3MoeTargetConfig
 
 VOCAB = 96
@@ -69,7 +72,21 @@ def _hrm():
         **COMMON)
 
 
-FAMILIES = {"qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
+def _mistral():
+    return MistralTarget, MistralTargetConfig(architecture="MistralForCausalLM", num_hidden_layers=5,
+                                              num_key_value_heads=2, **COMMON)
+
+
+def _phi3():
+    # partial rotary (the first half of each head), through Phi-3's own RoPE hooks. LongRoPE is not
+    # here: EAGLE-3 drafts take the target's RoPE and have no LongRoPE (test_targets_mistral_phi3.py
+    # checks the LongRoPE target's cached decoding)
+    rope = RopeSpec("default", 10000.0, partial_rotary_factor=0.5)
+    return Phi3Target, Phi3TargetConfig(architecture="Phi3ForCausalLM", num_hidden_layers=5, num_key_value_heads=2,
+                                        rope=rope, **COMMON)
+
+
+FAMILIES = {"mistral": _mistral, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
 
 
 def build(name, seed=0, vocab=None, **overrides):
@@ -111,7 +128,7 @@ def _max_diff(got, ref):
 # =============================================================================================
 # (a) cached decoding == uncached forward
 # =============================================================================================
-DECODING_ARCHS = ("Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
+DECODING_ARCHS = ("MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
 
 
 def test_registered_for_decoding():

@@ -12,7 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from specjax.layers.rope import RopeSpec  # noqa: E402
-from specjax.targets import hf_keys, hrm_text, llama, looped, nemotron_h, qwen3_moe  # noqa: E402
+from specjax.targets import hf_keys, hrm_text, llama, looped, mistral, nemotron_h, phi3, qwen3_moe  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 12345.0}
 
@@ -48,14 +48,30 @@ def _nemotron():
         max_position_embeddings=666, moe_latent_size=32, mlp_hidden_act="relu", time_step_limit=(0.01, 5.0))
 
 
+def _mistral():
+    return transformers.MistralConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=12, rms_norm_eps=3e-6,
+                                      tie_word_embeddings=True, max_position_embeddings=777, sliding_window=None,
+                                      rope_parameters=ROPE)
+
+
+def _phi3():
+    return transformers.Phi3Config(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                   num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=3e-6,
+                                   tie_word_embeddings=True, max_position_embeddings=777, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, rope_parameters=ROPE)
+
+
 FAMILIES = {
+    "mistral": (mistral.MistralTargetConfig, mistral.HF_KEYS, _mistral, transformers.MistralConfig),
+    "phi3": (phi3.Phi3TargetConfig, phi3.HF_KEYS, _phi3, transformers.Phi3Config),
     "llama": (llama.LlamaTargetConfig, llama.HF_KEYS, _llama, transformers.LlamaConfig),
     "qwen3_moe": (qwen3_moe.Qwen3MoeTargetConfig, qwen3_moe.HF_KEYS, _qwen3_moe, transformers.Qwen3MoeConfig),
     "hrm_text": (hrm_text.HrmTextTargetConfig, hrm_text.HF_KEYS, _hrm, transformers.HrmTextConfig),
     "nemotron_h": (nemotron_h.NemotronHTargetConfig, nemotron_h.HF_KEYS, _nemotron, transformers.NemotronHConfig),
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
-                 "nemotron_h": "NemotronHForCausalLM"}
+                 "nemotron_h": "NemotronHForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

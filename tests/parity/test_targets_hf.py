@@ -272,10 +272,10 @@ def test_missing_and_unexpected_tensors_error(tmp_mod):
 
 
 def test_unsupported_architecture_error(tmp_mod):
-    path = tmp_mod / "mistral"
+    path = tmp_mod / "gpt_neox"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
-    with pytest.raises(ValueError, match=r"MistralForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    (path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
+    with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         load_target(str(path))
     with pytest.raises(ValueError, match="supported"):
         get_target_class("GPT2LMHeadModel")
