@@ -92,6 +92,7 @@ def test_ctrl_c_at_a_validation_step_validates_it_on_resume_and_the_report_cover
         assert json.load(f)[loop.DUE_NOT_RUN] == ["validate"]
     assert first.report_path == report_path(str(out)) and os.path.isfile(first.report_path)  # a stop reports too
 
+    caplog.clear()  # only the resumed run's lines (the earlier runs' are captured when the level allows)
     with caplog.at_level(logging.INFO, logger="specjax"):
         second = loop.train(_cfg(tiny_target, out))
     assert second.start_step == 8 and second.final_step == 12 and not second.preempted

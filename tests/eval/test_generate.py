@@ -77,7 +77,7 @@ def test_decode_chunk_matches_full_forward(tmp_path):
     cache = target.init_cache(2, 40)
     assert cache["k"].shape == (4, 2, 256, 2, 16)
     pos = jnp.broadcast_to(jnp.arange(11), (2, 11))
-    decode = jax.jit(lambda c, i, p, s: target.decode(target.params, c, i, p, s, aux_layer_ids=(0, 2)))
+    decode = jax.jit(lambda c, i, p, s: target.decode_chunk(target.params, c, i, p, s, aux_layer_ids=(0, 2)))
     # write a wrong 8-token chunk first, then roll back to 0 and prefill 7 + 4 tokens
     _, _, _, cache = decode(cache, ids[:, ::-1][:, :8], pos[:, :8], jnp.zeros(2, jnp.int32))
     l1, a1, f1, cache = decode(cache, ids[:, :7], pos[:, :7], jnp.zeros(2, jnp.int32))

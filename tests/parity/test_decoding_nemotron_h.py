@@ -4,7 +4,7 @@ MoE): the Mamba layers carry recurrent state, so rollback cannot be "a shorter v
 from its config (Mamba, MoE, attention, Mamba); CPU, fp32, no torch.
 
 Bars (tolerance: 1e-5 abs + 1e-5 rel on fp32 logits of O(1), as for the other families):
-  (a) ``target.decode`` equals the uncached forward: B=2 ragged prompts, one left-padded
+  (a) ``target.decode_chunk`` equals the uncached forward: B=2 ragged prompts, one left-padded
       (valid_from + a chunk mask hiding the pads), prefilled over a stale chunk, then single tokens
       and chunks; a prefill longer than the state window resuming after its logits_index rows.
   (b) rollback: after a chunk of T tokens the next chunk may start at every slot start..start+T
