@@ -48,6 +48,10 @@ class RopeSpec:
     long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors, longer sequences
     attention_factor: float = 1.0  # longrope: cos and sin are multiplied by it
 
+    def __post_init__(self):  # a JSON round trip (run_meta.json, manifests) gives lists: keep it hashable
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+
     def rotary_dim(self, head_dim: int) -> int:
         """How many leading dims of each head are rotated (transformers: int(head_dim * factor))."""
         return int(head_dim * self.partial_rotary_factor)

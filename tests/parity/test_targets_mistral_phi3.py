@@ -216,3 +216,17 @@ def test_real_config_counts_the_published_parameters(folder):
         assert cfg.rope.rope_type == "longrope" and cfg.rope.rotary_dim(cfg.head_dim) == 96
     with open(os.path.join(repo, "configs", "targets", folder, "config.json")) as f:
         assert json.load(f)["architectures"] == [cfg.architecture]
+
+
+def test_rope_spec_survives_a_json_round_trip():
+    """run_meta.json and manifests store the RopeSpec as JSON (lists): rebuilt, it is equal and hashable."""
+    import dataclasses
+    import json
+
+    from specjax.layers.rope import RopeSpec
+
+    spec = RopeSpec("longrope", 10000.0, original_max_position_embeddings=16, short_factor=(1.0, 1.5),
+                    long_factor=(2.0, 3.0), attention_factor=1.2)
+    back = RopeSpec(**json.loads(json.dumps(dataclasses.asdict(spec))))
+    assert back == spec and hash(back) == hash(spec)
+    assert RopeSpec(**json.loads(json.dumps(dataclasses.asdict(RopeSpec())))) == RopeSpec()
