@@ -85,3 +85,48 @@ def test_a_server_that_never_answers_times_out_naming_the_setting(tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_the_argvs_own_host_and_port_are_replaced(tmp_path):
+    argv = [*_argv(tmp_path, "ok"), "--host", "0.0.0.0", "--port=8000"]
+    with EngineServer(argv, str(tmp_path / "server.log")) as srv:
+        assert srv.argv.count("--host") == 1 and srv.argv.count("--port") == 1
+        assert not any(a.startswith("--port=") for a in srv.argv)
+        assert srv.argv[-4:] == ["--host", "127.0.0.1", "--port", str(srv.port)]
+        srv.wait_ready(30)
+
+
+def test_a_port_taken_before_the_bind_is_replaced_by_a_new_one(tmp_path, monkeypatch):
+    import socket
+
+    from specjax.bench import server as server_mod
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    real = server_mod.free_port
+    monkeypatch.setattr(server_mod, "free_port", lambda: next(ports, None) or real())
+    try:
+        with EngineServer(_argv(tmp_path, "ok"), str(tmp_path / "server.log")) as srv:
+            assert srv.port == busy
+            srv.wait_ready(30)
+            assert srv.tries == 2 and srv.port != busy
+    finally:
+        taken.close()
+
+
+def test_a_port_the_caller_chose_is_not_replaced(tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        srv = EngineServer(_argv(tmp_path, "ok"), str(tmp_path / "server.log"), port=taken.getsockname()[1])
+        with pytest.raises(EngineStartError, match="Address already in use"):
+            srv.wait_ready(30)
+        assert srv.tries == 1
+    finally:
+        taken.close()
