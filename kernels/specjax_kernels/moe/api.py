@@ -1,12 +1,24 @@
 """Public routed-experts entry point; ``implementation=`` picks the backend.
 
     moe_experts(x_td, expert_ids_tk, weights_tk, up_edf=..., down_efd=..., gate_edf=None,
-                activation="silu", implementation=None) -> [T, D]
-    moe_experts(x_td, expert_ids_tk, weights_tk, gate_up_edf=..., down_efd=..., activation="silu")
+                down_bias_ed=None, activation="silu", implementation=None) -> [T, D]
+    moe_experts(x_td, expert_ids_tk, weights_tk, gate_up_edf=..., down_efd=..., gate_up_bias_ef=None,
+                down_bias_ed=None, activation="silu")
 
 Gated experts take either separate gate/up [E, D, F] or one fused [E, D, 2F] (gate columns first, as
 vLLM's w13 and transformers' gate_up_proj): the fused form runs one grouped GEMM of width 2F instead
 of two of width F, reading the expert-sorted rows once.
+
+Biases (gpt-oss's experts have them): ``gate_up_bias_ef`` [E, 2F], laid out as the fused weight's
+columns, only with ``gate_up_edf`` (a ValueError names the fix for the separate and ungated forms);
+``down_bias_ed`` [E, D] with any form. They are added in fp32 outside the grouped GEMMs, the same code
+for every backend (common.grouped_experts; xla.py's block loop).
+
+``activation`` is an elementwise name (ACTIVATIONS: act(gate) * up for gated experts, act(up) for
+ungated ones) or a hashable tuple naming an activation of the whole gated unit (common.GLU_ACTIVATIONS,
+gated experts only): ("clamped_swiglu", alpha, limit) is gpt-oss's
+    g = min(gate, limit); u = clip(up, -limit, limit); h = (u + 1) * g * sigmoid(alpha * g)
+computed in fp32.
 
 The router (softmax / sigmoid, top-k, renormalisation, scaling) belongs to the model; this op gets
 its result: for each token k expert ids and k weights. See reference.py for the math.
@@ -27,7 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax_kernels.selection import log_once_fallback, select
-from specjax_kernels.moe.common import ACTIVATIONS  # noqa: F401  (re-exported)
+from specjax_kernels.moe.common import ACTIVATIONS, GLU_ACTIVATIONS  # noqa: F401  (re-exported)
+from specjax_kernels.moe.common import check_activation, check_biases
 
 
 def _reference():
@@ -111,11 +124,13 @@ def gpu_choice(name: str, *, auto: bool, dtype, n_devices: int, mgpu_shape_issue
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_edf=None, gate_up_edf=None,
-                activation: str = "silu", implementation: Optional[str] = None):
+                gate_up_bias_ef=None, down_bias_ed=None, activation: str | tuple = "silu",
+                implementation: Optional[str] = None):
     """Weighted sum over each token's k experts of FFN_e(x); shapes x [T, D], ids/weights [T, k],
-    up/gate [E, D, F] or gate_up [E, D, 2F], down [E, F, D]. Forward-only use in frozen targets;
-    differentiable anyway (reverse mode). Under jax.vmap with shared expert weights the vmapped axes
-    join T: one call on all rows (`per_token`)."""
+    up/gate [E, D, F] or gate_up [E, D, 2F], down [E, F, D], biases gate_up [E, 2F] (fused form only)
+    and down [E, D]; activation a name or ("clamped_swiglu", alpha, limit) (module docstring).
+    Forward-only use in frozen targets; differentiable anyway (reverse mode). Under jax.vmap with shared
+    expert weights the vmapped axes join T: one call on all rows (`per_token`)."""
     if x_td.ndim != 2 or expert_ids_tk.ndim != 2 or expert_ids_tk.shape != weights_tk.shape:
         raise ValueError(
             f"moe_experts: expected x [T, D] and ids/weights [T, k], got {x_td.shape}, "
@@ -136,6 +151,8 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_
         )
     if gate_up_edf is not None:  # backends read the fused form from its shape (common.is_fused_gate_up)
         up_edf = gate_up_edf
+    check_biases(up_edf, down_efd, gate_edf, gate_up_bias_ef, down_bias_ed)
+    activation = check_activation(activation, gated=gate_edf is not None or gate_up_edf is not None)
     auto = implementation in (None, "auto")
     name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, implementation)
     if name in ("mgpu", "pallas_gpu"):
@@ -146,10 +163,16 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, *, up_edf=None, down_efd, gate_
         if why:  # shapes, dtype or devices the kernel does not take
             log_once_fallback("moe", name, why, new, level=logging.INFO if auto else logging.WARNING)
             name, fn = select("moe", IMPLEMENTATIONS, PREFERENCE, new)
-    gated = gate_edf is not None
-    call = per_token(lambda x, ids, w, up, down, *gate: fn(x, ids, w, up, down, gate[0] if gated else None,
-                                                          activation))
-    return call(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, *((gate_edf,) if gated else ()))
+    # the optional expert arrays travel as per_token's positional weights (shared under vmap); the biases
+    # reach the backend as keywords only when given, so a bias-free call is the one it always was
+    optional = {"gate": gate_edf, "gate_up_bias": gate_up_bias_ef, "down_bias": down_bias_ed}
+    present = [key for key, a in optional.items() if a is not None]
+
+    def one(x, ids, w, up, down, *rest):
+        got = dict(zip(present, rest))
+        return fn(x, ids, w, up, down, got.pop("gate", None), activation, **got)
+
+    return per_token(one)(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, *(optional[key] for key in present))
 
 
 def per_token(fn):

@@ -173,7 +173,7 @@ def _layer_variants(x, ids, w, gate, up, gate_up, down, iters, repeats):
                    "inverse": None}[comb]
 
         def fn(x, ids, w, gate, up, gate_up, down):
-            act = jax.nn.silu
+            act = "silu"
             if comb == "inverse":  # the one-hot placement's inverse permutation, no scatter to rebuild it
                 order, sizes, inverse = _sort_onehot(ids, up.shape[0])
                 unsort = lambda ys, order, w, dtype: _combine_inverse(ys, inverse, w, dtype)  # noqa: E731

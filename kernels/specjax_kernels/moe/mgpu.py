@@ -104,8 +104,10 @@ def supports(x_td, up_edf, down_efd) -> str | None:
     return None
 
 
-def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None, activation="silu"):
-    return grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, gmm)
+def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None, activation="silu", *,
+                gate_up_bias=None, down_bias=None):
+    return grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, gmm,
+                           gate_up_bias=gate_up_bias, down_bias=down_bias)
 
 
 def available() -> str | None:

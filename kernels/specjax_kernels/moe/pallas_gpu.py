@@ -216,9 +216,10 @@ def gmm(lhs, rhs, group_sizes, *, interpret: bool = False, block_m: int | None =
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None, activation="silu",
-                interpret: bool = False):
+                interpret: bool = False, *, gate_up_bias=None, down_bias=None):
     return grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation,
-                           functools.partial(gmm, interpret=interpret))
+                           functools.partial(gmm, interpret=interpret), gate_up_bias=gate_up_bias,
+                           down_bias=down_bias)
 
 
 def available() -> str | None:

@@ -57,22 +57,30 @@ def gmm(lhs, rhs, group_sizes, *, interpret: bool | None = None):
     return out.astype(lhs.dtype)
 
 
-def _local(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, interpret):
+def _local(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, interpret,
+           gate_up_bias=None, down_bias=None):
     return grouped_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation,
-                           lambda lhs, rhs, sizes: gmm(lhs, rhs, sizes, interpret=interpret))
+                           lambda lhs, rhs, sizes: gmm(lhs, rhs, sizes, interpret=interpret),
+                           gate_up_bias=gate_up_bias, down_bias=down_bias)
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None, activation="silu",
-                interpret: bool | None = None):
+                interpret: bool | None = None, *, gate_up_bias=None, down_bias=None):
     km = active_kernel_mesh()
     if km is None:
-        return _local(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, interpret)
+        return _local(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf, activation, interpret,
+                      gate_up_bias, down_bias)
     mesh, batch_axes, _ = km
     rows = P(dim_spec(axes_dividing(mesh, batch_axes, x_td.shape[0])), None)
-    whole = P(None, None, None)
-    args = [x_td, expert_ids_tk, weights_tk, up_edf, down_efd] + ([gate_edf] if gate_edf is not None else [])
+    # every device sees whole experts (weights and biases alike; see the module docstring)
+    optional = {"gate": gate_edf, "gate_up_bias": gate_up_bias, "down_bias": down_bias}
+    present = [name for name, a in optional.items() if a is not None]
+    args = [x_td, expert_ids_tk, weights_tk, up_edf, down_efd] + [optional[name] for name in present]
 
-    def run(x, ids, w, up, down, *gate):
-        return _local(x, ids, w, up, down, gate[0] if gate else None, activation, interpret)
+    def run(x, ids, w, up, down, *rest):
+        got = dict(zip(present, rest))
+        return _local(x, ids, w, up, down, got.get("gate"), activation, interpret, got.get("gate_up_bias"),
+                      got.get("down_bias"))
 
-    return shard_kernel(run, mesh, [rows, rows, rows, whole, whole] + [whole] * (len(args) - 5), rows, *args)
+    whole = [P(*([None] * a.ndim)) for a in args[3:]]
+    return shard_kernel(run, mesh, [rows, rows, rows] + whole, rows, *args)

@@ -4,14 +4,16 @@ Assignments are sorted by expert as in the reference, then each expert's rows ar
 multiple of ``block`` rows, so every block of ``block`` rows belongs to one expert. A ``lax.scan``
 over blocks multiplies each block by its expert's weights (read in place with a dynamic index) and
 skips blocks past the last used one. Work is about (T*k + E*block) rows instead of the E*T*k of the
-expanded ``ragged_dot``; the number of blocks is static: ceil(T*k / block) + E.
+expanded ``ragged_dot``; the number of blocks is static: ceil(T*k / block) + E. A block's gate_up bias
+is its expert's one row (broadcast over the block); the down bias is added in ``common.combine``.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from specjax_kernels.moe.common import activation_fn, combine, expert_hidden, sort_by_expert
+from specjax_kernels.moe.common import (check_activation, check_biases, combine, expert_hidden, is_fused_gate_up,
+                                        sort_by_expert)
 
 
 def default_block(rows: int, n_experts: int, max_block: int = 128) -> int:
@@ -27,8 +29,9 @@ _MAX_BLOCK = {"gpu": 512}
 
 
 def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None, activation="silu",
-                block: int | None = None):
-    act = activation_fn(activation)
+                block: int | None = None, *, gate_up_bias=None, down_bias=None):
+    check_biases(up_edf, down_efd, gate_edf, gate_up_bias, down_bias)
+    check_activation(activation, gate_edf is not None or is_fused_gate_up(up_edf, down_efd, gate_edf))
     t, k = expert_ids_tk.shape
     n_experts, d = up_edf.shape[0], x_td.shape[1]
     rows = t * k
@@ -52,7 +55,8 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None
 
     def ffn(xb, e):
         pick = lambda w: jax.lax.dynamic_index_in_dim(w, e, axis=0, keepdims=False)  # noqa: E731
-        h = expert_hidden(lambda w: xb @ pick(w), up_edf, down_efd, gate_edf, act)
+        bias = None if gate_up_bias is None else pick(gate_up_bias)  # [2F], the block's expert's row
+        h = expert_hidden(lambda w: xb @ pick(w), up_edf, down_efd, gate_edf, activation, bias)
         return h.astype(x_td.dtype) @ pick(down_efd)
 
     def body(_, blk):
@@ -62,4 +66,4 @@ def moe_experts(x_td, expert_ids_tk, weights_tk, up_edf, down_efd, gate_edf=None
 
     _, yp = jax.lax.scan(body, None, (xp, block_expert, used))
     ys = jnp.take(yp.reshape(n_blocks * block, d), slot, axis=0)
-    return combine(ys, order, weights_tk, x_td.dtype)
+    return combine(ys, order, weights_tk, x_td.dtype, down_bias_ed=down_bias, expert_ids_tk=expert_ids_tk)
