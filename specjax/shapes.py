@@ -106,7 +106,8 @@ def shape_report(config_path: str, overrides: Sequence[str] = (), batch: int = 1
         "num_layers": int(target.num_layers),  # virtual depth for looped targets
         "aux_layer_ids": list(aux),
         "target_dtype": run_cfg.target.dtype,
-        "target_params": _count(params),
+        # model parameters (MXFP4 blocks hold two a byte; quantization scales are none), not stored elements
+        "target_params": sum(s.num_params for s in cls.weight_specs(cfg)),
         "target_param_bytes": _nbytes(params),
         "leaves": {"/".join(s.path): list(s.shape) for s in cls.weight_specs(cfg)},
         "draft_params": n_draft,
@@ -138,7 +139,8 @@ def format_report(r: Mapping[str, Any], show_leaves: bool = False) -> str:
         f"depth         {r['num_hidden_layers']} layers" + (
             f", {r['num_layers']} virtual" if r["num_layers"] != r["num_hidden_layers"] else ""),
         f"aux taps      {r['aux_layer_ids']} (output of layer k)",
-        f"target params {r['target_params'] / 1e9:.3f} B ({r['target_dtype']}: {r['target_param_bytes'] / GIB:.2f} GiB)"
+        f"target params {r['target_params'] / 1e9:.3f} B ({r['target_dtype']}, as stored: "
+        f"{r['target_param_bytes'] / GIB:.2f} GiB)"
         + (f", {r['target_active_params_per_token'] / 1e9:.3f} B active per token"
            if "target_active_params_per_token" in r else ""),
         f"draft params  {r['draft_params'] / 1e6:.1f} M (params + grads + AdamW, fp32: "

@@ -89,7 +89,7 @@ from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax.drafts.eagle3 import init_params
 from specjax.layers.norms import rms_norm
-from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 
 __all__ = [
     "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "JetSpecConfig", "OBJECTIVES",
@@ -265,7 +265,7 @@ def _linear(x, p):
 
 
 def _rope(x_btnd, positions_bt, cfg: DFlashConfig):
-    cos, sin = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), x_btnd.dtype)
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, positions_bt, x_btnd.dtype)
     return apply_rope(x_btnd, cos, sin)
 
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import mesh as meshlib
 from specjax.drafts import weights
 from specjax.layers.norms import rms_norm
-from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.ttt_attention import ttt_attention
 from specjax_kernels.ttt_attention.context_parallel import ttt_attention_context_parallel
@@ -144,10 +144,6 @@ def mask_hidden_projected(params: dict, cfg: Eagle3Config, dtype=jnp.float32) ->
     return project_aux(params, tuple(jnp.split(mh, cfg.num_aux, axis=-1)), cfg, dtype)[0, 0]
 
 
-def inv_freq(cfg: Eagle3Config) -> np.ndarray:
-    return inverse_frequencies(cfg.rope, cfg.head_dim)
-
-
 def _ttt_attention_cp(q, k0, v0, kd, vd, segment_ids_bt, mesh):
     """The context-parallel TTT attention on the active mesh (batch and heads as the rules say;
     heads stay whole when the GQA groups do not split evenly over `tensor`)."""
@@ -239,7 +235,8 @@ def attention_qkv(params: dict, cfg: Eagle3Config, emb_btd, hidden_btd, rope_pos
     q = _mm(x, a["q_proj"]).reshape(B, T, nH, hd)
     k = _mm(x, a["k_proj"]).reshape(B, T, nKV, hd)
     v = _mm(x, a["v_proj"]).reshape(B, T, nKV, hd)
-    cos, sin = rope_cos_sin(rope_positions_bt, inv_freq(cfg), q.dtype)
+    # the target's tables (LongRoPE's per-call set, YaRN's cos/sin factor), as the engines' draft builds them
+    cos, sin = rope_tables(cfg.rope, cfg.head_dim, rope_positions_bt, q.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 

@@ -226,6 +226,14 @@ class PEagleFamily(Eagle3Family):
         return jax.random.fold_in(jax.random.key(ttt.cod_seed), 0 if step is None else step)
 
 
+# target model_type -> why vLLM cannot serve an EAGLE-3 draft for it (read in vLLM 0.32's source: the
+# target class must implement SupportsEagle3, which exports the aux hidden states)
+VLLM_NO_EAGLE3 = {
+    "gemma3_text": ("vLLM 0.32's Gemma3ForCausalLM (model_executor/models/gemma3.py) does not implement "
+                    "SupportsEagle3, so it stops with \"Model does not support EAGLE3 interface\"; Gemma 4 does"),
+}
+
+
 def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list[str]]:
     """Engine -> notes for serving an EAGLE-3 head (the first word "UNSUPPORTED" marks a pair that will
     not work upstream); "all" holds the notes for every engine."""
@@ -240,6 +248,8 @@ def caveats(draft_config: dict, target_config: Optional[dict]) -> dict[str, list
         out["all"].append("target config not readable here: target-specific caveats were not checked.")
         return out
     tc = target_text_config(target_config)
+    if tc.get("model_type") in VLLM_NO_EAGLE3:
+        out["vllm"].append(f"UNSUPPORTED: {VLLM_NO_EAGLE3[tc['model_type']]}.")
     if is_hybrid_target(target_config):
         mt = tc.get("model_type", "hybrid")
         out["sglang"].append(f"UNSUPPORTED: upstream SGLang has no EAGLE-3 aux-state capture for {mt} "

@@ -89,6 +89,17 @@ class WeightSpec:
     # dtype: keep this leaf in a fixed dtype whatever the load dtype (e.g. fp32 MoE routers, whose
     #   bf16 rounding changes which experts are picked)
     dtype: str | None = None
+    # deinterleave_axis: this axis of the (transposed) file tensor alternates two projections
+    #   (gpt-oss's gate_up_proj: gate at even indices, up at odd); the leaf holds the even entries
+    #   first, then the odd ones (the [gate | up] layout specjax_kernels.moe fuses)
+    deinterleave_axis: int | None = None
+    # values_per_element: model parameters one stored element holds (2 for MXFP4's packed nibbles,
+    #   0 for a quantization scale, which is not a parameter); parameter counts use it
+    values_per_element: int = 1
+
+    @property
+    def num_params(self) -> int:
+        return math.prod(self.shape) * self.values_per_element
 
     @property
     def stacked(self) -> bool:
@@ -246,7 +257,7 @@ class Target:
         k, e = self.config.num_experts_per_tok, self.config.num_routed_experts
         total = 0
         for spec in self.weight_specs(self.config):
-            n = math.prod(spec.shape)
+            n = spec.num_params
             total += n * k // e if spec.path[:len(prefix)] == prefix else n
         return int(total)
 

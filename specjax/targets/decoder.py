@@ -74,24 +74,72 @@ def final_rms_norm(params: dict, cfg: Any, x_btd):
     return rms_norm(x_btd, params["norm"]["scale"], cfg.rms_norm_eps)
 
 
+def sliding_window_of(cfg: Any) -> int | None:
+    """The config's sliding window (None: no layer slides). Every layer slides unless the family mixes
+    sliding and full-attention layers in one scan (Gemma 3, gpt-oss: ``layer_mask`` below)."""
+    return getattr(cfg, "sliding_window", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# stacks that mix sliding-window and full-attention layers in one scan (Gemma 3, gpt-oss): each
+# layer carries its kind as a scanned bool flag
+# ---------------------------------------------------------------------------------------------
+NO_WINDOW = 2**30  # a full-attention layer's window inside such a scan (hides nothing)
+
+
+def pick_by_layer(sliding, when_sliding, when_full):
+    """The sliding layer's value where the scanned flag is set, else the full layer's (same pytrees)."""
+    return jax.tree.map(lambda a, b: jnp.where(sliding, a, b), when_sliding, when_full)
+
+
+def layer_mask(inputs: StackInputs, sliding, window: int):
+    """This layer's attention mask. Training forward: the shared lazy mask with a traced window (the
+    full layers' hides nothing); decoding: the (full, windowed) pair of :func:`mixed_window_decode_masks`."""
+    if isinstance(inputs.mask, tuple):
+        return pick_by_layer(sliding, inputs.mask[1], inputs.mask[0])
+    return inputs.mask.with_window(jnp.where(sliding, jnp.int32(window), jnp.int32(NO_WINDOW)))
+
+
+def mixed_window_decode_masks(cfg: Any, cache, input_ids_bt, positions_bt, start_b, chunk_mask_btt, valid_from_b):
+    """((full mask, windowed mask), write slots, cache with the chunk's positions) of a chunk, for
+    :func:`layer_mask`; the cache is ``kv_cache_per_layer``'s (which keeps slot positions)."""
+    full, windowed, slots, cache = decoding.windowed_chunk_inputs(
+        cache, input_ids_bt, positions_bt, start_b, cfg.sliding_window, chunk_mask_btt, valid_from_b, cfg.attention)
+    return (full, windowed), slots, cache
+
+
 def rope_forward_inputs(cfg: Any, input_ids_bt, positions, segment_ids, dtype) -> StackInputs:
-    """The training forward's segment-causal mask and RoPE (positions default to arange, segments to one)."""
-    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, dtype)
+    """The training forward's segment-causal mask (windowed where the config slides) and RoPE
+    (positions default to arange, segments to one)."""
+    mask, rope = attention_inputs(input_ids_bt.shape, positions, segment_ids, cfg.rope, cfg.head_dim, dtype,
+                                  window=sliding_window_of(cfg))
     return StackInputs(mask, rope)
 
 
 def rope_decode_inputs(cfg: Any, cache, input_ids_bt, positions_bt, start_b, chunk_mask_btt, valid_from_b,
                        logits_index, dtype):
-    """A chunk's cache mask, write slots and RoPE: (StackInputs, cache unchanged)."""
-    _, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
+    """A chunk's cache mask, write slots and RoPE: (StackInputs, cache; a sliding-window target's
+    cache gains the chunk's positions)."""
+    window = sliding_window_of(cfg)
+    if window is None:
+        _, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
+                                               cfg.attention)
+    else:
+        _, mask, slots, cache = decoding.windowed_chunk_inputs(cache, input_ids_bt, positions_bt, start_b, window,
+                                                               chunk_mask_btt, valid_from_b, cfg.attention)
     rope = rope_cos_sin(positions_bt, inverse_frequencies(cfg.rope, cfg.head_dim), dtype)
     return StackInputs(mask, rope, slots=slots), cache
 
 
 def kv_cache_per_layer(cfg: Any, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
-    """Zeroed KV cache {"k", "v"} [Lv, B, S, Hkv, D]: one row per (virtual) layer, S = max_len rounded up."""
-    return decoding.init_kv_cache(layer_depth(cfg), batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
-                                  dtype)
+    """Zeroed KV cache {"k", "v"} [Lv, B, S, Hkv, D]: one row per (virtual) layer, S = max_len rounded
+    up (sliding layers included: rollback stays "a shorter valid length"); with a sliding window also
+    the slot positions {"pos"} (layers/decoding.py)."""
+    cache = decoding.init_kv_cache(layer_depth(cfg), batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim,
+                                   dtype)
+    if sliding_window_of(cfg) is not None:
+        cache["pos"] = decoding.init_positions(batch_size, max_len)
+    return cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,8 @@ class LlamaTargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     rope: RopeSpec = RopeSpec()
+    # every layer attends to the last sliding_window positions (Mistral, Phi-3; None = full causal)
+    sliding_window: int | None = None
     kernels: KernelChoices = KernelChoices()  # runtime option, not part of the HF config
 
     @property

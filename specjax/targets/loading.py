@@ -218,6 +218,10 @@ def load_params(
                     rows = spec.hf_shape[0]
                     t = reader.get_rows(name, spec.hf_chunk[0] * rows, (spec.hf_chunk[0] + 1) * rows)
                 t = t.T if spec.transpose else t
+                if spec.deinterleave_axis is not None:
+                    ax = spec.deinterleave_axis
+                    t = np.concatenate([np.take(t, np.arange(0, t.shape[ax], 2), axis=ax),
+                                        np.take(t, np.arange(1, t.shape[ax], 2), axis=ax)], axis=ax)
                 buf[index] = t  # numpy casts to the target dtype (round-to-nearest-even for bf16)
             sharding = tree_get(shardings, spec.path) if shardings is not None else None
             if sharding is None:

@@ -14,9 +14,9 @@ attention + SwiGLU block with two RMSNorms, no biases and SiLU. What differs:
     long factors per call from the largest position and scales cos / sin by the attention factor, as
     transformers does (``layers/rope.py`` module docstring). Both come from ``rope.rope_tables``
     through this family's two input hooks.
-  * ``sliding_window``: the rule of mistral.py (refused when shorter than max_position_embeddings;
-    Phi-3-mini-4k's 2047 is refused, Phi-3-mini-128k's and Phi-4-mini's 262144 are accepted).
-    transformers' Phi3Config has no window unless config.json sets one.
+  * ``sliding_window``: mistral.py's rule (every layer slides; none when the window is no shorter
+    than max_position_embeddings: Phi-3-mini-4k's 2047 slides, Phi-3-mini-128k's and Phi-4-mini's
+    262144 do not). transformers' Phi3Config has no window unless config.json sets one.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from specjax.targets.decoder import Decoder, StackInputs
 from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, hf_values, read_hf_keys
 from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import segment_causal_mask
-from specjax.targets.mistral import check_sliding_window
+from specjax.targets.mistral import read_sliding_window
 from specjax.targets.registry import model_type_of, register
 
 PHI3_ARCHS = ("Phi3ForCausalLM",)
@@ -56,7 +56,6 @@ class Phi3TargetConfig(llama.LlamaTargetConfig):
         hf, arch = resolve_hf_config(hf, PHI3_ARCHS, "Phi3TargetConfig",
                                      unsupported_flags=("attention_bias", "mlp_bias", "lm_head_bias"),
                                      silu_keys=("hidden_act",))
-        check_sliding_window(hf, arch, None)
         keys = read_hf_keys(HF_KEYS, hf)
         head_dim = keys["hidden_size"] // keys["num_attention_heads"]
         if hf.get("head_dim") not in (None, head_dim):
@@ -66,7 +65,7 @@ class Phi3TargetConfig(llama.LlamaTargetConfig):
         if (head_dim - rope.rotary_dim(head_dim)) % 2 or rope.rotary_dim(head_dim) % 2:
             raise ValueError(f"{arch}: partial_rotary_factor={rope.partial_rotary_factor} gives an odd rotary "
                              f"or pass-through width of head_dim {head_dim}")
-        kw = dict(architecture=arch, head_dim=head_dim, rope=rope, **keys)
+        kw = dict(architecture=arch, head_dim=head_dim, rope=rope, sliding_window=read_sliding_window(hf, None), **keys)
         kw.update(overrides)
         cfg = cls(**kw)
         check_gqa(cfg)
@@ -77,7 +76,7 @@ class Phi3TargetConfig(llama.LlamaTargetConfig):
         """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read."""
         d: dict[str, Any] = {"architectures": [self.architecture], "model_type": model_type_of(self.architecture),
                              **hf_values(HF_KEYS, self), "hidden_act": "silu", "rope_parameters": self.rope.to_hf(),
-                             "partial_rotary_factor": self.rope.partial_rotary_factor, "sliding_window": None,
+                             "partial_rotary_factor": self.rope.partial_rotary_factor, "sliding_window": self.sliding_window,
                              "attention_bias": False, "use_cache": True, "dtype": dtype}
         if self.rope.rope_type == "longrope":  # transformers prefers the top-level key (rope.py)
             d["original_max_position_embeddings"] = self.rope.original_max_position_embeddings
@@ -132,13 +131,20 @@ def forward_inputs(cfg: Phi3TargetConfig, input_ids_bt, positions, segment_ids, 
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
-    return StackInputs(segment_causal_mask(segment_ids), rope_tables(cfg.rope, cfg.head_dim, positions, dtype))
+    return StackInputs(segment_causal_mask(segment_ids).with_window(cfg.sliding_window),
+                       rope_tables(cfg.rope, cfg.head_dim, positions, dtype))
 
 
 def decode_inputs(cfg: Phi3TargetConfig, cache, input_ids_bt, positions_bt, start_b, chunk_mask_btt, valid_from_b,
                   logits_index, dtype):
-    """A chunk's cache mask, write slots and RoPE: (StackInputs, cache unchanged)."""
-    _, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b, cfg.attention)
+    """A chunk's cache mask, write slots and RoPE: (StackInputs, cache; with a window its slot positions)."""
+    if cfg.sliding_window is None:
+        _, mask, slots = decoding.chunk_inputs(cache, input_ids_bt, start_b, chunk_mask_btt, valid_from_b,
+                                               cfg.attention)
+    else:
+        _, mask, slots, cache = decoding.windowed_chunk_inputs(cache, input_ids_bt, positions_bt, start_b,
+                                                               cfg.sliding_window, chunk_mask_btt, valid_from_b,
+                                                               cfg.attention)
     return StackInputs(mask, rope_tables(cfg.rope, cfg.head_dim, positions_bt, dtype), slots=slots), cache
 
 

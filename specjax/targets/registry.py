@@ -25,6 +25,9 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "nemotron_h": "NemotronHForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

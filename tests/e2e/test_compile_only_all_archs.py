@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 # the tiny configs of the parity tests (tests/parity has no __init__.py; pytest imports its
 # modules by basename, so this is the same module object pytest itself uses)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
+import test_targets_deepseek_v3 as deepseek_parity  # noqa: E402
 import test_targets_hf as hf_parity  # noqa: E402
 import test_targets_moe_looped as moe_looped_parity  # noqa: E402
 import test_targets_nemotron_h as nemotron_parity  # noqa: E402
@@ -57,6 +58,21 @@ def _phi3():  # partial rotary, GQA (fused qkv_proj / gate_up_proj on disk); no 
                                    bos_token_id=1, eos_token_id=2)
 
 
+def _gemma3():  # sliding (window 8 < seq_length 32) and global layers, each with its own RoPE
+    return transformers.Gemma3TextConfig(vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, sliding_window=8, max_position_embeddings=4096,
+                                         layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+def _gpt_oss():  # sinks, biases, sliding (window 8 < seq_length 32) and full layers, biased experts
+    return transformers.GptOssConfig(vocab_size=moe_looped_parity.VOCAB, hidden_size=64, intermediate_size=32,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                     max_position_embeddings=4096,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
 # architecture -> (transformers config factory, extra config.json keys)
 CASES = {
     "LlamaForCausalLM": (hf_parity._llama_cfg, {}),
@@ -68,6 +84,9 @@ CASES = {
     "NemotronHForCausalLM": (nemotron_parity._hf_config, {}),  # Mamba-2, attention, MoE and MLP blocks
     "MistralForCausalLM": (_mistral, {}),
     "Phi3ForCausalLM": (_phi3, {}),
+    "Gemma3ForCausalLM": (_gemma3, {}),
+    "GptOssForCausalLM": (_gpt_oss, {}),
+    "DeepseekV3ForCausalLM": (lambda: deepseek_parity._hf_config("lora"), {}),  # MLA + sigmoid-routed MoE
 }
 
 

@@ -70,6 +70,16 @@ def test_caveats_hybrid_looped_and_eagle31(tmp_path, capsys):
     assert "EAGLE-3.1 head" in out and "acceptance ~1.5 on SGLang" in out
 
 
+def test_gemma3_target_is_marked_unsupported_on_vllm(tmp_path, capsys):
+    """vLLM 0.32's Gemma3ForCausalLM has no SupportsEagle3: the vLLM command is commented out with the reason."""
+    gemma = target_config(model_type="gemma3_text")
+    draft, target = _export(tmp_path, "gemma3", target_hf=gemma)
+    assert main(["--draft", draft, "--target", target, "--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "UNSUPPORTED: vLLM 0.32's Gemma3ForCausalLM" in out and "SupportsEagle3" in out
+    assert "\nvllm serve " not in out and "# vllm serve " in out
+
+
 def test_invalid_draft_gets_no_command(tmp_path, capsys):
     draft, target = _export(tmp_path)
     conf = json.loads(open(os.path.join(draft, "config.json")).read())

@@ -12,7 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from specjax.layers.rope import RopeSpec  # noqa: E402
-from specjax.targets import hf_keys, hrm_text, llama, looped, mistral, nemotron_h, phi3, qwen3_moe  # noqa: E402
+from specjax.targets import gemma3, gpt_oss, hf_keys, hrm_text, llama, looped, mistral, nemotron_h, phi3, qwen3_moe  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 12345.0}
 
@@ -62,7 +62,27 @@ def _phi3():
                                    bos_token_id=1, eos_token_id=2, rope_parameters=ROPE)
 
 
+def _gemma3():
+    return transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=12, rms_norm_eps=3e-6, tie_word_embeddings=False,
+        max_position_embeddings=777, query_pre_attn_scalar=20, sliding_window=33,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 3.0, "rope_theta": 54321.0},
+                         "sliding_attention": ROPE})
+
+
+def _gpt_oss():
+    return transformers.GptOssConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=12, rms_norm_eps=3e-6, tie_word_embeddings=True, max_position_embeddings=777,
+        num_local_experts=5, num_experts_per_tok=3, sliding_window=33, swiglu_alpha=1.5, swiglu_limit=6.0,
+        layer_types=["full_attention", "sliding_attention", "full_attention"], rope_parameters=ROPE)
+
+
 FAMILIES = {
+    "gpt_oss": (gpt_oss.GptOssTargetConfig, gpt_oss.HF_KEYS, _gpt_oss, transformers.GptOssConfig),
+    "gemma3": (gemma3.Gemma3TargetConfig, gemma3.HF_KEYS, _gemma3, transformers.Gemma3TextConfig),
     "mistral": (mistral.MistralTargetConfig, mistral.HF_KEYS, _mistral, transformers.MistralConfig),
     "phi3": (phi3.Phi3TargetConfig, phi3.HF_KEYS, _phi3, transformers.Phi3Config),
     "llama": (llama.LlamaTargetConfig, llama.HF_KEYS, _llama, transformers.LlamaConfig),
@@ -70,7 +90,7 @@ FAMILIES = {
     "hrm_text": (hrm_text.HrmTextTargetConfig, hrm_text.HF_KEYS, _hrm, transformers.HrmTextConfig),
     "nemotron_h": (nemotron_h.NemotronHTargetConfig, nemotron_h.HF_KEYS, _nemotron, transformers.NemotronHConfig),
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
+ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
                  "nemotron_h": "NemotronHForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 

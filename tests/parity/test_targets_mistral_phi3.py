@@ -7,12 +7,12 @@ fused ``qkv_proj`` / ``gate_up_proj`` on disk) read by ``load_target``; weights 
 than HF's init (parity._hf_weights.randomize_), so a wrong split, rope or norm moves the outputs far
 beyond the tolerance.
 
-Cases: Mistral with ``sliding_window: null`` and an explicit head_dim != hidden / heads; Phi-3 with
+Cases: Mistral with ``sliding_window: null`` and an explicit head_dim != hidden / heads, and both
+families with a 7-position sliding window (shorter than every test sequence); Phi-3 with
 LongRoPE + partial rotary (0.5) + GQA (unequal q / k / v parts of qkv_proj) on sequences below and
 above ``original_max_position_embeddings`` (short vs long factors, and the attention factor), and
 with default RoPE, full rotary and no GQA. Cached decoding equals the forward (1e-5) in both LongRoPE
-regimes. The real configs in configs/targets count the published parameters, and a sliding window
-shorter than max_position_embeddings is refused with an error naming the key.
+regimes (and under the window). The real configs in configs/targets count the published parameters.
 """
 from __future__ import annotations
 
@@ -66,7 +66,21 @@ def _phi3_default_cfg():
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
 
 
-CASES = {"mistral": _mistral_cfg, "phi3_longrope_partial": _phi3_longrope_cfg, "phi3_default": _phi3_default_cfg}
+def _mistral_window_cfg():  # every layer slides over 7 positions (< the 12- and 48-token tests)
+    cfg = _mistral_cfg()
+    cfg.sliding_window = WINDOW
+    return cfg
+
+
+def _phi3_window_cfg():
+    cfg = _phi3_default_cfg()
+    cfg.sliding_window = WINDOW
+    return cfg
+
+
+WINDOW = 7
+CASES = {"mistral": _mistral_cfg, "phi3_longrope_partial": _phi3_longrope_cfg, "phi3_default": _phi3_default_cfg,
+         "mistral_sliding_window": _mistral_window_cfg, "phi3_sliding_window": _phi3_window_cfg}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -151,16 +165,19 @@ def test_longrope_switches_factors_at_the_original_length():
     assert at_orig[0].shape[-1] == 8
 
 
-def test_sliding_window_shorter_than_the_context_is_refused():
+def test_sliding_window_is_kept_only_where_it_hides_keys(pair):
+    name, _, target = pair
+    assert target.config.sliding_window == (WINDOW if name.endswith("sliding_window") else None)
     hf = _mistral_cfg().to_dict()
     hf.update(sliding_window=64, architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="sliding_window=64 < max_position_embeddings=256"):
-        MistralTargetConfig.from_hf(hf)
-    hf.pop("sliding_window")  # transformers' MistralConfig default: 4096, longer than 256 -> no effect
-    assert MistralTargetConfig.from_hf(hf).architecture == "MistralForCausalLM"
+    assert MistralTargetConfig.from_hf(hf).sliding_window == 64
+    hf.pop("sliding_window")  # transformers' MistralConfig default: 4096, no shorter than 256 -> no window
+    assert MistralTargetConfig.from_hf(hf).sliding_window is None
     phi = _phi3_default_cfg().to_dict()
     phi.update(sliding_window=2047, max_position_embeddings=4096, architectures=["Phi3ForCausalLM"])
-    with pytest.raises(ValueError, match="sliding_window"):
+    assert Phi3TargetConfig.from_hf(phi).sliding_window == 2047
+    phi.update(sliding_window=0)
+    with pytest.raises(ValueError, match="sliding_window=0: must be >= 1"):
         Phi3TargetConfig.from_hf(phi)
 
 

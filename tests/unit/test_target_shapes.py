@@ -107,3 +107,19 @@ def test_reduced_size_builds_compiles_and_runs(config_file, tmp_path):
         assert mem["temp_bytes"] > 0 and mem["compiled_dtype"] == "float32"
         assert r["estimate_bytes"] == r["target_param_bytes"] + r["draft_train_state_bytes"] + mem["temp_bytes"]
         assert "step temps" in shapes.format_report(r)
+
+
+def test_gpt_oss_120b_fits_one_h200_as_stored():
+    """configs/gpt_oss_120b_eagle3.yaml: 116.83 B parameters (OpenAI's model card) kept as published,
+    MXFP4 experts (4.25 bits a weight: 4-bit values plus one uint8 scale per 32) and bf16 for the rest:
+    about 61 GiB of weights, not the 218 GiB of a bf16 copy, so the target fits one H200 (141 GB)
+    beside the draft's training state. The step's temporaries are measured on the GPU (benchmarks)."""
+    r = shapes.shape_report("configs/gpt_oss_120b_eagle3.yaml", compile_step=False)
+    assert r["architecture"] == "GptOssForCausalLM" and r["aux_layer_ids"] == [1, 17, 32]
+    assert r["target_params"] == 116_829_156_672
+    leaves = r["leaves"]
+    assert leaves["layers/experts/gate_up_proj/blocks"] == [36, 128, 5760, 90, 16]
+    assert leaves["layers/experts/down_proj/scales"] == [36, 128, 2880, 90]
+    experts = 36 * 128 * 3 * 2880 * 2880  # routed expert weights
+    assert r["target_param_bytes"] < 2 * (r["target_params"] - experts) + experts * 4.25 / 8 + 2**30
+    assert 60 * 2**30 < r["target_param_bytes"] < 62 * 2**30

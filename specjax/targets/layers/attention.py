@@ -11,6 +11,14 @@ For long sequences ``q_block`` splits the queries into blocks processed one afte
 The training-time mask is a ``SegmentCausalMask``: it keeps only the [B, T] segment ids and builds
 the [B, q_block, T] rows each query block needs, so no [B, T, T] buffer exists when queries run in
 blocks. It converts to the full bool array wherever an array is expected (``jnp.asarray(mask)``).
+
+Sliding-window attention (Mistral, Phi-3, Gemma 3's local layers, gpt-oss): query at position p sees
+key at position s iff p - window < s <= p (transformers' ``sliding_window_overlay``: the window
+counts the query itself). A training mask carries its window (``SegmentCausalMask.with_window``, a
+Python int or a traced per-layer scalar); cached decoding masks by positions kept in the cache
+(``layers/decoding.py``). The flash kernels of ``ttt_attention`` know segments, not windows: a
+windowed layer runs them only while the window covers the whole sequence (then it hides nothing) and
+the plain blocked path otherwise (``dot_product_attention``).
 Under context parallelism (``mesh.context_mesh()`` set) the sequence is split over `context`: each
 shard keeps its query rows, all-gathers K/V and runs the same math (docs/architecture.md).
 """
@@ -48,6 +56,10 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     qk_norm_eps: float | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3); None = none
+    softmax_scale: float | None = None  # the score scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    qk_norm_unit_offset: bool = False  # Gemma: the q/k norms multiply by 1 + weight (layers/norms.py)
+    bias: bool = False  # q/k/v/o projections carry a "bias" (gpt-oss)
+    sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss; p["sinks"] [N])
     output_gate: bool = False  # HRM-Text: sigmoid(h @ gate_proj) per head dim times the attention output
     q_block: int = 0  # queries in blocks of this many tokens (0 = one block); bounds the score buffer
     implementation: str | None = None  # training self-attention path (see dot_product_attention)
@@ -64,6 +76,10 @@ class AttentionConfig:
             decode_implementation=cfg.kernels.decode_attention,
         )
 
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5 if self.softmax_scale is None else float(self.softmax_scale)
+
 
 def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, cache: dict | None = None,
                     layer=None, slots_bt=None):
@@ -78,36 +94,44 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
     ``mask`` of :func:`cache_attention_mask` (or the ChunkMask ``decoding.chunk_inputs`` builds from it).
     """
     b, t, _ = h_btd.shape
-    q = (h_btd @ p["q_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)
-    k = (h_btd @ p["k_proj"]["kernel"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    v = (h_btd @ p["v_proj"]["kernel"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+
+    def proj(name, x):
+        y = x @ p[name]["kernel"]
+        return y + p[name]["bias"] if spec.bias else y
+
+    q = proj("q_proj", h_btd).reshape(b, t, spec.num_heads, spec.head_dim)
+    k = proj("k_proj", h_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = proj("v_proj", h_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    sinks = p["sinks"] if spec.sinks else None
     if spec.qk_norm_eps is not None:  # Qwen3: per-head RMSNorm before RoPE
-        q = rms_norm(q, p["q_norm"]["scale"], spec.qk_norm_eps)
-        k = rms_norm(k, p["k_norm"]["scale"], spec.qk_norm_eps)
+        q = rms_norm(q, p["q_norm"]["scale"], spec.qk_norm_eps, unit_offset=spec.qk_norm_unit_offset)
+        k = rms_norm(k, p["k_norm"]["scale"], spec.qk_norm_eps, unit_offset=spec.qk_norm_unit_offset)
     if rope is not None:
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
     if cache is not None:
         cache = _write_kv_cache(cache, layer, slots_bt, k, v)
         # the chunk's slots are contiguous, so nothing at or past its last slot + 1 is visible
-        o = cached_attention(q, cache, layer, mask, slots_bt[:, -1] + 1, spec)
+        o = cached_attention(q, cache, layer, mask, slots_bt[:, -1] + 1, spec, sinks)
     else:
-        o = dot_product_attention(q, k, v, mask, scale=spec.head_dim**-0.5, q_block=spec.q_block,
-                                  implementation=spec.implementation)
+        o = dot_product_attention(q, k, v, mask, scale=spec.scale, q_block=spec.q_block,
+                                  implementation=spec.implementation, sinks=sinks)
     if spec.output_gate:
         o = jax.nn.sigmoid((h_btd @ p["gate_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)) * o
-    return o.reshape(b, t, -1) @ p["o_proj"]["kernel"], cache
+    return proj("o_proj", o.reshape(b, t, -1)), cache
 
 
-def attention_inputs(shape_bt, positions, segment_ids, rope: RopeSpec, head_dim: int, dtype):
-    """(segment-causal mask, RoPE (cos, sin)) that every layer of a training forward shares;
-    positions default to arange and segment ids to one segment per row."""
+def attention_inputs(shape_bt, positions, segment_ids, rope: RopeSpec, head_dim: int, dtype,
+                     window: int | None = None):
+    """(segment-causal mask (with a sliding ``window`` if given), RoPE (cos, sin)) that every layer of
+    a training forward shares; positions default to arange and segment ids to one segment per row."""
     b, t = shape_bt
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segment_ids is None:
         segment_ids = jnp.ones((b, t), jnp.int32)
-    return segment_causal_mask(segment_ids), rope_cos_sin(positions, inverse_frequencies(rope, head_dim), dtype)
+    mask = segment_causal_mask(segment_ids).with_window(window)
+    return mask, rope_cos_sin(positions, inverse_frequencies(rope, head_dim), dtype)
 
 
 # =============================================================================================
@@ -150,25 +174,26 @@ def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh) -> dict:
     rows = jnp.arange(k_btkh.shape[0])[:, None]
     kc = cache["k"].at[layer, rows, slots_bt].set(k_btkh.astype(cache["k"].dtype), mode="drop")
     vc = cache["v"].at[layer, rows, slots_bt].set(v_btkh.astype(cache["v"].dtype), mode="drop")
-    return {"k": kc, "v": vc}
+    return {**cache, "k": kc, "v": vc}
 
 
-def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: AttentionConfig):
+def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: AttentionConfig, sinks=None):
     """Attention of a chunk's queries over `layer` of the cache (its own K/V already written), under
     the chunk's bool [B,T,S] mask or the ChunkMask `decoding.chunk_inputs` prepared for every layer.
     Short chunks (decode steps, draft verification) take `specjax_kernels.decode_attention` when it
     is chosen (a GPU kernel reading the live prefix of the stacked cache in place); the rest, and a
-    prefill, slice the layer out and run the plain / blocked path."""
+    prefill, slice the layer out and run the plain / blocked path (so does every chunk of a target with
+    attention sinks, which the kernel does not take)."""
     from specjax_kernels.decode_attention import api as decode
 
-    scale = spec.head_dim**-0.5
-    if decode.takes(q_btnh.shape, cache["k"].shape, spec.decode_implementation):
+    scale = spec.scale
+    if sinks is None and decode.takes(q_btnh.shape, cache["k"].shape, spec.decode_implementation):
         return decode.decode_attention(q_btnh, cache["k"], cache["v"], layer, mask_bts, limit_b, scale=scale,
                                        implementation=spec.decode_implementation)
     k = jax.lax.dynamic_index_in_dim(cache["k"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
     v = jax.lax.dynamic_index_in_dim(cache["v"], layer, axis=0, keepdims=False).astype(q_btnh.dtype)
     return dot_product_attention(q_btnh, k, v, decode.plain_mask(mask_bts), scale=scale, q_block=spec.q_block,
-                                 implementation=spec.implementation)
+                                 implementation=spec.implementation, sinks=sinks)
 
 
 # =============================================================================================
@@ -176,21 +201,31 @@ def cached_attention(q_btnh, cache: dict, layer, mask_bts, limit_b, spec: Attent
 # =============================================================================================
 
 
-def _rows(q_seg_bn, q_idx_n, k_seg_bs):
-    """bool [B, n, S]: query at global index q_idx sees key s iff s <= q_idx and same segment."""
-    causal = jnp.arange(k_seg_bs.shape[-1])[None, :] <= q_idx_n[:, None]
+def _rows(q_seg_bn, q_idx_n, k_seg_bs, window=None):
+    """bool [B, n, S]: query at global index q_idx sees key s iff s <= q_idx, same segment and (with
+    a window) q_idx - window < s. Within a packed segment, index differences are position differences."""
+    k_idx = jnp.arange(k_seg_bs.shape[-1])[None, :]
+    causal = k_idx <= q_idx_n[:, None]
+    if window is not None:
+        causal = causal & (k_idx > q_idx_n[:, None] - window)
     return causal[None] & (q_seg_bn[:, :, None] == k_seg_bs[:, None, :])
 
 
 @jax.tree_util.register_pytree_node_class
 class SegmentCausalMask:
-    """The [B, T, T] segment-causal mask, held as its [B, T] segment ids (see module docstring)."""
+    """The [B, T, T] segment-causal mask, held as its [B, T] segment ids and an optional sliding
+    window (an int, or a traced int32 scalar when layers of one scan differ; see module docstring)."""
 
-    def __init__(self, segment_ids_bt):
+    def __init__(self, segment_ids_bt, window=None):
         self.segment_ids = segment_ids_bt
+        self.window = window
+
+    def with_window(self, window) -> "SegmentCausalMask":
+        """The same mask restricted to a sliding window (None: no window)."""
+        return SegmentCausalMask(self.segment_ids, window)
 
     def tree_flatten(self):
-        return (self.segment_ids,), None
+        return (self.segment_ids, self.window), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -211,7 +246,7 @@ class SegmentCausalMask:
 
     def materialize(self) -> jnp.ndarray:
         t = self.segment_ids.shape[-1]
-        return _rows(self.segment_ids, jnp.arange(t), self.segment_ids)
+        return _rows(self.segment_ids, jnp.arange(t), self.segment_ids, self.window)
 
     def __jax_array__(self):
         return self.materialize()
@@ -232,12 +267,19 @@ def segment_causal_mask(segment_ids_bt: jnp.ndarray) -> SegmentCausalMask:
     return SegmentCausalMask(segment_ids_bt)
 
 
-def _attend(q_btkgh, k_bskh, v_bskh, mask_bts, scale):
+def _attend(q_btkgh, k_bskh, v_bskh, mask_bts, scale, sinks=None):
     acc = accum_dtype(q_btkgh)  # fp32, or fp64 for fp64 inputs
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=acc)
     scores = scores * jnp.asarray(scale, acc)
     scores = jnp.where(mask_bts[:, None, None, :, :], scores, jnp.finfo(acc).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    else:  # the sink is one more logit in the denominator, with no value (it takes probability away)
+        _, _, kv, g, _ = q_btkgh.shape
+        sink = sinks.astype(acc).reshape(1, kv, g, 1, 1)
+        m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - m)
+        probs = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))).astype(v_bskh.dtype)
     return jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
 
 
@@ -250,6 +292,7 @@ def dot_product_attention(
     scale: float,
     q_block: int = 0,
     implementation: str | None = None,
+    sinks: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Attention with N query heads sharing K kv heads (N % K == 0). Returns [B, T, N, H].
     ``mask_bts``: a bool [B, T, S] array or a ``SegmentCausalMask`` (S = T).
@@ -260,7 +303,11 @@ def dot_product_attention(
     (causal + segment-aware + GQA, O(T) memory; benchmarks/results/train_throughput.md measured the
     plain path's [B,N,T,T] fp32 scores as the largest cost of the target forward), elsewhere the
     plain path below (exact reference; the HF parity tests run it). "plain" forces the plain path;
-    any ttt_attention implementation name forces that kernel."""
+    any ttt_attention implementation name forces that kernel.
+
+    ``sinks`` [N] (gpt-oss): a per-head logit added to every softmax denominator. The kernels have no
+    sink input, so attention with sinks takes the plain path (logged); they could take one from their
+    log-sum-exp (o * sigmoid(lse - sink)) once they return it."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     if n % kv:
@@ -268,47 +315,66 @@ def dot_product_attention(
     # Heads are grouped as HF's repeat_kv does: query head i uses kv head i // (N // K).
     cp_mesh = meshlib.context_mesh()
     if cp_mesh is not None and k_bskh.shape[1] == t:  # training-time self-attention (not a KV-cache decode)
+        if sinks is not None:
+            raise NotImplementedError("attention sinks (gpt-oss) under context parallelism: set "
+                                      "parallelism.context=1")
         return _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, cp_mesh, implementation)
     if implementation in (None, "auto"):
         implementation = "auto" if target_platform() in ("gpu", "tpu") else "plain"
-    if implementation != "plain" and isinstance(mask_bts, SegmentCausalMask) and k_bskh.shape[1] == t:
-        record_choice("target_attention", "ttt_attention kernel")
+    if not isinstance(mask_bts, SegmentCausalMask):
+        return _grouped(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, sinks)
+    seg, window = mask_bts.segment_ids, mask_bts.window
+
+    def plain():
+        return _grouped(q_btnh, k_bskh, v_bskh, (seg, seg, 0, window), scale, q_block, sinks)
+
+    if implementation == "plain" or k_bskh.shape[1] != t or sinks is not None:
+        record_choice("target_attention", "plain" + (" (attention sinks; the kernels have none)" if sinks is not None
+                                                     else "" if window is None else " (sliding window)"))
+        return plain()
+
+    def kernel():
         # step 0 of the TTT attention is exactly segment-causal GQA self-attention
-        return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, scale=scale,
-                             implementation=implementation)
-    if isinstance(mask_bts, SegmentCausalMask):
-        record_choice("target_attention", "plain")
-        seg = mask_bts.segment_ids
-        return _grouped(q_btnh, k_bskh, v_bskh, (seg, seg, 0), scale, q_block)
-    return _grouped(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block)
+        return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, seg, scale=scale, implementation=implementation)
+
+    if window is None or (isinstance(window, (int, np.integer)) and window >= t):  # a window >= T hides nothing
+        record_choice("target_attention", "ttt_attention kernel")
+        return kernel()
+    if isinstance(window, (int, np.integer)):
+        record_choice("target_attention", "plain (sliding window; the kernels have none)")
+        return plain()
+    # the kernels have no window: they run the layers whose window covers the sequence (a traced
+    # per-layer window, as in Gemma 3's local/global scan, picks at run time) and the plain path the rest
+    record_choice("target_attention", "ttt_attention kernel, plain blocked path where a sliding window cuts")
+    return jax.lax.cond(jnp.asarray(window) >= t, kernel, plain)
 
 
-def _grouped(q_btnh, k_bskh, v_bskh, mask, scale, q_block):
+def _grouped(q_btnh, k_bskh, v_bskh, mask, scale, q_block, sinks=None):
     """`mask`: a bool [B, T, S] array, or (query segment ids [B, T], key segment ids [B, S], global
-    index of query row 0) from which each block's rows are built."""
+    index of query row 0, sliding window or None) from which each block's rows are built."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     q = q_btnh.reshape(b, t, kv, n // kv, h)
     lazy = isinstance(mask, tuple)
     if not q_block or t <= q_block or t % q_block:
-        m = _rows(mask[0], mask[2] + jnp.arange(t), mask[1]) if lazy else mask
-        out = _attend(q, k_bskh, v_bskh, m, scale)
+        m = _rows(mask[0], mask[2] + jnp.arange(t), mask[1], mask[3]) if lazy else mask
+        out = _attend(q, k_bskh, v_bskh, m, scale, sinks)
         return out.reshape(b, t, n, h)
     nb = t // q_block
     q_blocks = jnp.moveaxis(q.reshape(b, nb, q_block, kv, n // kv, h), 1, 0)
     if lazy:
-        q_seg, k_seg, q0 = mask
+        q_seg, k_seg, q0, window = mask
         s_blocks = jnp.moveaxis(q_seg.reshape(b, nb, q_block), 1, 0)
         starts = q0 + jnp.arange(nb) * q_block
 
         def one(x):
             qb, sb, st = x
-            return _attend(qb, k_bskh, v_bskh, _rows(sb, st + jnp.arange(q_block), k_seg), scale)
+            return _attend(qb, k_bskh, v_bskh, _rows(sb, st + jnp.arange(q_block), k_seg, window), scale, sinks)
 
         out = jax.lax.map(one, (q_blocks, s_blocks, starts))
     else:
         m_blocks = jnp.moveaxis(mask.reshape(b, nb, q_block, mask.shape[-1]), 1, 0)
-        out = jax.lax.map(lambda qm: _attend(qm[0], k_bskh, v_bskh, qm[1], scale), (q_blocks, m_blocks))
+        out = jax.lax.map(lambda qm: _attend(qm[0], k_bskh, v_bskh, qm[1], scale, sinks), (q_blocks, m_blocks))
     return jnp.moveaxis(out, 0, 1).reshape(b, t, n, h)
 
 
@@ -333,7 +399,8 @@ def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh, im
     # a single device's [B, N, q_block, T].
     block = max((q_block or CP_Q_BLOCK) // mesh.shape[axis], 1)
     lazy = isinstance(mask_bts, SegmentCausalMask)
-    if lazy:
+    window = mask_bts.window if lazy else None
+    if lazy and window is None:
         # the training forward's segment-causal self-attention: step 0 of the TTT attention, whose
         # context-parallel form walks the gathered keys block by block with an online softmax from
         # each shard's global offset (O(T/C x block) scores per device, never [B, N, block, T])
@@ -344,15 +411,19 @@ def _context_parallel(q_btnh, k_bskh, v_bskh, mask_bts, scale, q_block, mesh, im
         return ttt_attention_context_parallel(q_btnh, k_bskh, v_bskh, None, None, mask_bts.segment_ids, mesh=mesh,
                                               axis=axis, q_spec=q_spec, kv_spec=kv_spec, scale=scale,
                                               block_size=block, forward=forward)
+    # a sliding-window mask (no online-softmax form yet) takes the plain blocked path over gathered keys
     m_in, m_spec = (mask_bts.segment_ids, P(batch, axis)) if lazy else (mask_bts, P(batch, axis, None))
+    w_in = jnp.asarray(window if window is not None else t, jnp.int32)
 
-    def body(q, k, v, m):
+    def body(q, k, v, m, w):
         k = jax.lax.all_gather(k, axis, axis=1, tiled=True)
         v = jax.lax.all_gather(v, axis, axis=1, tiled=True)
         if lazy:
             t_local = q.shape[1]
-            m = (m, jax.lax.all_gather(m, axis, axis=1, tiled=True), jax.lax.axis_index(axis) * t_local)
+            m = (m, jax.lax.all_gather(m, axis, axis=1, tiled=True), jax.lax.axis_index(axis) * t_local, w)
         return _grouped(q, k, v, m, scale, block)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, m_spec),
-                         out_specs=q_spec, check_vma=False)(q_btnh, k_bskh, v_bskh, m_in)
+    if lazy:
+        record_choice("target_attention", "context parallel plain blocked path (sliding window)")
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, m_spec, P()),
+                         out_specs=q_spec, check_vma=False)(q_btnh, k_bskh, v_bskh, m_in, w_in)
