@@ -4,6 +4,10 @@
     # with these flags (benchmarks/results/train_throughput.md, run 3)
     JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD/kernels:$PWD python3 benchmarks/train_throughput.py \
         --steps 5 --maxlen-cap-s 45 --worker-budget-s 215 --worker-timeout-s 275 --specforge-timeout-s 265 --out DIR
+    # gpt-oss-120b on one GPU (random MXFP4 experts kept quantized; sinks run the plain attention path, so
+    # bound its score buffer with the query block)
+    ... python3 benchmarks/train_throughput.py --models gpt_oss_120b --systems specjax:q_block=512 --jobs fixed_4096 \
+        --tokens-per-step 16384 --no-sharegpt --no-profile --no-maxlen --out DIR
     # the Qwen3-30B-A3B shape (SpecForge's HF target runs out of memory at 8x4096; 4x4096 fits)
     ... python3 benchmarks/train_throughput.py --models qwen3_30b_a3b --jobs fixed_4096 --tokens-per-step 16384 --out DIR
     # CPU smoke run at tiny widths, both systems in this process (tests/unit/test_train_throughput_script.py)
@@ -86,15 +90,29 @@ def qwen3_moe_hf(tiny=False):
     return hf
 
 
+def gpt_oss_hf(name: str, tiny=False):
+    """gpt-oss-20b / -120b (configs/targets; MXFP4 experts kept quantized on the device)."""
+    with open(os.path.join(ROOT, "configs", "targets", name, "config.json")) as f:
+        hf = json.load(f)
+    if tiny:
+        hf.update(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"] * 2)
+    return hf
+
+
 def model_hf(name: str, tiny: bool) -> dict:
     if name == "llama3_8b":  # Llama-3.1-8B shape (RoPE kept default with theta 5e5: same cost as llama3 scaling)
         return llama_hf(512, 64, 128, 4, 4, 2, 16, 4096) if tiny else llama_hf(128256, 4096, 14336, 32, 32, 8, 128)
     if name == "qwen3_30b_a3b":
         return qwen3_moe_hf(tiny)
+    if name in ("gpt_oss_20b", "gpt_oss_120b"):
+        return gpt_oss_hf(name, tiny)
     if name == "smollm2_135m":  # the README's first real head (SmolLM2-135M-Instruct's shape); sizing table
         with open(os.path.join(ROOT, "configs", "targets", "smollm2_135m", "config.json")) as f:
             return json.load(f)
-    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b or smollm2_135m")
+    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b or "
+                     f"smollm2_135m")
 
 
 def draft_shape(hf: dict, Vd: int) -> dict:
@@ -123,15 +141,29 @@ def target_active_matmul_params(hf: dict) -> int:
     nH, nKV = hf["num_attention_heads"], hf["num_key_value_heads"]
     hd = hf.get("head_dim") or H // nH
     attn = H * nH * hd + 2 * H * nKV * hd + nH * hd * H
-    if hf.get("num_experts"):
+    if hf.get("model_type") == "gpt_oss":  # every layer routed: experts of width intermediate_size
+        mlp = hf["num_experts_per_tok"] * 3 * H * hf["intermediate_size"] + H * hf["num_local_experts"]
+    elif hf.get("num_experts"):
         mlp = hf["num_experts_per_tok"] * 3 * H * hf["moe_intermediate_size"] + H * hf["num_experts"]
     else:
         mlp = 3 * H * hf["intermediate_size"]
     return L * (attn + mlp) + V * H
 
 
-def causal_pairs(doc_lengths) -> int:
-    return int(sum(int(n) * (int(n) + 1) // 2 for n in doc_lengths))
+def causal_pairs(doc_lengths, window: int | None = None) -> int:
+    """(query, key) pairs of causal attention over the documents; within a sliding window if given."""
+    if window is None:
+        return int(sum(int(n) * (int(n) + 1) // 2 for n in doc_lengths))
+    return int(sum(min(i + 1, window) for n in doc_lengths for i in range(int(n))))
+
+
+def target_attention_pairs(hf: dict, doc_lengths) -> int:
+    """Attention pairs summed over the target's layers (sliding layers see only their window)."""
+    types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    full = causal_pairs(doc_lengths)
+    window = hf.get("sliding_window")
+    slid = causal_pairs(doc_lengths, window) if window else full
+    return sum(slid if t == "sliding_attention" else full for t in types)
 
 
 def step_flops(hf: dict, d: dict, K: int, doc_lengths) -> dict:
@@ -141,7 +173,7 @@ def step_flops(hf: dict, d: dict, K: int, doc_lengths) -> dict:
     H, Vd = d["H"], d["Vd"]
     nH_t = hf["num_attention_heads"]
     hd_t = hf.get("head_dim") or hf["hidden_size"] // nH_t
-    target = 2 * target_active_matmul_params(hf) * n + 4 * nH_t * hd_t * pairs * hf["num_hidden_layers"]
+    target = 2 * target_active_matmul_params(hf) * n + 4 * nH_t * hd_t * target_attention_pairs(hf, doc_lengths)
     teacher = 2 * Vd * H * n
     layer = 2 * H * (d["heads"] + 2 * d["kv"]) * d["head_dim"] + d["heads"] * d["head_dim"] * H + 3 * H * d["I"]
     fwd = 2 * 3 * H * H * n
@@ -377,10 +409,18 @@ def _jax_random_params(target, dtype, seed):
 
     from specjax.targets.base import tree_set
 
+    import jax
+
     tree: dict = {}
     for spec in type(target).weight_specs(target.config):
         if spec.path[-1] == "scale":
             value = jnp.ones(spec.shape, dtype)
+        elif spec.dtype == "uint8":  # MXFP4 experts: random nibbles, every group scaled by 2^-7 (|w| <= 0.047)
+            if spec.path[-1] == "scales":
+                value = jnp.full(spec.shape, 127 - 7, jnp.uint8)
+            else:  # generated on the device: the 120b's blocks are 58 GiB
+                value = jax.jit(lambda k, shape=spec.shape: jax.random.bits(k, shape, jnp.uint8))(
+                    jax.random.key(slice_key(seed, spec.path, 0) % 2**31))
         else:
             slots = _slots(spec)
             keys = [slice_key(seed, spec.path, s) for s, _ in slots]
@@ -464,16 +504,19 @@ def _jax_mem_stats():
 
 def specjax_variant(system: str) -> dict:
     """The options of a specjax system name: "specjax" (the defaults) or "specjax:moe=mgpu,draft=p_eagle"
-    (moe: kernels.moe implementation; draft: eagle3 | p_eagle), so variants run side by side."""
+    (moe: kernels.moe implementation; draft: eagle3 | p_eagle; q_block: the target attention's query
+    block, which bounds its score buffer where the plain path runs: gpt-oss's sinks), so variants run
+    side by side."""
     name, _, opts = system.partition(":")
     if name != "specjax":
         raise ValueError(f"not a specjax system: {system!r}")
     out = {}
     for kv in filter(None, opts.split(",")):
         key, _, value = kv.partition("=")
-        if key not in ("moe", "draft") or not value:
-            raise ValueError(f"system {system!r}: options are moe=<kernels.moe> and draft=eagle3|p_eagle")
-        out[key] = value
+        if key not in ("moe", "draft", "q_block") or not value:
+            raise ValueError(f"system {system!r}: options are moe=<kernels.moe>, draft=eagle3|p_eagle and "
+                             f"q_block=<kernels.target_attention_q_block>")
+        out[key] = int(value) if key == "q_block" else value
     if out.get("draft", "eagle3") not in ("eagle3", "p_eagle"):
         raise ValueError(f"system {system!r}: draft must be eagle3 or p_eagle")
     return out
@@ -496,7 +539,10 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     dtype = jnp.float32 if tiny else jnp.bfloat16
     t0 = time.perf_counter()
     variant = specjax_variant(system)
-    target = make_target(hf, **({"moe_implementation": variant["moe"]} if "moe" in variant else {}))
+    kw = {"moe_implementation": variant["moe"]} if "moe" in variant else {}
+    if "q_block" in variant:
+        kw["attention_q_block"] = variant["q_block"]
+    target = make_target(hf, **kw)
     tparams = _jax_random_params(target, dtype, plan["seed"])
     aux = default_aux_ids(hf["num_hidden_layers"])
     parallel = variant.get("draft") == "p_eagle"  # same FLOPs: P-EAGLE computes every row of every depth
@@ -1053,7 +1099,8 @@ def run_inprocess(plan: dict, systems=("specjax", "specforge")) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny widths, both systems in-process")
-    ap.add_argument("--models", default="llama3_8b", help="comma list: llama3_8b, qwen3_30b_a3b, smollm2_135m")
+    ap.add_argument("--models", default="llama3_8b",
+                    help="comma list: llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b, smollm2_135m")
     ap.add_argument("--systems", default="specjax,specforge",
                     help="comma list of specjax, specforge and specjax variants: specjax:moe=mgpu, "
                          "specjax:draft=p_eagle (a variant is also compared with plain specjax)")

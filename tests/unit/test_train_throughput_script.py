@@ -76,3 +76,23 @@ def test_tiny_run_both_systems():
         assert r["finite"] and r["decreasing"], (s, r)
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
 
+
+
+def test_gpt_oss_flops_and_a_tiny_run_with_random_mxfp4_experts():
+    """The gpt-oss shape: every layer routed (k experts of width intermediate_size), sliding layers count
+    only their window's attention pairs; a tiny specjax run on random MXFP4 experts trains."""
+    hf = tt.model_hf("gpt_oss_120b", tiny=False)
+    H, L, E, F, V = 2880, 36, 128, 2880, 201088
+    attn = H * 64 * 64 + 2 * H * 8 * 64 + 64 * 64 * H
+    assert tt.target_active_matmul_params(hf) == L * (attn + 4 * 3 * H * F + H * E) + V * H
+    full, slid = tt.causal_pairs([300]), tt.causal_pairs([300], 128)
+    assert slid == sum(min(i + 1, 128) for i in range(300)) < full
+    assert tt.target_attention_pairs(hf, [300]) == 18 * full + 18 * slid
+    args = argparse.Namespace(tokens_per_step=128, steps=4, warmup=1, only_seq=None, sharegpt=False,
+                              profile=False, maxlen=False, maxlen_cap_s=10, sharegpt_steps=2, worker_budget_s=1e9)
+    plan = tt.build_plan("gpt_oss_120b", True, args)
+    rows = tt.run_inprocess(plan, systems=("specjax:q_block=16",))
+    (line,) = tt.summarise(plan, rows)
+    r = line["specjax:q_block=16"]
+    assert "error" not in r, r
+    assert r["finite"] and r["decreasing"] and r["tokens_per_s"] > 0
