@@ -75,6 +75,20 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "ssm_state_size": (1, 1 << 16, True),
     "conv_kernel": (1, 1024, True),
     "chunk_size": (1, 1 << 20, True),
+    # multi-head latent attention and grouped routing (DeepSeek-V3 / Kimi K2)
+    "q_lora_rank": (1, 1 << 17, True),
+    "kv_lora_rank": (1, 1 << 17, True),
+    "qk_nope_head_dim": (1, 8192, True),
+    "qk_rope_head_dim": (1, 8192, True),
+    "v_head_dim": (1, 8192, True),
+    "n_group": (1, 16384, True),
+    "topk_group": (1, 16384, True),
+    "first_k_dense_replace": (0, 4096, True),
+    "num_nextn_predict_layers": (0, 64, True),
+    # sliding windows (Mistral, Phi-3, Gemma 3, gpt-oss)
+    "sliding_window": (1, 1 << 27, True),
+    "sliding_window_pattern": (1, 4096, True),
+    "query_pre_attn_scalar": (1, 1 << 20, True),
 }
 # products of the fields above that size per-layer tables (one name per layer and expert, one
 # cache row per virtual layer): each factor may be generous, their product must stay bounded
