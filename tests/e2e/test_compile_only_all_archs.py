@@ -27,6 +27,7 @@ import test_targets_deepseek_v3 as deepseek_parity  # noqa: E402
 import test_targets_hf as hf_parity  # noqa: E402
 import test_targets_moe_looped as moe_looped_parity  # noqa: E402
 import test_targets_nemotron_h as nemotron_parity  # noqa: E402
+import test_targets_qwen3_next as qwen3_next_parity  # noqa: E402
 
 from specjax.launch import main  # noqa: E402
 from specjax.targets.registry import ARCHITECTURES  # noqa: E402
@@ -87,6 +88,10 @@ CASES = {
     "Gemma3ForCausalLM": (_gemma3, {}),
     "GptOssForCausalLM": (_gpt_oss, {}),
     "DeepseekV3ForCausalLM": (lambda: deepseek_parity._hf_config("lora"), {}),  # MLA + sigmoid-routed MoE
+    # Gated DeltaNet + gated attention; MoE with a gated shared expert and a dense layer / dense / all-MoE
+    "Qwen3NextForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3NextForCausalLM"), {}),
+    "Qwen3_5ForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5ForCausalLM"), {}),
+    "Qwen3_5MoeForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5MoeForCausalLM"), {}),
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from specjax.layers.rope import RopeSpec  # noqa: E402
-from specjax.targets import gemma3, gpt_oss, hf_keys, hrm_text, llama, looped, mistral, nemotron_h, phi3, qwen3_moe  # noqa: E402
+from specjax.targets import gemma3, gpt_oss, hf_keys, hrm_text, llama, looped, mistral, nemotron_h, phi3, qwen3_moe, qwen3_next  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 12345.0}
 
@@ -80,7 +80,34 @@ def _gpt_oss():
         layer_types=["full_attention", "sliding_attention", "full_attention"], rope_parameters=ROPE)
 
 
+_QN = dict(vocab_size=96, hidden_size=48, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
+           head_dim=12, rms_norm_eps=2e-6, tie_word_embeddings=True, max_position_embeddings=777, linear_conv_kernel_dim=3,
+           linear_key_head_dim=10, linear_value_head_dim=14, linear_num_key_heads=3, linear_num_value_heads=6,
+           layer_types=["linear_attention", "full_attention", "linear_attention"] * 2,
+           rope_parameters={**ROPE, "partial_rotary_factor": 0.5})
+_QN_MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=20)
+
+
+def _qwen3_next():
+    return transformers.Qwen3NextConfig(**_QN, **_QN_MOE, intermediate_size=80, norm_topk_prob=False,
+                                        decoder_sparse_step=2, mlp_only_layers=[1])
+
+
+def _qwen3_5():
+    return transformers.Qwen3_5TextConfig(**_QN, intermediate_size=80)
+
+
+def _qwen3_5_moe():
+    return transformers.Qwen3_5MoeTextConfig(**_QN, **_QN_MOE, intermediate_size=80)
+
+
 FAMILIES = {
+    "qwen3_next": (qwen3_next.Qwen3NextTargetConfig, qwen3_next.HF_KEYS[qwen3_next.QWEN3_NEXT], _qwen3_next,
+                   transformers.Qwen3NextConfig),
+    "qwen3_5": (qwen3_next.Qwen3NextTargetConfig, qwen3_next.HF_KEYS[qwen3_next.QWEN3_5], _qwen3_5,
+                transformers.Qwen3_5TextConfig),
+    "qwen3_5_moe": (qwen3_next.Qwen3NextTargetConfig, qwen3_next.HF_KEYS[qwen3_next.QWEN3_5_MOE], _qwen3_5_moe,
+                    transformers.Qwen3_5MoeTextConfig),
     "gpt_oss": (gpt_oss.GptOssTargetConfig, gpt_oss.HF_KEYS, _gpt_oss, transformers.GptOssConfig),
     "gemma3": (gemma3.Gemma3TargetConfig, gemma3.HF_KEYS, _gemma3, transformers.Gemma3TextConfig),
     "mistral": (mistral.MistralTargetConfig, mistral.HF_KEYS, _mistral, transformers.MistralConfig),
@@ -90,7 +117,8 @@ FAMILIES = {
     "hrm_text": (hrm_text.HrmTextTargetConfig, hrm_text.HF_KEYS, _hrm, transformers.HrmTextConfig),
     "nemotron_h": (nemotron_h.NemotronHTargetConfig, nemotron_h.HF_KEYS, _nemotron, transformers.NemotronHConfig),
 }
-ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "hrm_text": "HrmTextForCausalLM",
                  "nemotron_h": "NemotronHForCausalLM", "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
