@@ -35,7 +35,7 @@ def random_params(cls: type[Target], config: Any, seed: int = 0, dtype: Any = jn
     rng = np.random.default_rng(seed)
     tree: dict = {}
     for spec in cls.weight_specs(config):
-        if spec.path[-1] == "scale":
+        if spec.path[-1] == "scale" or spec.values_per_element == 0:  # norm weights, quantization scales
             value = np.ones(spec.shape, np.float32)
         else:
             value = std * rng.standard_normal(spec.shape, dtype=np.float32)
@@ -52,7 +52,8 @@ def random_params_on_device(cls: type[Target], config: Any, seed: int = 0, dtype
     tree: dict = {}
     for i, spec in enumerate(cls.weight_specs(config)):
         dt = jnp.dtype(spec.dtype or dtype)
-        value = jnp.ones(spec.shape, dt) if spec.path[-1] == "scale" else normal(jax.random.fold_in(key, i), spec.shape, dt)
+        ones = spec.path[-1] == "scale" or spec.values_per_element == 0  # norm weights, quantization scales
+        value = jnp.ones(spec.shape, dt) if ones else normal(jax.random.fold_in(key, i), spec.shape, dt)
         tree_set(tree, spec.path, value)
     return tree
 

@@ -64,6 +64,11 @@ def resolve_hf_config(
     return hf, arch
 
 
+# a quantized checkpoint's static activation scales (for FP8 GEMM kernels; the target computes in the
+# load dtype, so they are not read)
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One row of an architecture's HF weight map.
@@ -236,7 +241,8 @@ class Target:
         """True for tensors that may be on disk but are not parameters: old checkpoints' rotary
         buffers, and the lm_head copy some tied checkpoints still carry."""
         return name.endswith("rotary_emb.inv_freq") or (
-            bool(getattr(config, "tie_word_embeddings", False)) and name == "lm_head.weight")
+            bool(getattr(config, "tie_word_embeddings", False)) and name == "lm_head.weight") or (
+            getattr(config, "weight_quant", None) is not None and name.endswith(ACTIVATION_SCALE_SUFFIXES))
 
     # ---- generic API --------------------------------------------------------------------------
     @property

@@ -29,6 +29,7 @@ from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import attention_block, attention_inputs
 from specjax.targets.layers.mlp import swiglu_mlp
 from specjax.targets.layers.scan import scan_at_taps
+from specjax.targets.quantized import layer_weights_dequantized
 
 
 class StackInputs(NamedTuple):
@@ -184,7 +185,8 @@ class Decoder:
         aux_ids = validate_aux_layer_ids(aux_layer_ids, layer_depth(cfg))
         x = self._embed(params, cfg, input_ids_bt)
         inputs = self.forward_inputs(cfg, input_ids_bt, positions, segment_ids, x.dtype)
-        (x, _), aux = self.run_layers(params, cfg, (x, None), inputs, aux_ids)
+        with layer_weights_dequantized(x.dtype, getattr(cfg, "weight_quant", None)):
+            (x, _), aux = self.run_layers(params, cfg, (x, None), inputs, aux_ids)
         return self._final(params, cfg, x), aux
 
     def decode_chunk(self, params: dict, cfg: Any, cache: Any, input_ids_bt: jax.Array, positions_bt: jax.Array,
@@ -204,6 +206,7 @@ class Decoder:
         x = self._embed(params, cfg, input_ids_bt)
         inputs, cache = self.decode_inputs(cfg, cache, input_ids_bt, positions_bt, start_b, chunk_mask_btt,
                                            valid_from_b, logits_index, x.dtype)
-        (x, cache), aux = self.run_layers(params, cfg, (x, cache), inputs, aux_ids)
+        with layer_weights_dequantized(x.dtype, getattr(cfg, "weight_quant", None)):
+            (x, cache), aux = self.run_layers(params, cfg, (x, cache), inputs, aux_ids)
         final = self._final(params, cfg, x)
         return decoding.picked_logits(final, self.lm_head_weight(params, cfg), logits_index), aux, final, cache

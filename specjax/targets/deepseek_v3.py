@@ -25,8 +25,8 @@ bf16-rounded router flips expert choices).
 On disk: one tensor per expert (``mlp.experts.{e}.gate_proj.weight``, ...), as DeepSeek publishes
 them and transformers 5 writes them. The published checkpoints also carry the multi-token-prediction
 module as layers num_hidden_layers .. + num_nextn_predict_layers - 1 (``model.layers.61.*``); like
-transformers, the target ignores them. FP8 checkpoints (block-scaled ``weight_scale_inv``) are
-refused by name: dequantise to bf16 first.
+transformers, the target ignores them. FP8 releases (block-scaled ``weight_scale_inv``) load as
+published and stay FP8 on the device, dequantized one layer at a time (targets/quantized.py).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from specjax.targets.layers import mla
 from specjax.targets.layers.attention import cache_attention_mask, segment_causal_mask
 from specjax.targets.layers.routers import check_grouped_topk, router_logits, sigmoid_topk
 from specjax.targets.layers.scan import index_layer, layer_scan
+from specjax.targets.quantized import Fp8BlockQuant, quantize_weight_specs, weight_quant_from_hf
 from specjax.targets.registry import model_type_of, register
 
 ARCH = "DeepseekV3ForCausalLM"
@@ -125,6 +126,7 @@ class DeepseekV3TargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     rope: RopeSpec = RopeSpec()
+    weight_quant: Fp8BlockQuant | None = None  # an FP8 release's block-scaled weights (targets/quantized.py)
     kernels: KernelChoices = KernelChoices()  # runtime option (moe: the routed experts' kernel)
 
     # what draft heads and shape reports read from a target config: transformers' DeepseekV3Config
@@ -174,12 +176,6 @@ class DeepseekV3TargetConfig:
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "DeepseekV3TargetConfig":
         hf, arch = resolve_hf_config(hf, (ARCH,), "DeepseekV3TargetConfig", unsupported_flags=("attention_bias",),
                                      silu_keys=("hidden_act",))
-        if hf.get("quantization_config"):
-            method = dict(hf["quantization_config"]).get("quant_method", "?")
-            raise ValueError(
-                f"{arch} checkpoint quantized with quant_method={method!r}: specjax targets read unquantized "
-                "weights. Dequantize it to bf16 first (DeepSeek's FP8 checkpoints: weight * weight_scale_inv per "
-                "128x128 block), and drop quantization_config from config.json")
         for key, want in FIXED_KEYS.items():
             if hf.get(key, want) != want:
                 raise ValueError(f"{arch} with {key}={hf[key]!r} is not supported (transformers' DeepseekV3 "
@@ -196,7 +192,7 @@ class DeepseekV3TargetConfig:
         rope = rope_spec_from_hf(hf, yarn=True)
         if rope.rope_type not in ROPE_TYPES:
             raise ValueError(f"{arch} with rope type {rope.rope_type!r} is not supported (only {ROPE_TYPES})")
-        kw = dict(architecture=arch, rope=rope, **read_hf_keys(HF_KEYS, hf))
+        kw = dict(architecture=arch, rope=rope, weight_quant=weight_quant_from_hf(hf, arch), **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         cfg = cls(**kw)
         cfg.validate()
@@ -224,7 +220,8 @@ class DeepseekV3TargetConfig:
         """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read."""
         return {"architectures": [self.architecture], "model_type": model_type_of(self.architecture), "dtype": dtype,
                 **hf_values(HF_KEYS, self), "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
-                "attention_bias": False, "num_key_value_heads": self.num_attention_heads}
+                "attention_bias": False, "num_key_value_heads": self.num_attention_heads,
+                **({"quantization_config": self.weight_quant.to_hf()} if self.weight_quant else {})}
 
 
 # =============================================================================================
@@ -280,7 +277,7 @@ def weight_specs(cfg: DeepseekV3TargetConfig) -> list[WeightSpec]:
             continue
         extra = {"dtype": ROUTER_DTYPE} if path[:2] == ("moe_layers", "router") else {}
         specs.append(WeightSpec(hf_name, path, transpose, shape, axes, layer_ids=layer_ids, **extra))
-    return specs
+    return quantize_weight_specs(specs, cfg.weight_quant)
 
 
 # =============================================================================================

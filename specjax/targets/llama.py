@@ -35,6 +35,7 @@ from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, scan_layers
 from specjax.targets.loading import write_safetensors
+from specjax.targets.quantized import Fp8BlockQuant, quantize_weight_specs, weight_quant_from_hf
 from specjax.targets.registry import model_type_of, register
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -63,6 +64,7 @@ class LlamaTargetConfig:
     rope: RopeSpec = RopeSpec()
     # every layer attends to the last sliding_window positions (Mistral, Phi-3; None = full causal)
     sliding_window: int | None = None
+    weight_quant: Fp8BlockQuant | None = None  # an FP8 release's block-scaled weights (targets/quantized.py)
     kernels: KernelChoices = KernelChoices()  # runtime option, not part of the HF config
 
     @property
@@ -98,7 +100,8 @@ class LlamaTargetConfig:
         layer_types = hf.get("layer_types") or []
         if hf.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
             raise ValueError(f"{arch} with sliding-window attention layers is not supported")
-        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
+        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), weight_quant=weight_quant_from_hf(hf, arch),
+                  **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         cfg = cls(**kw)
         check_gqa(cfg)
@@ -111,8 +114,11 @@ class LlamaTargetConfig:
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """An HF config dict (transformers-5 layout) that transformers and ``from_hf`` both read."""
-        return hf_config_dict(self.architecture, **hf_values(HF_KEYS, self), rope_parameters=self.rope.to_hf(),
-                              dtype=dtype)
+        d = hf_config_dict(self.architecture, **hf_values(HF_KEYS, self), rope_parameters=self.rope.to_hf(),
+                           dtype=dtype)
+        if self.weight_quant is not None:
+            d["quantization_config"] = self.weight_quant.to_hf()
+        return d
 
 
 def hf_config_dict(
@@ -205,7 +211,7 @@ def weight_specs(cfg: LlamaTargetConfig) -> list[WeightSpec]:
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # tied: logits use the embedding table, nothing on disk
         specs.append(WeightSpec(hf_name, path, transpose, shape, axes))
-    return specs
+    return quantize_weight_specs(specs, cfg.weight_quant)
 
 
 # =============================================================================================

@@ -36,7 +36,9 @@ _ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+FP8_TAGS = ("F8_E4M3", "F8_E5M2")
 _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
@@ -116,10 +118,17 @@ class _Reader:
 
     def get(self, name: str) -> np.ndarray:
         path, handle = self._handle(name)
+        if self.dtype_tag(name) in FP8_TAGS:  # safetensors' numpy path has no float8 dtypes
+            return np.array(_read_raw_tensor(path, name))
         try:
             return handle.get_tensor(name)
         except TypeError:  # dtype numpy does not know (older safetensors without ml_dtypes)
             return _read_raw_tensor(path, name)
+
+    def dtype_tag(self, name: str) -> str:
+        """The tensor's safetensors dtype tag ("BF16", "F8_E4M3", ...), from the checked header."""
+        _, header = self._header(name)
+        return header[name]["dtype"]
 
     def shape(self, name: str) -> tuple[int, ...]:
         _, header = self._header(name)
@@ -173,6 +182,21 @@ def _short_list(names: Sequence[str], limit: int = 20) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _check_fp8_storage(tag: str, leaf_dtype: np.dtype, name: str, config: Any) -> None:
+    """FP8 on disk only where the weight map keeps a float8 leaf with its scales, and the reverse: a
+    silent cast either way would drop the block scales or quantize a weight the checkpoint keeps."""
+    on_disk, in_leaf = tag in FP8_TAGS, "float8" in leaf_dtype.name
+    if on_disk and not in_leaf:
+        raise ValueError(
+            f"tensor {name} is stored as {tag}, but {config.architecture}'s config reads it unquantized. Fix: "
+            "config.json needs the checkpoint's quantization_config (quant_method 'fp8' with weight_block_size), "
+            "or use the bf16 release")
+    if in_leaf and tag != "F8_E4M3":
+        raise ValueError(
+            f"tensor {name} is stored as {tag}, but quantization_config says the checkpoint holds it in FP8 e4m3. "
+            "Fix: name its module in quantization_config.modules_to_not_convert")
+
+
 def load_params(
     hf_dir: str | os.PathLike,
     target_cls: type[Target],
@@ -192,6 +216,14 @@ def load_params(
             expected[name] = spec
     unknown = [n for n in files if n not in expected and not target_cls.ignored_hf_names(config, n)]
     missing = [n for n in expected if n not in files]
+    scales = [n for n in unknown if n.endswith(".weight_scale_inv")]
+    if scales and getattr(config, "weight_quant", None) is None:
+        family = ("" if hasattr(config, "weight_quant") else
+                  f"; {config.architecture} does not read FP8 checkpoints yet: use the model's bf16 release")
+        raise ValueError(
+            f"checkpoint {hf_dir} stores FP8 block-scaled weights ({_short_list(scales, 3)}), but its config.json "
+            f"has no quantization_config. Fix: restore the release's quantization_config (quant_method 'fp8', "
+            f"weight_block_size){family}")
     if unknown or missing:
         parts = []
         if missing:
@@ -204,8 +236,9 @@ def load_params(
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
         for spec in specs:
-            buf = np.empty(spec.shape, np.dtype(spec.dtype) if spec.dtype else np_dtype)
+            buf = np.empty(spec.shape, np.dtype(jax.numpy.dtype(spec.dtype)) if spec.dtype else np_dtype)
             for index, name in spec.hf_tensors(L):
+                _check_fp8_storage(reader.dtype_tag(name), buf.dtype, name, config)
                 if spec.hf_chunk is None:  # the shape from the header first: nothing of a wrong size is read
                     file_shape = reader.shape(name)
                     if file_shape != spec.hf_shape:

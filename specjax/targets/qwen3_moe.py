@@ -37,6 +37,7 @@ from specjax.targets.hf_keys import HFKey, attention_keys, check_gqa, hf_values,
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, layer_scan
+from specjax.targets.quantized import Fp8BlockQuant, quantize_weight_specs, weight_quant_from_hf
 from specjax.targets.registry import model_type_of, register
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -77,6 +78,7 @@ class Qwen3MoeTargetConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     rope: RopeSpec = RopeSpec()
+    weight_quant: Fp8BlockQuant | None = None  # an FP8 release's block-scaled weights (targets/quantized.py)
     kernels: KernelChoices = KernelChoices()  # runtime option (moe: the routed experts' kernel)
 
     qk_norm = True
@@ -125,7 +127,8 @@ class Qwen3MoeTargetConfig:
         # Qwen's own checkpoints use num_experts.
         if hf.get("num_experts", hf.get("num_local_experts")) is None:
             raise ValueError(f"{ARCH} config has neither num_experts nor num_local_experts")
-        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), **read_hf_keys(HF_KEYS, hf))
+        kw = dict(architecture=arch, rope=rope_spec_from_hf(hf), weight_quant=weight_quant_from_hf(hf, arch),
+                  **read_hf_keys(HF_KEYS, hf))
         kw.update(overrides)
         cfg = cls(**kw)
         check_gqa(cfg)
@@ -146,6 +149,8 @@ class Qwen3MoeTargetConfig:
              **hf_values(HF_KEYS, self), "rope_parameters": self.rope.to_hf(), "hidden_act": "silu",
              "attention_bias": False, "use_sliding_window": False}
         d["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.weight_quant is not None:
+            d["quantization_config"] = self.weight_quant.to_hf()
         return d
 
 
@@ -190,7 +195,7 @@ def weight_specs(cfg: Qwen3MoeTargetConfig) -> list[WeightSpec]:
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue
         specs.append(WeightSpec(hf_name, path, transpose, shape, axes, layer_ids=layer_ids))
-    return specs
+    return quantize_weight_specs(specs, cfg.weight_quant)
 
 
 # =============================================================================================

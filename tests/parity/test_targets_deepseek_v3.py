@@ -504,9 +504,9 @@ def test_to_hf_round_trips_through_transformers():
 
 def test_config_errors():
     hf = {**_table_test_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized"}  # Kimi K2.5's int4 release
     bad = {
-        "quantization_config": (fp8, r"quant_method='fp8'.*Dequantize it to bf16 first"),
+        "quantization_config": (int4, r"quant_method='compressed-tensors' is not read.*dequantize the checkpoint"),
         "scoring_func": ("softmax", r"scoring_func='softmax' is not supported"),
         "topk_method": ("greedy", r"topk_method='greedy' is not supported"),
         "num_key_value_heads": (2, r"num_key_value_heads=2 must equal num_attention_heads=6"),

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax.targets.quantized import dequantize_layer_weights
+
 
 def split_at_taps(start: int, stop: int, taps: Sequence[int]) -> list[tuple[int, int, bool]]:
     """Layer range [start, stop) cut after every tap inside it: (a, b, ends_at_tap) pieces. Each
@@ -40,8 +42,10 @@ def split_at_taps(start: int, stop: int, taps: Sequence[int]) -> list[tuple[int,
 
 
 def index_layer(tree: Any, i) -> Any:
-    """Layer ``i`` of a stacked subtree (leading layer axis), read in place with a dynamic index."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
+    """Layer ``i`` of a stacked subtree (leading layer axis), read in place with a dynamic index; a
+    quantized checkpoint's weights come out dequantized, this layer's only (targets/quantized.py)."""
+    layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
+    return dequantize_layer_weights(layer)
 
 
 _UNROLL = contextvars.ContextVar("specjax_unrolled_layer_scans", default=False)
