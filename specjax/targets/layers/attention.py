@@ -110,7 +110,7 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
         q = apply_rope(q, *rope)
         k = apply_rope(k, *rope)
     if cache is not None:
-        cache = _write_kv_cache(cache, layer, slots_bt, k, v)
+        cache = write_kv_cache(cache, layer, slots_bt, k, v)
         # the chunk's slots are contiguous, so nothing at or past its last slot + 1 is visible
         o = cached_attention(q, cache, layer, mask, slots_bt[:, -1] + 1, spec, sinks)
     else:
@@ -168,7 +168,7 @@ def cache_attention_mask(start_b: jax.Array, num_slots: int, chunk_mask_btt: jax
     return prefix[:, None, :] | (in_chunk[:, None, :] & chunk)
 
 
-def _write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh) -> dict:
+def write_kv_cache(cache: dict, layer, slots_bt, k_btkh, v_btkh) -> dict:
     """Scatter the chunk's K/V into the carried full cache at (layer, row, slot) (in place inside the
     layer loop; out-of-range slots drop); returns the new cache."""
     rows = jnp.arange(k_btkh.shape[0])[:, None]
