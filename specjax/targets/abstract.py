@@ -67,7 +67,7 @@ def make_target(hf_config: Mapping[str, Any], params: Any = None, **overrides) -
 # Widths shrunk by reduced_hf_config; depth, loop spans, sparsity schedules and vocab are kept unless
 # given, so aux ids written for the full model stay valid.
 _REDUCED = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+                num_key_value_heads=2, head_dim=16, rotary_dim=8, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
 
 
 def reduced_hf_config(hf: Mapping[str, Any], **overrides) -> dict:

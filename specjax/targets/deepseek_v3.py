@@ -96,8 +96,34 @@ ROUTER_DTYPE = "float32"
 # =============================================================================================
 # Config
 # =============================================================================================
+class DenseThenMoeFields:
+    """What DeepSeek-V3's feed-forward schedule reads from a config with its field names
+    (n_routed_experts, n_shared_experts, moe_intermediate_size, first_k_dense_replace): shared by
+    every config that uses :func:`feedforward_weight_specs` and :func:`dense_then_moe_layers`."""
+
+    @property
+    def num_routed_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    def is_moe(self, layer: int) -> bool:
+        """transformers' rule: layers from first_k_dense_replace on have the MoE feed-forward."""
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe(i))
+
+    @property
+    def mlp_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe(i))
+
+
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3TargetConfig:
+class DeepseekV3TargetConfig(DenseThenMoeFields):
     """Hashable subset of the HF DeepseekV3Config that the forward needs (plus runtime knobs)."""
 
     architecture: str
@@ -140,16 +166,8 @@ class DeepseekV3TargetConfig:
         return self.num_attention_heads
 
     @property
-    def num_routed_experts(self) -> int:
-        return self.n_routed_experts
-
-    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.moe_intermediate_size * self.n_shared_experts
 
     @property
     def mla(self) -> mla.MLAConfig:
@@ -159,18 +177,6 @@ class DeepseekV3TargetConfig:
             v_head_dim=self.v_head_dim, softmax_scale=self.qk_head_dim**-0.5 * yarn_softmax_scale_factor(self.rope),
             rope_interleave=self.rope_interleave, q_block=self.kernels.target_attention_q_block,
             implementation=self.kernels.target_attention)
-
-    def is_moe(self, layer: int) -> bool:
-        """transformers' rule: layers from first_k_dense_replace on have the MoE feed-forward."""
-        return layer >= self.first_k_dense_replace
-
-    @property
-    def moe_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe(i))
-
-    @property
-    def mlp_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe(i))
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any] | Any, **overrides) -> "DeepseekV3TargetConfig":
@@ -229,15 +235,13 @@ class DeepseekV3TargetConfig:
 # "{e}" rows also stack experts on a second axis. transpose=True: HF [out, in] <-> kernel [in, out].
 # =============================================================================================
 def weight_specs(cfg: DeepseekV3TargetConfig) -> list[WeightSpec]:
-    L, D, V, N = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    E, F, Fs, I = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.intermediate_size
-    Lm, Ld = len(cfg.moe_layer_ids), len(cfg.mlp_layer_ids)
+    """MLA attention rows, then :func:`feedforward_weight_specs`; FP8 releases: targets/quantized.py."""
+    L, D, N = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
     Q, R, Dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q_out, kv_out, o_in = N * cfg.qk_head_dim, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), N * cfg.v_head_dim
     p, a = "model.layers.{i}.", ("layers", "self_attn")
     rows = [
         # hf name                                       specjax path                                      T?     shape            logical axes
-        ("model.embed_tokens.weight",                   ("embed_tokens", "embedding"),                    False, (V, D),          ("vocab", "embed")),
         (p + "input_layernorm.weight",                  ("layers", "input_layernorm", "scale"),           False, (L, D),          ("layers", "norm")),
         (p + "self_attn.q_proj.weight",                 a + ("q_proj", "kernel"),                         True,  (L, D, q_out),   ("layers", "embed", "heads")),
         (p + "self_attn.q_a_proj.weight",               a + ("q_a_proj", "kernel"),                       True,  (L, D, Q),       ("layers", "embed", None)),
@@ -248,11 +252,29 @@ def weight_specs(cfg: DeepseekV3TargetConfig) -> list[WeightSpec]:
         (p + "self_attn.kv_b_proj.weight",              a + ("kv_b_proj", "kernel"),                      True,  (L, R, kv_out),  ("layers", None, "heads")),
         (p + "self_attn.o_proj.weight",                 a + ("o_proj", "kernel"),                         True,  (L, o_in, D),    ("layers", "heads", "embed")),
         (p + "post_attention_layernorm.weight",         ("layers", "post_attention_layernorm", "scale"),  False, (L, D),          ("layers", "norm")),
-        # dense-MLP layers 0 .. first_k_dense_replace - 1
+    ]
+    specs = []
+    for hf_name, path, transpose, shape, axes in rows:
+        if (path[-2] == "q_proj") != (Q is None) and path[-2] in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"):
+            continue  # the query LoRA (q_a_proj, q_a_layernorm, q_b_proj) or the plain q_proj, not both
+        specs.append(WeightSpec(hf_name, path, transpose, shape, axes))
+    return quantize_weight_specs(specs + feedforward_weight_specs(cfg), cfg.weight_quant)
+
+
+def feedforward_weight_specs(cfg) -> list[WeightSpec]:
+    """The rows besides the attention: embedding, dense MLPs (layers 0 .. first_k_dense_replace - 1),
+    MoE layers (router fp32: ROUTER_DTYPE; routed and shared experts), final norm, lm_head. ``cfg``:
+    any config with DeepSeek-V3's feed-forward fields (GLM-4 MoE's too)."""
+    L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    E, F, Fs, I = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.intermediate_size
+    Lm, Ld = len(cfg.moe_layer_ids), len(cfg.mlp_layer_ids)
+    p = "model.layers.{i}."
+    rows = [
+        # hf name                                       specjax path                                      T?     shape            logical axes
+        ("model.embed_tokens.weight",                   ("embed_tokens", "embedding"),                    False, (V, D),          ("vocab", "embed")),
         (p + "mlp.gate_proj.weight",                    ("mlp_layers", "gate_proj", "kernel"),            True,  (Ld, D, I),      ("layers", "embed", "mlp")),
         (p + "mlp.up_proj.weight",                      ("mlp_layers", "up_proj", "kernel"),              True,  (Ld, D, I),      ("layers", "embed", "mlp")),
         (p + "mlp.down_proj.weight",                    ("mlp_layers", "down_proj", "kernel"),            True,  (Ld, I, D),      ("layers", "mlp", "embed")),
-        # MoE layers first_k_dense_replace .. L - 1 (router rows fp32: ROUTER_DTYPE)
         (p + "mlp.gate.weight",                         ("moe_layers", "router", "kernel"),               True,  (Lm, D, E),      ("layers", "embed", None)),
         (p + "mlp.gate.e_score_correction_bias",        ("moe_layers", "router", "e_score_correction_bias"), False, (Lm, E),      ("layers", None)),
         (p + "mlp.experts.{e}.gate_proj.weight",        ("moe_layers", "experts", "gate_proj", "kernel"), True,  (Lm, E, D, F),   ("layers", "experts", "embed", "expert_mlp")),
@@ -269,15 +291,13 @@ def weight_specs(cfg: DeepseekV3TargetConfig) -> list[WeightSpec]:
         layer_ids = {"moe_layers": cfg.moe_layer_ids, "mlp_layers": cfg.mlp_layer_ids}.get(path[0])
         if layer_ids is not None and not layer_ids:
             continue  # no dense layers (first_k_dense_replace = 0) or no MoE layers
-        if (path[-2] == "q_proj") != (Q is None) and path[-2] in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"):
-            continue  # the query LoRA (q_a_proj, q_a_layernorm, q_b_proj) or the plain q_proj, not both
         if path[1:2] == ("shared_experts",) and Fs == 0:
             continue  # n_shared_experts = 0
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue
         extra = {"dtype": ROUTER_DTYPE} if path[:2] == ("moe_layers", "router") else {}
         specs.append(WeightSpec(hf_name, path, transpose, shape, axes, layer_ids=layer_ids, **extra))
-    return quantize_weight_specs(specs, cfg.weight_quant)
+    return specs
 
 
 # =============================================================================================
@@ -321,17 +341,19 @@ def moe_ffn(mp: dict, cfg: DeepseekV3TargetConfig):
 # =============================================================================================
 # Layer schedule: dense layers, then MoE layers; layer i uses cache row i
 # =============================================================================================
-def run_layers(params: dict, cfg: DeepseekV3TargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+def dense_then_moe_layers(params: dict, cfg, carry, inputs: StackInputs, aux_ids: Sequence[int], layer) -> Any:
     """Every decoder layer, split at the aux taps; within a span one lax.scan over its dense layers
-    and one over its MoE layers (the dense layers all come first)."""
+    and one over its MoE layers (the dense layers all come first, so no per-layer switch).
+    ``layer(lp, cfg, x, inputs, ffn, cache, i) -> (x, cache)`` is one decoder layer around a given
+    feed-forward (DeepSeek-V3's MLA layer, GLM-4's GQA one); layer i uses cache row i."""
     k = cfg.first_k_dense_replace
 
     def scan_kind(carry, lo: int, hi: int, moe: bool):
-        def step(carry, layer):
-            (x, cache), (i, slot) = carry, layer
+        def step(carry, xs):
+            (x, cache), (i, slot) = carry, xs
             ffn = (moe_ffn(index_layer(params["moe_layers"], slot), cfg) if moe
                    else swiglu(index_layer(params["mlp_layers"], slot)))
-            return decoder_layer(index_layer(params["layers"], i), cfg, x, inputs, ffn, cache, i)
+            return layer(index_layer(params["layers"], i), cfg, x, inputs, ffn, cache, i)
 
         ids = np.arange(lo, hi, dtype=np.int32)
         return layer_scan(step, carry, (ids, ids - (k if moe else 0)))
@@ -344,6 +366,11 @@ def run_layers(params: dict, cfg: DeepseekV3TargetConfig, carry, inputs: StackIn
         return carry
 
     return tap_split(run_span, carry, cfg.num_hidden_layers, aux_ids)
+
+
+def run_layers(params: dict, cfg: DeepseekV3TargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
+    """DeepSeek-V3's stack: :func:`dense_then_moe_layers` of :func:`decoder_layer`."""
+    return dense_then_moe_layers(params, cfg, carry, inputs, aux_ids, decoder_layer)
 
 
 # =============================================================================================

@@ -80,7 +80,7 @@ def weight_quant_from_hf(hf: Mapping[str, Any], arch: str) -> Fp8BlockQuant | No
             "the DeepSeek/Kimi/GLM/MiniMax/Qwen FP8 releases). Fix: use the bf16 release of the model, or "
             "dequantize the checkpoint first")
     fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax's configs spell it with the dtype name
         raise ValueError(f"{arch}: quantization_config.fmt={fmt!r}: only 'e4m3' FP8 weights are read")
     block = q.get("weight_block_size")
     if block is None:

@@ -26,3 +26,23 @@ def randomize_(model, seed: int, embed_names=("embed_tokens",)) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def hf_run(model, ids, positions=None):
+    """A transformers causal LM on token ids [B, T] (CPU, no grad, no cache): (logits, [output of
+    each decoder layer], final hidden after the final norm), as numpy; read with forward hooks on
+    ``model.model.layers`` and ``model.model.norm``."""
+    import torch
+
+    calls, final = [], []
+    hooks = [m.register_forward_hook(lambda mod, a, o: calls.append(o[0] if isinstance(o, tuple) else o))
+             for m in model.model.layers]
+    hooks.append(model.model.norm.register_forward_hook(lambda mod, a, o: final.append(o)))
+    kw = {} if positions is None else {"position_ids": torch.tensor(positions, dtype=torch.long)}
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor(ids, dtype=torch.long), use_cache=False, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.logits.numpy(), [c.numpy() for c in calls], final[0].numpy()

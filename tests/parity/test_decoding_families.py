@@ -35,12 +35,14 @@ from specjax.targets import registry
 from specjax.targets.base import Target, tree_set
 from specjax.targets.deepseek_v3 import DeepseekV3Target, DeepseekV3TargetConfig
 from specjax.targets.gemma3 import FULL, SLIDING, Gemma3Target, Gemma3TargetConfig
+from specjax.targets.glm4_moe import Glm4MoeLiteTarget, Glm4MoeLiteTargetConfig, Glm4MoeTarget, Glm4MoeTargetConfig
 from specjax.targets.gpt_oss import FULL as GPT_FULL
 from specjax.targets.gpt_oss import SLIDING as GPT_SLIDING
 from specjax.targets.gpt_oss import GptOssTarget, GptOssTargetConfig
 from specjax.targets.hrm_text import HrmTextTarget, HrmTextTargetConfig
 from specjax.layers.rope import RopeSpec
 from specjax.targets.looped import LoopedLlamaConfig, LoopedLlamaTarget
+from specjax.targets.minimax_m2 import MiniMaxM2Target, MiniMaxM2TargetConfig
 from specjax.targets.mistral import MistralTarget, MistralTargetConfig
 from specjax.targets.phi3 import Phi3Target, Phi3TargetConfig
 from specjax.targets.qwen3_moe import Qwen3MoeTarget, Qwen3MoeTargetConfig
@@ -158,7 +160,33 @@ def _qwen3_5_moe():
         shared_expert_intermediate_size=16, **QN_SHAPE, **COMMON)
 
 
-FAMILIES = {"qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
+def _glm4_moe():
+    # GQA with q/k/v biases and qk-norm, RoPE on half of each head, two dense layers then sigmoid-routed grouped
+    # MoE with a shared expert (DeepSeek-V3's feed-forward); 5 layers so the unrolled scans hold more than one
+    return Glm4MoeTarget, Glm4MoeTargetConfig(
+        architecture="Glm4MoeForCausalLM", moe_intermediate_size=16, num_hidden_layers=5, num_key_value_heads=2,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, attention_bias=True, use_qk_norm=True,
+        first_k_dense_replace=2, routed_scaling_factor=2.5, rope=RopeSpec("default", 10000.0, partial_rotary_factor=0.5),
+        **COMMON)
+
+
+def _glm4_moe_lite():
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (q LoRA, interleaved RoPE, absorbed cached decoding) and MoE, two dense layers
+    return Glm4MoeLiteTarget, Glm4MoeLiteTargetConfig(
+        architecture="Glm4MoeLiteForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=2, routed_scaling_factor=1.8, rope=RopeSpec("default", 10000.0))
+
+
+def _minimax_m2():
+    # q/k RMSNorm over all heads at once, partial RoPE, sigmoid-routed experts with a correction bias
+    return MiniMaxM2Target, MiniMaxM2TargetConfig(
+        architecture="MiniMaxM2ForCausalLM", num_hidden_layers=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, rope=RopeSpec("default", 10000.0, partial_rotary_factor=0.5), **COMMON)
+
+
+FAMILIES = {"glm4_moe": _glm4_moe, "glm4_moe_lite": _glm4_moe_lite, "minimax_m2": _minimax_m2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
 
 
 def build(name, seed=0, vocab=None, **overrides):
@@ -222,7 +250,7 @@ def _max_diff(got, ref):
 # =============================================================================================
 # (a) cached decoding == uncached forward
 # =============================================================================================
-DECODING_ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
+DECODING_ARCHS = ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
 
 
 def test_registered_for_decoding():

@@ -50,7 +50,7 @@ from specjax.targets import hf_keys  # noqa: E402
 from specjax.targets.layers import routers  # noqa: E402
 from specjax.targets.loading import read_hf_config  # noqa: E402
 
-from parity._hf_weights import randomize_, rel_err  # noqa: E402
+from parity._hf_weights import hf_run, randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 VOCAB = 256
@@ -104,22 +104,6 @@ def cases(tmp_mod):
     return {v: _make(tmp_mod, v, seed) for v, seed in (("lora", 1), ("plain_q", 2))}
 
 
-def _hf_run(model, ids, positions):
-    """(logits, [output of each decoder layer], final hidden after the norm)."""
-    calls, final = [], []
-    hooks = [m.register_forward_hook(lambda mod, a, o: calls.append(o[0] if isinstance(o, tuple) else o))
-             for m in model.model.layers]
-    hooks.append(model.model.norm.register_forward_hook(lambda mod, a, o: final.append(o)))
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(positions, dtype=torch.long),
-                        use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out.logits.numpy(), [c.numpy() for c in calls], final[0].numpy()
-
-
 # =============================================================================================
 # Parity with transformers
 # =============================================================================================
@@ -142,7 +126,7 @@ def test_parity(cases, variant):
     ids = _ids(2, 24, seed=3)
     positions = np.broadcast_to(np.arange(24, dtype=np.int32) + 300, (2, 24)).copy()  # past the original context
     out = target(ids, aux_layer_ids=AUX, positions=positions)
-    logits, calls, final = _hf_run(model, ids, positions)
+    logits, calls, final = hf_run(model, ids, positions)
     errs = {"logits": rel_err(out.logits, logits), "final": rel_err(out.final_hidden, final)}
     errs.update({f"aux{a}": rel_err(h, calls[a]) for a, h in zip(AUX, out.aux_hidden)})
     print(f"{variant}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))

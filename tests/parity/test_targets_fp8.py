@@ -34,7 +34,7 @@ from specjax.targets import load_target  # noqa: E402
 from specjax.targets.quantized import Fp8BlockQuant, quantize_weight_specs, weight_quant_from_hf  # noqa: E402
 from specjax.targets import deepseek_v3 as ds  # noqa: E402
 
-from parity._hf_weights import randomize_, rel_err  # noqa: E402
+from parity._hf_weights import hf_run, randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 BF16_SAME_TOL = 1e-6  # bf16 FP8 load vs bf16 load of the dequantized weights: the same bf16 weights and ops
@@ -121,20 +121,6 @@ def fp8_case(tmp_path_factory):
                 target=load_target(str(fp8), dtype="float32"))
 
 
-def _hf_run(model, ids):
-    calls, final = [], []
-    hooks = [m.register_forward_hook(lambda mod, a, o: calls.append(o[0] if isinstance(o, tuple) else o))
-             for m in model.model.layers]
-    hooks.append(model.model.norm.register_forward_hook(lambda mod, a, o: final.append(o)))
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor(ids, dtype=torch.long), use_cache=False).logits.numpy()
-    finally:
-        for h in hooks:
-            h.remove()
-    return logits, [c.numpy() for c in calls], final[0].numpy()
-
-
 def test_weights_stay_fp8_on_the_device(fp8_case):
     target = fp8_case["target"]
     assert target.config.weight_quant == Fp8BlockQuant(block=BLOCK)
@@ -161,7 +147,7 @@ def test_weights_stay_fp8_on_the_device(fp8_case):
 def test_parity_with_transformers_fp8_reader(fp8_case):
     target, ref = fp8_case["target"], fp8_case["ref"]
     ids = np.random.RandomState(0).randint(0, VOCAB, (2, 24)).astype(np.int32)
-    logits, layers, final = _hf_run(ref, ids)
+    logits, layers, final = hf_run(ref, ids)
     out = target(jnp.asarray(ids), aux_layer_ids=AUX)
     assert rel_err(out.logits, logits) < REL_TOL
     assert rel_err(out.final_hidden, final) < REL_TOL
@@ -271,7 +257,7 @@ def test_qwen3_moe_fp8_release_matches_transformers(tmp_path):
     assert p["moe_layers"]["router"]["kernel"].dtype == jnp.float32
     assert n_fp8 == 3 * 4 + 3 + 2 * 8 * 3  # attention, layer 0's dense MLP, layers 1-2's experts
     ids = np.random.RandomState(2).randint(0, VOCAB, (2, 16)).astype(np.int32)
-    logits, _, final = _hf_run(ref, ids)
+    logits, _, final = hf_run(ref, ids)
     out = target(jnp.asarray(ids))
     assert rel_err(out.logits, logits) < REL_TOL and rel_err(out.final_hidden, final) < REL_TOL
     assert target.config.to_hf()["quantization_config"]["weight_block_size"] == list(BLOCK)
