@@ -161,6 +161,9 @@ def eagle3_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "rope_theta": rope_parameters["rope_theta"],
         "rope_scaling": _legacy_rope_scaling(rope_parameters),
         "rope_parameters": rope_parameters,
+        # the legacy layout's partial rotary (rope_scaling is None for default RoPE); vLLM's Llama reads it here
+        **({"partial_rotary_factor": rope_parameters["partial_rotary_factor"]}
+           if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0 else {}),
         "tie_word_embeddings": False,  # SGLang would otherwise use embed_tokens as a full-vocab head
         "attention_bias": False,
         "mlp_bias": False,

@@ -273,6 +273,7 @@ def _check_fields(cfg, bad, variant):
         elif not same_value(rope_dict({"rope_parameters": cfg["rope_parameters"],
                                         "max_position_embeddings": cfg.get("max_position_embeddings")}),
                              rope_dict({"rope_theta": cfg["rope_theta"], "rope_scaling": cfg.get("rope_scaling"),
+                                        "partial_rotary_factor": cfg.get("partial_rotary_factor"),
                                         "max_position_embeddings": cfg.get("max_position_embeddings")})):
             bad("config.rope_layouts", "rope_scaling",
                 f"rope_theta/rope_scaling ({cfg['rope_theta']}, {cfg.get('rope_scaling')}) disagree with "

@@ -60,13 +60,24 @@ def rope_dict(config: Mapping) -> Optional[dict]:
         return None
     params = config.get("rope_parameters")
     if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
-        params = None  # per-layer-type rope (hybrid sliding configs): compare the legacy keys instead
+        # per-layer-type rope (Gemma 3, gpt-oss-style hybrids): the full-attention layers' RoPE is the
+        # one a draft copies; without that entry, compare the legacy keys
+        params = params.get("full_attention")
     if not isinstance(params, Mapping):
         params = dict(config.get("rope_scaling") or {})
     params = dict(params)
-    out = {k: v for k, v in params.items() if k not in ("type", "rope_type", "rope_theta")}
+    # M-RoPE's sections (Qwen3.5's multimodal configs) rotate text positions as plain RoPE: the three
+    # position streams of a text token are equal
+    out = {k: v for k, v in params.items()
+           if k not in ("type", "rope_type", "rope_theta", "mrope_section", "mrope_interleaved")}
     out["rope_type"] = params.get("rope_type", params.get("type", "default"))
     out["rope_theta"] = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    # partial rotary: inside rope_parameters (transformers 5) or top-level (the legacy layout, which
+    # vLLM's Llama attention reads); a factor of 1 is full rotary either way
+    factor = out.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    out.pop("partial_rotary_factor", None)
+    if factor is not None and float(factor) != 1.0:
+        out["partial_rotary_factor"] = float(factor)
     if out["rope_type"] == "llama3" and "original_max_position_embeddings" not in out:
         out["original_max_position_embeddings"] = config.get("max_position_embeddings")
     return out

@@ -101,6 +101,11 @@ class WeightSpec:
     # values_per_element: model parameters one stored element holds (2 for MXFP4's packed nibbles,
     #   0 for a quantization scale, which is not a parameter); parameter counts use it
     values_per_element: int = 1
+    # hf_axes: the file tensor's axes in the leaf's order (np.transpose), in place of `transpose`'s reversal
+    #   of every axis: a stack of [out, in] matrices [E, out, in] read as [E, in, out] is (0, 2, 1)
+    hf_axes: tuple[int, ...] | None = None
+    # hf_chunk_axis: the file axis hf_chunk splits
+    hf_chunk_axis: int = 0
 
     @property
     def num_params(self) -> int:
@@ -119,15 +124,20 @@ class WeightSpec:
         """Shape of one tensor on disk (one layer's / expert's slice when stacked; one chunk when chunked)."""
         lead = int(self.stacked) + int(self.expert_stacked)
         shape = self.shape[lead:]
+        if self.hf_axes is not None:
+            file_shape = [0] * len(shape)
+            for leaf_axis, file_axis in enumerate(self.hf_axes):
+                file_shape[file_axis] = shape[leaf_axis]
+            return tuple(file_shape)
         return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
     @property
     def hf_file_shape(self) -> tuple[int, ...]:
         """Shape of the whole tensor in the file (the fused tensor when chunked)."""
-        shape = self.hf_shape
-        if self.hf_chunk is None:
-            return shape
-        return (shape[0] * self.hf_chunk[1],) + tuple(shape[1:])
+        shape = list(self.hf_shape)
+        if self.hf_chunk is not None:
+            shape[self.hf_chunk_axis] *= self.hf_chunk[1]
+        return tuple(shape)
 
     def hf_tensors(self, num_layers: int) -> list[tuple[tuple[int, ...], str]]:
         """(index into the stacked leaf, on-disk tensor name) for every tensor this row reads."""
@@ -235,6 +245,12 @@ class Target:
     @classmethod
     def weight_specs(cls, config: Any) -> list[WeightSpec]:  # pragma: no cover
         raise NotImplementedError
+
+    @classmethod
+    def checkpoint_weight_specs(cls, config: Any, names) -> list[WeightSpec]:
+        """The weight map of a checkpoint holding the tensors ``names``: weight_specs, unless the family
+        stores the same params in more than one on-disk layout and picks by name."""
+        return cls.weight_specs(config)
 
     @classmethod
     def ignored_hf_names(cls, config: Any, name: str) -> bool:

@@ -134,13 +134,14 @@ class _Reader:
         _, header = self._header(name)
         return tuple(header[name]["shape"])
 
-    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) along axis 0, without reading the rest of the tensor."""
+    def get_rows(self, name: str, start: int, stop: int, axis: int = 0) -> np.ndarray:
+        """Entries [start, stop) along ``axis``, without reading the rest of the tensor."""
         path, handle = self._handle(name)
+        index = (slice(None),) * axis + (slice(start, stop),)
         try:
-            return handle.get_slice(name)[start:stop]
+            return handle.get_slice(name)[index]
         except TypeError:
-            return np.array(_read_raw_tensor(path, name)[start:stop])
+            return np.array(_read_raw_tensor(path, name)[index])
 
 
 def write_safetensors(
@@ -207,7 +208,7 @@ def load_params(
     """Read a safetensors checkpoint into the stacked specjax param tree of ``target_cls``."""
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     files = checkpoint_files(hf_dir)
-    specs = target_cls.weight_specs(config)
+    specs = target_cls.checkpoint_weight_specs(config, files)
     L = config.num_hidden_layers
 
     expected = {}
@@ -248,9 +249,13 @@ def load_params(
                     file_shape = reader.shape(name)
                     if file_shape != spec.hf_file_shape:
                         raise ValueError(f"tensor {name} has shape {file_shape}, expected {spec.hf_file_shape}")
-                    rows = spec.hf_shape[0]
-                    t = reader.get_rows(name, spec.hf_chunk[0] * rows, (spec.hf_chunk[0] + 1) * rows)
-                t = t.T if spec.transpose else t
+                    rows = spec.hf_shape[spec.hf_chunk_axis]
+                    t = reader.get_rows(name, spec.hf_chunk[0] * rows, (spec.hf_chunk[0] + 1) * rows,
+                                        spec.hf_chunk_axis)
+                if spec.hf_axes is not None:
+                    t = np.transpose(t, spec.hf_axes)
+                elif spec.transpose:
+                    t = t.T
                 if spec.deinterleave_axis is not None:
                     ax = spec.deinterleave_axis
                     t = np.concatenate([np.take(t, np.arange(0, t.shape[ax], 2), axis=ax),

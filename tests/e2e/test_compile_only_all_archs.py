@@ -24,7 +24,10 @@ transformers = pytest.importorskip("transformers")
 # modules by basename, so this is the same module object pytest itself uses)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
 import test_targets_deepseek_v3 as deepseek_parity  # noqa: E402
+import test_targets_glm4_moe as glm4_moe_parity  # noqa: E402
 import test_targets_hf as hf_parity  # noqa: E402
+import test_targets_minimax_m2 as minimax_parity  # noqa: E402
+import test_targets_multimodal as multimodal_parity  # noqa: E402
 import test_targets_moe_looped as moe_looped_parity  # noqa: E402
 import test_targets_nemotron_h as nemotron_parity  # noqa: E402
 import test_targets_qwen3_next as qwen3_next_parity  # noqa: E402
@@ -88,10 +91,19 @@ CASES = {
     "Gemma3ForCausalLM": (_gemma3, {}),
     "GptOssForCausalLM": (_gpt_oss, {}),
     "DeepseekV3ForCausalLM": (lambda: deepseek_parity._hf_config("lora"), {}),  # MLA + sigmoid-routed MoE
+    "Glm4MoeForCausalLM": (lambda: glm4_moe_parity._hf_config("qk_norm"), {}),  # GQA + DeepSeek's MoE
+    "Glm4MoeLiteForCausalLM": (lambda: glm4_moe_parity._hf_config("lite"), {}),  # MLA + DeepSeek's MoE
+    # full-width q/k norm over tensor-sharded heads, partial RoPE, sigmoid-routed experts
+    "MiniMaxM2ForCausalLM": (lambda: transformers.MiniMaxM2Config(**minimax_parity.COMMON,
+                                                                  **minimax_parity.VARIANTS["published"]), {}),
     # Gated DeltaNet + gated attention; MoE with a gated shared expert and a dense layer / dense / all-MoE
     "Qwen3NextForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3NextForCausalLM"), {}),
     "Qwen3_5ForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5ForCausalLM"), {}),
     "Qwen3_5MoeForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5MoeForCausalLM"), {}),
+    # multimodal checkpoints read as their text targets
+    "Qwen3_5ForConditionalGeneration": (multimodal_parity._qwen3_5, {}),
+    "Qwen3_5MoeForConditionalGeneration": (multimodal_parity._qwen3_5_moe, {}),
+    "Gemma3ForConditionalGeneration": (multimodal_parity._gemma3, {}),
 }
 
 

@@ -12,7 +12,10 @@ def test_builds_one_target_per_registered_architecture(tmp_path):
     from specjax.targets.registry import supported_architectures
 
     targets, fam = lossless_families._targets(str(tmp_path))
-    assert set(targets) == set(supported_architectures())
+    from specjax.targets import multimodal
+
+    # the multimodal checkpoints are their text families' targets (already built), read from other files
+    assert set(targets) == set(supported_architectures()) - {layout.architecture for layout in multimodal.LAYOUTS}
     for arch, target in targets.items():
         assert target.config.architecture == arch
         target.require_decoding()
