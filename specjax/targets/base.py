@@ -65,8 +65,8 @@ def resolve_hf_config(
 
 
 # a quantized checkpoint's static activation scales (for FP8 GEMM kernels; the target computes in the
-# load dtype, so they are not read)
-ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale")
+# load dtype, so they are not read) and compressed-tensors' packed-weight shapes (the weight map has them)
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale", ".weight_shape")  # (and a packed weight's shape)
 
 
 @dataclasses.dataclass(frozen=True)

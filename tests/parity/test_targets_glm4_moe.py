@@ -297,9 +297,9 @@ def test_defaults_follow_transformers():
 
 def test_config_errors():
     hf = {**_glm_table_config().to_dict(), "architectures": [glm.ARCH]}
-    fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    fp8 = {"quant_method": "awq", "bits": 4}  # block FP8 and compressed-tensors are read (test_targets_fp8.py)
     bad = {
-        "quantization_config": (fp8, r"quant_method='compressed-tensors' is not read.*dequantize the checkpoint"),
+        "quantization_config": (fp8, r"quant_method='awq' is not read.*dequantize the checkpoint"),
         "hidden_act": ("gelu", r"hidden_act='gelu' is not supported"),
         "scoring_func": ("softmax", r"scoring_func='softmax' is not supported"),
         "topk_method": ("greedy", r"topk_method='greedy' is not supported"),
@@ -329,7 +329,7 @@ def test_config_errors():
         "mlp_layer_types": (["dense", "sparse", "dense", "sparse", "sparse"], "a dense layer after a sparse one"),
         "first_k_dense_replace": (1, r"first_k_dense_replace=1 but mlp_layer_types makes the first 2 layer\(s\) dense"),
         "partial_rotary_factor": (0.5, r"partial_rotary_factor=0.5 is not supported"),
-        "quantization_config": (fp8, r"quant_method='compressed-tensors' is not read"),
+        "quantization_config": (fp8, r"quant_method='awq' is not read"),
     }
     for key, (value, match) in bad.items():
         candidate = {**lite, key: value}

@@ -14,6 +14,11 @@ MXFP4 (OCP Microscaling, E2M1 elements with an E8M0 scale per 32; gpt-oss's expe
 FP8 with block scales (DeepSeek-V3 / Kimi / GLM / MiniMax FP8 releases: ``weight`` float8_e4m3fn
 [out, in] and ``weight_scale_inv`` float32 [ceil(out / 128), ceil(in / 128)]): value =
 float(weight) * weight_scale_inv[row // 128, col // 128] (the name says "inverse": it multiplies).
+
+Packed integers (compressed-tensors "pack-quantized", e.g. Kimi K2.5's int4 experts: ``weight_packed``
+int32 [out, ceil(in * bits / 32)] and ``weight_scale`` [out, ceil(in / group)]): each int32 holds
+32 / bits values, the first in the lowest bits, each stored as value + 2 ** (bits - 1) (unsigned);
+value = (code - 2 ** (bits - 1)) * weight_scale[row, col // group] (symmetric: no zero point).
 """
 from __future__ import annotations
 
@@ -49,3 +54,21 @@ def fp8_block_dequantize(weight, scale_inv, block: tuple[int, int] = (128, 128),
                          f"(want [..., {want[0]}, {want[1]}])")
     s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), bo, axis=-2)[..., :o, :], bi, axis=-1)[..., :i]
     return (weight.astype(jnp.float32) * s).astype(dtype)
+
+
+def int_pack_dequantize(packed, scale, num_bits: int, in_features: int, group_size: int, dtype=jnp.bfloat16):
+    """int32 [..., O, P] packed codes and [..., O, G] scales -> [..., O, in_features] in ``dtype``
+    (module docstring); group_size = in_features for one scale per row."""
+    per_word = 32 // num_bits
+    if num_bits not in (2, 4, 8) or packed.shape[-1] != -(-in_features // per_word):
+        raise ValueError(f"int pack: {num_bits}-bit codes of {in_features} inputs need [..., O, "
+                         f"{-(-in_features // per_word)}] int32 words; got {packed.shape}")
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] != -(-in_features // group_size):
+        raise ValueError(f"int pack: scales {scale.shape} do not fit {packed.shape[:-1]} rows of "
+                         f"{in_features} inputs in groups of {group_size}")
+    words = packed.astype(jnp.uint32)
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * num_bits
+    codes = (words[..., None] >> shifts) & ((1 << num_bits) - 1)
+    codes = codes.reshape(*packed.shape[:-1], -1)[..., :in_features].astype(jnp.int32) - (1 << (num_bits - 1))
+    s = jnp.repeat(scale.astype(jnp.float32), group_size, axis=-1)[..., :in_features]
+    return (codes.astype(jnp.float32) * s).astype(dtype)
