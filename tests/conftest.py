@@ -43,6 +43,17 @@ if not os.environ.get("SPECJAX_TEST_NO_COMPILATION_CACHE"):
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test module may mark some of its parametrized cases slow through ``is_slow_case(test_name,
+    params)`` (tests/parity/test_decoding_families.py: the loop tests of families whose cache kind
+    another family covers); pyproject's addopts leave slow cases out unless ``-m slow`` is given."""
+    for item in items:
+        rule = getattr(getattr(item, "module", None), "is_slow_case", None)
+        callspec = getattr(item, "callspec", None)
+        if rule is not None and callspec is not None and rule(item.originalname, callspec.params):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -120,6 +120,17 @@ def _tiny_run(tmp_path, arch, yaml_extra=""):
     return str(cfg)
 
 
+# A multimodal checkpoint compiles its text family's step (compiled above under its own name); its config
+# and weights are read in tests/parity/test_targets_multimodal.py. Its compile runs under -m slow.
+MULTIMODAL_ALIASES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                      "Gemma3ForConditionalGeneration")
+
+
+def is_slow_case(test_name: str, params: dict) -> bool:
+    """tests/conftest.py marks these cases slow."""
+    return params.get("arch") in MULTIMODAL_ALIASES
+
+
 def test_cases_cover_the_registry():
     assert set(CASES) == set(ARCHITECTURES)
 

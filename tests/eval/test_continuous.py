@@ -163,7 +163,7 @@ def test_errors(target):
 GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-@pytest.mark.parametrize("name", [*fam.FAMILIES, "nemotron_h"])
+@pytest.mark.parametrize("name", fam.loop_family_params([*fam.FAMILIES, "nemotron_h"]))
 def test_every_family_equals_uncached_greedy(name):
     """Each family's cache (KV per virtual layer, Nemotron-H's conv / SSM states and slot labels,
     whose batch axis differs) is refilled row by row and still decodes as the uncached forward does."""

@@ -33,7 +33,7 @@ def tok(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", fam.loop_family_params(FAMILIES))
 def test_regeneration_answers_are_the_targets_greedy_text(name, tok):
     from specjax.regen.common import Item
     from specjax.regen.jax_backend import JaxBackend
@@ -60,7 +60,7 @@ def test_regeneration_answers_are_the_targets_greedy_text(name, tok):
             assert ans.content is None and ans.skip_reason == "empty answer"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", fam.loop_family_params(FAMILIES))
 def test_decode_eval_runs(name, tok, tiny_target):
     from specjax.config import load_config
     from specjax.drafts.eagle3 import config_from_target, init_draft_params

@@ -215,7 +215,30 @@ def build(name, seed=0, vocab=None, **overrides):
 
 # The families are split over two files (test_decoding_families_more.py runs the same tests on the rest)
 # so that pytest-xdist's --dist loadfile runs the halves on two workers: one file was CI's longest.
-MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemma3", "gpt_oss")
+MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemma3", "gpt_oss", "glm4_moe_lite",
+                 "minimax_m2")
+
+# Every family runs the decoding contract (cached == forward, left padding and logits_index, tree chunks,
+# partial acceptance at every position). The loop machinery tests below (batched generation, random-draft
+# losslessness, the device loop, rejection sampling, unrolled scans; continuous batching, regeneration and
+# decode_eval in tests/eval) exercise code shared by all families, whose per-family part is the cache: in
+# the default run they take one family per cache kind (LOOP_FAMILIES: KV + MoE, MLA latent, mixed
+# sliding/full windows, Gated DeltaNet states, virtual layers, H/L cycles; Llama, Qwen3 and Nemotron-H's
+# Mamba states in their own files), the rest under ``pytest -m slow``.
+LOOP_FAMILIES = ("qwen3_moe", "deepseek_v3", "gemma3", "qwen3_5", "looped_qwen3", "hrm_text", "nemotron_h")
+LOOP_TESTS = ("test_batched_generate_equals_uncached_greedy", "test_lossless_random_draft",
+              "test_device_loop_equals_host_decoder", "test_rejection_sampling_keeps_the_target_distribution",
+              "test_unrolled_layer_scans_decode_the_same")
+
+
+def is_slow_case(test_name: str, params: dict) -> bool:
+    """tests/conftest.py marks these cases slow: a loop test for a family outside LOOP_FAMILIES."""
+    return test_name in LOOP_TESTS and params.get("target") not in LOOP_FAMILIES
+
+
+def loop_family_params(names):
+    """``names`` as pytest params, those outside LOOP_FAMILIES marked slow (for tests/eval's loops)."""
+    return [pytest.param(n) if n in LOOP_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def family_fixture(names):
