@@ -1,6 +1,7 @@
 """Multimodal checkpoints read as their text targets: ``Qwen3_5ForConditionalGeneration``,
-``Qwen3_5MoeForConditionalGeneration`` and ``Gemma3ForConditionalGeneration`` folders load as the
-text model inside them (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, ``Gemma3ForCausalLM``).
+``Qwen3_5MoeForConditionalGeneration``, ``Gemma3ForConditionalGeneration`` and
+``Kimi_K25ForConditionalGeneration`` folders load as the text model inside them
+(``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, ``Gemma3ForCausalLM``, ``DeepseekV3ForCausalLM``).
 
 Read top to bottom: one table per architecture (``Layout``) -> the config, weight-map and tensor-name
 rules every table drives -> the Target classes (each the text family's Target class plus those rules).
@@ -47,6 +48,7 @@ from typing import Any, Mapping
 
 from specjax.targets import registry
 from specjax.targets.base import WeightSpec
+from specjax.targets.deepseek_v3 import DeepseekV3Target
 from specjax.targets.gemma3 import Gemma3Target
 from specjax.targets.qwen3_next import Qwen3_5Target, Qwen3NextTarget
 from specjax.targets.registry import register
@@ -105,7 +107,19 @@ GEMMA3 = Layout(
 )
 
 
-LAYOUTS = (QWEN3_5, QWEN3_5_MOE, GEMMA3)  # every architecture this module registers
+# Kimi K2.5 / K2.6: DeepSeek-V3's text model (text_config model_type kimi_k2) under ``language_model.``;
+# its int4 experts' quantization_config sits in text_config (targets/quantized.py reads it there)
+KIMI_K25 = Layout(
+    architecture="Kimi_K25ForConditionalGeneration",
+    text_architecture="DeepseekV3ForCausalLM",
+    renames=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    # the projector's norm comes back from transformers' save_pretrained as model.mm_projector.*
+    ignored_prefixes=("vision_tower.", "mm_projector.", "model.mm_projector."),
+    tie_default=True,  # transformers' Kimi_K25Config; the published config.json says false
+)
+
+
+LAYOUTS = (QWEN3_5, QWEN3_5_MOE, GEMMA3, KIMI_K25)  # every architecture this module registers
 
 
 # =============================================================================================
@@ -246,3 +260,10 @@ class Gemma3MultimodalTarget(MultimodalCheckpoint, Gemma3Target):
     """Gemma 3 (4B-27B) read from its multimodal checkpoint (module docstring)."""
 
     layout = GEMMA3
+
+
+@register(KIMI_K25.architecture)
+class KimiK25MultimodalTarget(MultimodalCheckpoint, DeepseekV3Target):
+    """Kimi K2.5's text model (DeepSeek-V3) read from its multimodal checkpoint (module docstring)."""
+
+    layout = KIMI_K25

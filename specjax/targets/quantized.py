@@ -54,7 +54,8 @@ class Fp8BlockQuant:
         "mlp.gate", "model.layers.0.self_attn" and its children)."""
         module = hf_weight_name.rsplit(".", 1)[0]
         dotted = "." + module + "."
-        return not any(fnmatch.fnmatchcase(module, pat) or ("." + pat + ".") in dotted for pat in self.not_converted)
+        return not any(fnmatch.fnmatchcase(module, pat) or ("." + pat + ".") in dotted or _name_matches(module, pat)
+                       for pat in self.not_converted)
 
     def to_hf(self) -> dict[str, Any]:
         out: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -88,10 +89,16 @@ def _beside(spec: WeightSpec, suffix: str, transpose: bool, trailing: tuple[int,
 
 def _name_matches(module: str, pattern: str) -> bool:
     """compressed-tensors' module patterns: "re:<regex>" (matched from the start of the module name),
-    else a module name or a run of its trailing dotted components."""
+    else a module name or a run of its trailing dotted components. ``module`` is a weight-map row's
+    name, whose "{i}" / "{e}" stand for every layer / expert: a pattern naming one layer's module
+    matches the row (a stacked leaf has one storage for all its layers; a checkpoint that quantizes
+    some layers of a row and not others is refused by the loader, tensor by tensor)."""
+    instance = module.replace("{i}", "0").replace("{e}", "0")
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return module == pattern or module.endswith("." + pattern)
+        return re.match(pattern[3:], instance) is not None
+    template = re.escape(module).replace(re.escape("{i}"), r"\d+").replace(re.escape("{e}"), r"\d+")
+    return re.fullmatch(f"(.*\\.)?{template}", pattern) is not None or instance.endswith("." + pattern) \
+        or instance == pattern
 
 
 @dataclasses.dataclass(frozen=True)

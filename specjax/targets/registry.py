@@ -39,6 +39,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "kimi_k25": "Kimi_K25ForConditionalGeneration",
 }
 
 

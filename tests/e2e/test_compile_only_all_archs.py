@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sys
 
 import pytest
@@ -104,6 +105,7 @@ CASES = {
     "Qwen3_5ForConditionalGeneration": (multimodal_parity._qwen3_5, {}),
     "Qwen3_5MoeForConditionalGeneration": (multimodal_parity._qwen3_5_moe, {}),
     "Gemma3ForConditionalGeneration": (multimodal_parity._gemma3, {}),
+    "Kimi_K25ForConditionalGeneration": (multimodal_parity._kimi_k25, {}),
 }
 
 
@@ -123,7 +125,7 @@ def _tiny_run(tmp_path, arch, yaml_extra=""):
 # A multimodal checkpoint compiles its text family's step (compiled above under its own name); its config
 # and weights are read in tests/parity/test_targets_multimodal.py. Its compile runs under -m slow.
 MULTIMODAL_ALIASES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                      "Gemma3ForConditionalGeneration")
+                      "Gemma3ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
 
 
 def is_slow_case(test_name: str, params: dict) -> bool:
@@ -193,7 +195,11 @@ def test_training_compile_only_and_shapes_build_the_same_draft(arch, tmp_path):
     make_config, extra = CASES[arch]
     torch.manual_seed(0)
     tdir = tmp_path / arch
-    transformers.AutoModelForCausalLM.from_config(make_config()).save_pretrained(str(tdir))
+    if arch in MULTIMODAL_ALIASES:  # the multimodal class itself, saved with the release's tensor names
+        tdir = pathlib.Path(multimodal_parity.save_as_released(getattr(transformers, arch)(make_config()), arch,
+                                                                str(tdir)))
+    else:
+        transformers.AutoModelForCausalLM.from_config(make_config()).save_pretrained(str(tdir))
     hf = json.loads((tdir / "config.json").read_text())
     hf.update(extra, architectures=[arch])
     (tdir / "config.json").write_text(json.dumps(hf))

@@ -188,3 +188,44 @@ def test_unread_compressed_tensors_formats_are_refused(change, match):
         qc["format"] = "pack-quantized"
     with pytest.raises(ValueError, match=match):
         weight_quant_from_hf({"quantization_config": qc}, "Qwen3MoeForCausalLM")
+
+
+def test_kimi_k25_int4_experts_as_released(tmp_path):
+    """Kimi K2.5's layout: the DeepSeek-V3 text model under language_model., its routed experts int4
+    (pack-quantized, groups of 16 here) and the quantization_config inside text_config; the multimodal
+    target reads it and matches transformers' Kimi_K25ForConditionalGeneration on the dequantized
+    weights."""
+    import test_targets_multimodal as mmt
+
+    torch.manual_seed(0)
+    model = transformers.Kimi_K25ForConditionalGeneration(mmt._kimi_k25()).eval()
+    randomize_(model, 9)
+    plain_dir = mmt.save_as_released(model, "Kimi_K25ForConditionalGeneration", str(tmp_path / "plain"))
+    fmt, weights, targets = SCHEMES["int4_group"]
+    quant = weight_quant_from_hf({"quantization_config": {"quant_method": "compressed-tensors", "format": fmt,
+                                                          "config_groups": {"g": {"targets": targets,
+                                                                                  "weights": weights}}}}, "Kimi")
+    stored, plain = {}, {}
+    for name, t in mmt._tensors(plain_dir).items():
+        w = t.astype(np.float32)
+        if name.startswith("language_model.model.layers.") and name.endswith(".weight") and quant.converts(name):
+            parts, plain[name] = quantize(name, w, "int4_group")
+            stored.update(parts)
+        else:
+            stored[name] = plain[name] = w
+    assert any(n.endswith("experts.3.down_proj.weight_packed") for n in stored)
+    cfg = json.loads((tmp_path / "plain_released" / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt,
+                                                 "config_groups": {"group_0": {"targets": targets, "weights": weights}},
+                                                 "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "lm_head"]}
+    q_dir = mmt._write_folder(plain_dir, str(tmp_path / "q"), stored)
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    deq_dir = mmt._write_folder(plain_dir, str(tmp_path / "deq"), plain)
+    ref = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(deq_dir, dtype=torch.float32).eval()
+    target = load_target(q_dir, dtype="float32")
+    assert target.params["moe_layers"]["experts"]["down_proj"]["kernel_packed"].dtype == jnp.int32
+    assert target.params["moe_layers"]["shared_experts"]["down_proj"]["kernel"].dtype == jnp.float32
+    ids = np.random.RandomState(4).randint(0, VOCAB, (2, 12)).astype(np.int32)
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor(ids, dtype=torch.long), use_cache=False).logits.numpy()
+    assert rel_err(target(jnp.asarray(ids)).logits, want) < REL_TOL

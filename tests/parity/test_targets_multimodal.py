@@ -77,10 +77,21 @@ def _gemma3():
     return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
 
 
+def _kimi_k25():
+    text = dict(model_type="kimi_k2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=12, q_lora_rank=32,
+                first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=2, max_position_embeddings=256,
+                tie_word_embeddings=False)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, patch_size=4)
+    return transformers.Kimi_K25Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
 CASES = {  # checkpoint architecture -> (tiny config, the specjax class that reads it, its text architecture)
     mm.QWEN3_5.architecture: (_qwen3_5, mm.Qwen3_5MultimodalTarget, "Qwen3_5ForCausalLM"),
     mm.QWEN3_5_MOE.architecture: (_qwen3_5_moe, mm.Qwen3_5MoeMultimodalTarget, "Qwen3_5MoeForCausalLM"),
     mm.GEMMA3.architecture: (_gemma3, mm.Gemma3MultimodalTarget, "Gemma3ForCausalLM"),
+    mm.KIMI_K25.architecture: (_kimi_k25, mm.KimiK25MultimodalTarget, "DeepseekV3ForCausalLM"),
 }
 
 
@@ -95,16 +106,20 @@ def checkpoints(tmp_path_factory):
             model = getattr(transformers, arch)(CASES[arch][0]()).eval()
             model.config._attn_implementation = "eager"
             randomize_(model, seed=1)
-            if arch != mm.GEMMA3.architecture:
+            if arch == mm.KIMI_K25.architecture:  # DeepSeek's router correction bias: a buffer, drawn here
+                g = torch.Generator().manual_seed(2)
+                with torch.no_grad():
+                    for name, buf in model.named_buffers():
+                        if name.endswith("e_score_correction_bias"):
+                            buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
+            elif arch != mm.GEMMA3.architecture:
                 with torch.no_grad():
                     for name, p in model.named_parameters():
                         if "language_model" in name and "norm" in name and "linear_attn.norm" not in name:
                             p.sub_(1.0)  # the (1 + w) norms: scale 1 + 0.2 N(0, 1)
                         elif name.endswith("A_log"):  # decay rates exp(A_log) in 0.05..0.5
                             p.copy_(torch.linspace(0.05, 0.5, p.numel()).log())
-            path = str(tmp_path_factory.mktemp(arch))
-            model.save_pretrained(path)
-            built[arch] = (model, path)
+            built[arch] = (model, save_as_released(model, arch, str(tmp_path_factory.mktemp(arch))))
         return built[arch]
 
     return get
@@ -133,6 +148,18 @@ def _hf_outputs(model, ids):
 
 def _tensors(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def save_as_released(model, arch: str, path: str) -> str:
+    """save_pretrained, then the tensor names of the published checkpoints: transformers 5.25 saves Kimi
+    K2.5's decoder layers as language_model.model.blocks.* (its vision rename "blocks" -> "layers"
+    reversed everywhere), where the release keeps layers.*. Returns the folder."""
+    model.save_pretrained(path)
+    if arch != mm.KIMI_K25.architecture:
+        return path
+    tensors = {n.replace("language_model.model.blocks.", "language_model.model.layers."): t
+               for n, t in _tensors(path).items()}
+    return _write_folder(path, path + "_released", tensors)
 
 
 def _write_folder(src, dst, tensors):
