@@ -32,6 +32,8 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2's config.json model_type (the same architecture)
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

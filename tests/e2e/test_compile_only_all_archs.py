@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 # modules by basename, so this is the same module object pytest itself uses)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
 import test_targets_deepseek_v3 as deepseek_parity  # noqa: E402
+import test_targets_deepseek_v32 as deepseek_v32_parity  # noqa: E402
 import test_targets_glm4_moe as glm4_moe_parity  # noqa: E402
 import test_targets_hf as hf_parity  # noqa: E402
 import test_targets_minimax_m2 as minimax_parity  # noqa: E402
@@ -92,6 +93,10 @@ CASES = {
     "Gemma3ForCausalLM": (_gemma3, {}),
     "GptOssForCausalLM": (_gpt_oss, {}),
     "DeepseekV3ForCausalLM": (lambda: deepseek_parity._hf_config("lora"), {}),  # MLA + sigmoid-routed MoE
+    # MLA + the lightning indexer (top-8 of up to 32 keys: the sparse mask is built); GLM-5's: interleaved indexer
+    # RoPE and a layer that reuses the previous layer's choice
+    "DeepseekV32ForCausalLM": (lambda: deepseek_v32_parity._hf_config("v32"), {}),
+    "GlmMoeDsaForCausalLM": (lambda: deepseek_v32_parity._hf_config("glm"), {}),
     "Glm4MoeForCausalLM": (lambda: glm4_moe_parity._hf_config("qk_norm"), {}),  # GQA + DeepSeek's MoE
     "Glm4MoeLiteForCausalLM": (lambda: glm4_moe_parity._hf_config("lite"), {}),  # MLA + DeepSeek's MoE
     # full-width q/k norm over tensor-sharded heads, partial RoPE, sigmoid-routed experts

@@ -34,6 +34,7 @@ from specjax.eval.spec_decode import Draft, SpecDecoder
 from specjax.targets import registry
 from specjax.targets.base import Target, tree_set
 from specjax.targets.deepseek_v3 import DeepseekV3Target, DeepseekV3TargetConfig
+from specjax.targets.deepseek_v32 import DeepseekV32Target, DeepseekV32TargetConfig, GlmMoeDsaTarget
 from specjax.targets.gemma3 import FULL, SLIDING, Gemma3Target, Gemma3TargetConfig
 from specjax.targets.glm4_moe import Glm4MoeLiteTarget, Glm4MoeLiteTargetConfig, Glm4MoeTarget, Glm4MoeTargetConfig
 from specjax.targets.gpt_oss import FULL as GPT_FULL
@@ -160,6 +161,24 @@ def _qwen3_5_moe():
         shared_expert_intermediate_size=16, **QN_SHAPE, **COMMON)
 
 
+def _deepseek_v32():
+    # DeepSeek-V3.2: the DeepSeek-V3 entry plus the lightning indexer, which keeps each query's 4 best-scored keys
+    # (fewer than the prompts and generations below hold), so its key cache is rolled back, moved along tree paths
+    # and refilled with the latent cache
+    _, v3 = _deepseek_v3()
+    fields = {f.name: getattr(v3, f.name) for f in dataclasses.fields(v3)}
+    return DeepseekV32Target, DeepseekV32TargetConfig(**{**fields, "architecture": "DeepseekV32ForCausalLM"},
+                                                      index_topk=4, index_head_dim=8, index_n_heads=4)
+
+
+def _glm_moe_dsa():
+    # GLM-5: the same blocks with the indexer's RoPE dims as interleaved pairs, and layers 1 and 3 "shared": they
+    # reuse the kept keys of the layer before them (no indexer of their own, no key-cache row)
+    _, cfg = _deepseek_v32()
+    return GlmMoeDsaTarget, dataclasses.replace(cfg, architecture="GlmMoeDsaForCausalLM",
+                                                shared_indexer_layers=(1, 3))
+
+
 def _glm4_moe():
     # GQA with q/k/v biases and qk-norm, RoPE on half of each head, two dense layers then sigmoid-routed grouped
     # MoE with a shared expert (DeepSeek-V3's feed-forward); 5 layers so the unrolled scans hold more than one
@@ -186,7 +205,7 @@ def _minimax_m2():
         num_experts_per_tok=2, rope=RopeSpec("default", 10000.0, partial_rotary_factor=0.5), **COMMON)
 
 
-FAMILIES = {"glm4_moe": _glm4_moe, "glm4_moe_lite": _glm4_moe_lite, "minimax_m2": _minimax_m2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
+FAMILIES = {"deepseek_v32": _deepseek_v32, "glm_moe_dsa": _glm_moe_dsa, "glm4_moe": _glm4_moe, "glm4_moe_lite": _glm4_moe_lite, "minimax_m2": _minimax_m2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
 
 
 def build(name, seed=0, vocab=None, **overrides):
@@ -216,7 +235,7 @@ def build(name, seed=0, vocab=None, **overrides):
 # The families are split over two files (test_decoding_families_more.py runs the same tests on the rest)
 # so that pytest-xdist's --dist loadfile runs the halves on two workers: one file was CI's longest.
 MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemma3", "gpt_oss", "glm4_moe_lite",
-                 "minimax_m2")
+                 "minimax_m2", "glm_moe_dsa")
 
 # Every family runs the decoding contract (cached == forward, left padding and logits_index, tree chunks,
 # partial acceptance at every position). The loop machinery tests below (batched generation, random-draft
@@ -273,7 +292,7 @@ def _max_diff(got, ref):
 # =============================================================================================
 # (a) cached decoding == uncached forward
 # =============================================================================================
-DECODING_ARCHS = ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
+DECODING_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
 
 
 def test_registered_for_decoding():
@@ -299,7 +318,9 @@ def test_cached_decoding_equals_forward(target):
     by_slot = {name: leaf for name, leaf in cache.items() if leaf.ndim >= 3 and leaf.shape[2] == 256}
     assert {"k", "kv"} & set(by_slot)
     for name, leaf in by_slot.items():
-        assert leaf.shape[:3] == ((1, 2, 256) if name == "pos" else (kv_rows, 2, 256))
+        # a sliding window's slot positions: one row; the indexer's key cache: a row per layer with its own indexer
+        rows = {"pos": 1, "index_k": len(getattr(target.config, "indexer_layer_ids", ()))}.get(name, kv_rows)
+        assert leaf.shape[:3] == (rows, 2, 256)
     decode = _decoder(target, aux_ids)
     pos = jnp.broadcast_to(jnp.arange(11, dtype=jnp.int32), (2, 11))
     at = lambda s: jnp.full((2,), s, jnp.int32)  # noqa: E731
