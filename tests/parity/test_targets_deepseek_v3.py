@@ -488,9 +488,9 @@ def test_to_hf_round_trips_through_transformers():
 
 def test_config_errors():
     hf = {**_table_test_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
-    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized"}  # Kimi K2.5's int4 release
+    awq = {"quant_method": "awq", "bits": 4}  # FP8 and compressed-tensors are read (test_targets_fp8.py, ..._compressed_tensors.py)
     bad = {
-        "quantization_config": (int4, r"quant_method='compressed-tensors' is not read.*dequantize the checkpoint"),
+        "quantization_config": (awq, r"quant_method='awq' is not read.*dequantize the checkpoint"),
         "scoring_func": ("softmax", r"scoring_func='softmax' is not supported"),
         "topk_method": ("greedy", r"topk_method='greedy' is not supported"),
         "num_key_value_heads": (2, r"num_key_value_heads=2 must equal num_attention_heads=6"),
