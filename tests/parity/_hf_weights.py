@@ -46,3 +46,17 @@ def hf_run(model, ids, positions=None):
         for h in hooks:
             h.remove()
     return out.logits.numpy(), [c.numpy() for c in calls], final[0].numpy()
+
+
+def assert_matches_hf(target, model, ids, positions, aux_ids, tol: float, label: str = "") -> dict:
+    """The target's logits, final hidden and aux states at ``aux_ids`` against transformers' (hf_run)
+    on the same ids and positions: each within ``tol`` (rel_err), and the logits O(1) so the bound
+    is not vacuous. Returns the errors (printed with ``label``)."""
+    out = target(ids, aux_layer_ids=aux_ids, positions=positions)
+    logits, calls, final = hf_run(model, ids, positions)
+    errs = {"logits": rel_err(out.logits, logits), "final": rel_err(out.final_hidden, final)}
+    errs.update({f"aux{a}": rel_err(h, calls[a]) for a, h in zip(aux_ids, out.aux_hidden)})
+    print(f"{label}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    assert max(errs.values()) <= tol, errs
+    assert np.abs(logits).max() > 1.0  # O(1) logits: the comparison is not trivial
+    return errs

@@ -41,7 +41,7 @@ from specjax.targets.layers import indexer  # noqa: E402
 from specjax.targets.layers.attention import segment_causal_mask  # noqa: E402
 from specjax.targets.loading import read_hf_config  # noqa: E402
 
-from parity._hf_weights import hf_run, randomize_, rel_err  # noqa: E402
+from parity._hf_weights import assert_matches_hf, hf_run, randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 VOCAB = 128
@@ -108,13 +108,7 @@ def test_parity(cases, variant):
     np.testing.assert_array_equal(np.asarray(ip["wk"]["kernel"][-1]), w.T)
 
     ids, positions = _ids(2, T, seed=3), _positions(2, T)
-    out = target(ids, aux_layer_ids=AUX, positions=positions)
-    logits, calls, final = hf_run(model, ids, positions)
-    errs = {"logits": rel_err(out.logits, logits), "final": rel_err(out.final_hidden, final)}
-    errs.update({f"aux{a}": rel_err(h, calls[a]) for a, h in zip(AUX, out.aux_hidden)})
-    print(f"{variant}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    assert max(errs.values()) <= REL_TOL, errs
-    assert np.abs(logits).max() > 1.0  # O(1) logits: the comparison is not trivial
+    assert_matches_hf(target, model, ids, positions, AUX, REL_TOL, variant)
 
 
 def test_indexer_matters(cases):

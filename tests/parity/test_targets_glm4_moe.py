@@ -39,7 +39,7 @@ from specjax.targets import load_target, registry  # noqa: E402
 from specjax.targets import glm4_moe as glm  # noqa: E402  (imported for its @register)
 from specjax.targets.loading import read_hf_config  # noqa: E402
 
-from parity._hf_weights import hf_run, randomize_, rel_err  # noqa: E402
+from parity._hf_weights import assert_matches_hf, randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 VOCAB = 128
@@ -124,13 +124,7 @@ def test_parity(cases, variant):
 
     ids = _ids(2, 20, seed=3)
     positions = np.broadcast_to(np.arange(20, dtype=np.int32) + 300, (2, 20)).copy()
-    out = target(ids, aux_layer_ids=AUX, positions=positions)
-    logits, calls, final = hf_run(model, ids, positions)
-    errs = {"logits": rel_err(out.logits, logits), "final": rel_err(out.final_hidden, final)}
-    errs.update({f"aux{a}": rel_err(h, calls[a]) for a, h in zip(AUX, out.aux_hidden)})
-    print(f"{variant}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    assert max(errs.values()) <= REL_TOL, errs
-    assert np.abs(logits).max() > 1.0  # O(1) logits: the comparison is not trivial
+    assert_matches_hf(target, model, ids, positions, AUX, REL_TOL, variant)
 
 
 def test_each_detail_matters(cases):

@@ -18,9 +18,8 @@ test_qk_norm_spans_all_heads show the correction bias, the partial RoPE and the 
 each do).
 
 Cached decoding equals the forward to 1e-4 relative for a prefill written over a stale chunk after
-a rollback, single tokens and a chunk, and for a left-padded row with logits_index (lossless
-speculative decoding, tree chunks and the device loop: the minimax_m2 entry of
-parity/test_decoding_families.py).
+a rollback, single tokens and a chunk (left padding with logits_index, lossless speculative
+decoding, tree chunks and the device loop: the minimax_m2 entry of parity/test_decoding_families.py).
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ from specjax.targets import minimax_m2 as mm  # noqa: E402  (importing it regist
 from specjax.targets.layers.scan import index_layer  # noqa: E402
 from specjax.targets.loading import read_hf_config  # noqa: E402
 
-from parity._hf_weights import hf_run, randomize_, rel_err  # noqa: E402
+from parity._hf_weights import assert_matches_hf, randomize_, rel_err  # noqa: E402
 
 REL_TOL = 1e-4
 VOCAB = 256
@@ -138,13 +137,7 @@ def test_parity(cases, variant):
 
     ids = _ids(2, 20, seed=3)
     positions = np.broadcast_to(np.arange(20, dtype=np.int32) + 300, (2, 20)).copy()
-    out = target(ids, aux_layer_ids=AUX, positions=positions)
-    logits, calls, final = hf_run(model, ids, positions)
-    errs = {"logits": rel_err(out.logits, logits), "final": rel_err(out.final_hidden, final)}
-    errs.update({f"aux{a}": rel_err(h, calls[a]) for a, h in zip(AUX, out.aux_hidden)})
-    print(f"{variant}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    assert max(errs.values()) <= REL_TOL, errs
-    assert np.abs(logits).max() > 1.0  # O(1) logits: the comparison is not trivial
+    assert_matches_hf(target, model, ids, positions, AUX, REL_TOL, variant)
 
 
 def test_qk_norm_spans_all_heads(cases):
@@ -262,35 +255,6 @@ def test_cached_decoding_equals_forward(cases, variant):
         bad = dict(cache, k=cache["k"].at[layer].set(jnp.where(prefix, 1.0, cache["k"][layer])))
         moved = rel_err(decode(bad, ids[:, 6:7], pos[:, 6:7], at(6))[0][:, 0], ref6)
         assert moved > 1e-4, (layer, moved)
-
-
-def test_left_padding_and_logits_index(cases):
-    # row 0: a 6-token prompt at slots 0..5 then 3 junk tokens; row 1: 3 pad tokens, then the prompt
-    # (positions 0..5; the chunk mask hides the pads, later calls pass valid_from=3). Both rows'
-    # logits at logits_index, then one token per row at starts 6 and 9, equal the forward.
-    _, _, target = cases["published"]
-    ids = _ids(1, 7, seed=7)
-    full = target(jnp.asarray(ids), aux_layer_ids=AUX)
-    p = ids[0, :6]
-    chunk = np.stack([np.concatenate([p, [0, 0, 0]]), np.concatenate([[7, 7, 7], p])]).astype(np.int32)
-    pos = np.stack([np.arange(9), np.concatenate([[0, 0, 0], np.arange(6)])]).astype(np.int32)
-    causal = np.tril(np.ones((9, 9), bool))
-    mask = np.stack([causal, causal & ((np.arange(9)[None, :] >= 3) | np.eye(9, dtype=bool))])
-    valid_from = jnp.asarray([0, 3], jnp.int32)
-    decode = _decoder(target, AUX)
-    logits, aux, final, cache = decode(target.init_cache(2, 16), jnp.asarray(chunk), jnp.asarray(pos),
-                                       jnp.zeros((2,), jnp.int32), jnp.asarray(mask), valid_from,
-                                       jnp.asarray([[5], [8]], jnp.int32))
-    assert logits.shape == (2, 1, VOCAB)
-    for r in range(2):
-        _close(logits[r, 0], full.logits[0, 5], f"row {r} prefill logits")
-    _close(final[1, 3:], full.final_hidden[0, :6], "padded row final hidden")
-    nxt = jnp.full((2, 1), ids[0, 6], jnp.int32)
-    logits, aux, _, _ = decode(cache, nxt, jnp.full((2, 1), 6, jnp.int32), jnp.asarray([6, 9], jnp.int32), None,
-                               valid_from)
-    for r in range(2):
-        _close(logits[r, 0], full.logits[0, 6], f"row {r} next logits")
-        _close(aux[-1][r, 0], full.aux_hidden[-1][0, 6], f"row {r} next aux")
 
 
 # =============================================================================================
