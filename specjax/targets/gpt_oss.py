@@ -240,7 +240,7 @@ def expert_matrices(ex: dict, cfg: GptOssTargetConfig, dtype):
     inside the layer scan (its [E, rows, in] -> the kernel's [E, in, rows])."""
     if cfg.expert_format == "bf16":
         return ex["gate_up_proj"]["kernel"], ex["down_proj"]["kernel"]
-    gu, dn = (jnp.swapaxes(mxfp4_dequantize(ex[n]["blocks"], ex[n]["scales"], dtype), -1, -2)
+    gu, dn = (mxfp4_dequantize(ex[n]["blocks"], ex[n]["scales"], dtype, transposed=True)
               for n in ("gate_up_proj", "down_proj"))
     return gu, dn
 

@@ -47,6 +47,20 @@ def test_mxfp4_matches_the_bit_level_decoder():
     assert len(np.unique(np.abs(got[got != 0]) / 2.0 ** np.floor(np.log2(np.abs(got[got != 0]))))) >= 2
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_mxfp4_transposed_writes_the_in_out_layout(dtype):
+    """transposed=True (the [in, out] operand gpt-oss's layer scan feeds the grouped GEMM) equals the
+    bit-level decoder's [..., R, in] swapped, exactly: bf16 holds every E2M1 value times 2^k exactly;
+    float16 goes through fp32 and rounds once."""
+    blocks, scales = _random_mxfp4((2, 3, 5, 2), seed=1)  # [E, R, G] with R = 5 rows
+    want = np.swapaxes(_numpy_mxfp4(blocks, scales), -1, -2)
+    got = mxfp4_dequantize(jnp.asarray(blocks), jnp.asarray(scales), dtype, transposed=True)
+    assert got.shape == (2, 3, 64, 5) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(dtype).astype(np.float32))
+    plain = mxfp4_dequantize(jnp.asarray(blocks), jnp.asarray(scales), dtype)
+    np.testing.assert_array_equal(np.asarray(jnp.swapaxes(plain, -1, -2), np.float32), np.asarray(got, np.float32))
+
+
 def test_mxfp4_matches_transformers_gpt_oss_loader():
     torch = pytest.importorskip("torch")
     mx = pytest.importorskip("transformers.integrations.mxfp4")

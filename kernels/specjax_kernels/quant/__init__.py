@@ -32,15 +32,32 @@ MXFP4_GROUP = 32
 E8M0_BIAS = 127
 
 
-def mxfp4_dequantize(blocks, scales, dtype=jnp.bfloat16):
-    """[..., G, 16] uint8 blocks and [..., G] uint8 scales -> [..., G * 32] in ``dtype`` (module docstring)."""
+def mxfp4_dequantize(blocks, scales, dtype=jnp.bfloat16, *, transposed: bool = False):
+    """[..., R, G, 16] uint8 blocks and [..., R, G] uint8 scales -> [..., R, G * 32] in ``dtype``
+    (module docstring); with ``transposed``, [..., G * 32, R] (a matmul's [in, out] operand from the
+    stored [out, in] rows), written in that layout in one pass rather than transposed afterwards.
+
+    Every E2M1 value times a power of two is exact in bf16 (two mantissa bits; fp32's exponent range),
+    so the products are formed in ``dtype`` when it is bf16 or wider, with no fp32 intermediate."""
     if blocks.shape[-1] != MXFP4_GROUP // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"mxfp4: blocks {blocks.shape} and scales {scales.shape} do not match "
                          f"(want blocks [..., G, 16], scales [..., G])")
-    lut = jnp.asarray(FP4_E2M1)
+    exact = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+    work = jnp.dtype(dtype) if exact else jnp.float32
+    lut = jnp.asarray(FP4_E2M1, work)
+    if transposed:  # move the (small, uint8) rows axis last before expanding: [..., G, 16, R]
+        if blocks.ndim < 3:
+            raise ValueError(f"mxfp4: transposed needs blocks [..., R, G, 16], got {blocks.shape}")
+        blocks = jnp.moveaxis(blocks, -3, -1)
+        scales = jnp.moveaxis(scales, -2, -1)
+        b = blocks.astype(jnp.int32)
+        vals = jnp.stack([lut[b & 0x0F], lut[b >> 4]], axis=-2)  # [..., G, 16, 2, R]
+        scale = jnp.ldexp(jnp.ones((), work), scales.astype(jnp.int32) - E8M0_BIAS)  # [..., G, R]
+        vals = vals * scale[..., :, None, None, :]
+        return vals.reshape(*vals.shape[:-4], -1, vals.shape[-1]).astype(dtype)
     b = blocks.astype(jnp.int32)
     vals = jnp.stack([lut[b & 0x0F], lut[b >> 4]], axis=-1).reshape(*blocks.shape[:-1], MXFP4_GROUP)
-    scale = jnp.ldexp(jnp.float32(1.0), scales.astype(jnp.int32) - E8M0_BIAS)
+    scale = jnp.ldexp(jnp.ones((), work), scales.astype(jnp.int32) - E8M0_BIAS)
     return (vals * scale[..., None]).reshape(*blocks.shape[:-2], -1).astype(dtype)
 
 
