@@ -7,15 +7,16 @@ specjax.aux_ids.default_aux_layer_ids(target_virtual_depth(config), clamp=False)
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 __all__ = ["is_hybrid_target", "rope_dict", "target_text_config", "target_virtual_depth"]
 
 # config keys that mean "this target mixes Mamba/SSM or linear-attention blocks with attention"
 _HYBRID_KEYS = ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
-                "ssm_state_size", "mamba_d_ssm", "linear_num_value_heads")
+                "ssm_state_size", "mamba_d_ssm", "linear_num_value_heads", "linear_attn_config")
 _HYBRID_MODEL_TYPES = ("nemotron_h", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid",
-                       "qwen3_next", "lfm2", "plamo2")
+                       "qwen3_next", "lfm2", "plamo2", "kimi_linear")
 
 
 def target_text_config(target_config: Mapping) -> dict:
@@ -74,11 +75,22 @@ def rope_dict(config: Mapping) -> Optional[dict]:
     out["rope_theta"] = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     # partial rotary: inside rope_parameters (transformers 5) or top-level (the legacy layout, which
     # vLLM's Llama attention reads); a factor of 1 is full rotary either way
-    factor = out.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    factor = out.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is None and config.get("rotary_dim"):  # MiniMax-M2's legacy key: rotated dims of each head
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        factor = int(config["rotary_dim"]) / int(head_dim)
     out.pop("partial_rotary_factor", None)
     if factor is not None and float(factor) != 1.0:
         out["partial_rotary_factor"] = float(factor)
     if out["rope_type"] == "llama3" and "original_max_position_embeddings" not in out:
         out["original_max_position_embeddings"] = config.get("max_position_embeddings")
+    if out["rope_type"] == "longrope" and out.get("attention_factor") is None:
+        # the default transformers (and vLLM) derive when config.json names none, so a config that
+        # spells it out and one that leaves it to the reader compare equal
+        orig = out.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+        longest = config.get("max_position_embeddings")
+        if orig and longest:
+            scale = float(longest) / float(orig)
+            out["attention_factor"] = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
     return out
 

@@ -322,13 +322,15 @@ def route(mp: dict, cfg: DeepseekV3TargetConfig, x_td):
                         scaling_factor=cfg.routed_scaling_factor)
 
 
-def moe_ffn(mp: dict, cfg: DeepseekV3TargetConfig):
-    """The MoE feed-forward of one layer's params (router, experts, shared_experts), as h -> out."""
+def moe_ffn(mp: dict, cfg, router=None):
+    """The MoE feed-forward of one layer's params (router, experts, shared_experts), as h -> out;
+    ``router(mp, cfg, x_td) -> (ids, weights)`` defaults to DeepSeek-V3's :func:`route`."""
+    router = router or route
 
     def ffn(h_btd):
         b, t, d = h_btd.shape
         x = h_btd.reshape(b * t, d)
-        ids, weights = route(mp, cfg, x)
+        ids, weights = router(mp, cfg, x)
         ex = mp["experts"]
         routed = moe_experts(x, ids, weights, up_edf=ex["up_proj"]["kernel"], down_efd=ex["down_proj"]["kernel"],
                              gate_edf=ex["gate_proj"]["kernel"], activation="silu", implementation=cfg.kernels.moe)
@@ -341,17 +343,19 @@ def moe_ffn(mp: dict, cfg: DeepseekV3TargetConfig):
 # =============================================================================================
 # Layer schedule: dense layers, then MoE layers; layer i uses cache row i
 # =============================================================================================
-def dense_then_moe_layers(params: dict, cfg, carry, inputs: StackInputs, aux_ids: Sequence[int], layer) -> Any:
+def dense_then_moe_layers(params: dict, cfg, carry, inputs: StackInputs, aux_ids: Sequence[int], layer,
+                          router=None) -> Any:
     """Every decoder layer, split at the aux taps; within a span one lax.scan over its dense layers
     and one over its MoE layers (the dense layers all come first, so no per-layer switch).
     ``layer(lp, cfg, x, inputs, ffn, cache, i) -> (x, cache)`` is one decoder layer around a given
-    feed-forward (DeepSeek-V3's MLA layer, GLM-4's GQA one); layer i uses cache row i."""
+    feed-forward (DeepSeek-V3's MLA layer, GLM-4's GQA one); layer i uses cache row i. ``router``:
+    the MoE layers' router (:func:`moe_ffn`; default DeepSeek-V3's sigmoid one)."""
     k = cfg.first_k_dense_replace
 
     def scan_kind(carry, lo: int, hi: int, moe: bool):
         def step(carry, xs):
             (x, cache), (i, slot) = carry, xs
-            ffn = (moe_ffn(index_layer(params["moe_layers"], slot), cfg) if moe
+            ffn = (moe_ffn(index_layer(params["moe_layers"], slot), cfg, router) if moe
                    else swiglu(index_layer(params["mlp_layers"], slot)))
             return layer(index_layer(params["layers"], i), cfg, x, inputs, ffn, cache, i)
 

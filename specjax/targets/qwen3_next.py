@@ -605,7 +605,7 @@ def decode_inputs(cfg: Qwen3NextTargetConfig, cache: dict, input_ids_bt, positio
     return StackInputs(mask, rope, slots=slots, extra=extra), cache
 
 
-def _conv_states_after(ext_bec, taps_bnk):
+def conv_states_after(ext_bec, taps_bnk):
     """Conv states (the last K-1 inputs, oldest first) on the paths ending at the rows whose taps are
     ``taps`` [B,n,K] (mamba2.DecodeChunk.taps: ext index of the j-th most recent input, -1 = none) of
     ``ext`` [B, K-1+T, C] = [conv state before the chunk, chunk inputs]: [B, n, K-1, C]."""
@@ -644,7 +644,7 @@ def deltanet_decode(lp: dict, cfg: Qwen3NextTargetConfig, h_btd, conv_bwkc, stat
     if t + 1 <= w:  # every row's states (and the entry's) are kept, at window entries plan.out_entry
         o, _, states = gated_delta_rule_update(q, k, v, g, beta, state0, parent=parent, return_states=True)
         kept_state = jnp.concatenate([state0[:, None], states], axis=1)  # offsets 0..T
-        kept_conv = jnp.concatenate([conv0[:, None], _conv_states_after(ext, plan.taps)], axis=1)
+        kept_conv = jnp.concatenate([conv0[:, None], conv_states_after(ext, plan.taps)], axis=1)
         new_state = jnp.zeros(state_bwhkv.shape, f32).at[rows[:, None], plan.out_entry].set(kept_state, mode="drop")
         new_conv = jnp.zeros(conv_bwkc.shape, conv_bwkc.dtype).at[rows[:, None], plan.out_entry].set(
             kept_conv.astype(conv_bwkc.dtype), mode="drop")
@@ -674,7 +674,7 @@ def deltanet_decode(lp: dict, cfg: Qwen3NextTargetConfig, h_btd, conv_bwkc, stat
             kept_rows = jnp.concatenate([jnp.asarray(li, jnp.int32), kept_rows], axis=1)
         new_state = tail_states
         taps = jnp.take_along_axis(plan.taps, kept_rows[..., None], axis=1)
-        new_conv = _conv_states_after(ext, taps).astype(conv_bwkc.dtype)
+        new_conv = conv_states_after(ext, taps).astype(conv_bwkc.dtype)
     return deltanet_output(lp, cfg, o, z, h_btd.dtype), new_conv, new_state.astype(state_bwhkv.dtype)
 
 

@@ -26,6 +26,7 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
@@ -34,6 +35,8 @@ MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi K2's config.json model_type (the same architecture)
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

@@ -26,9 +26,12 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
 import test_targets_deepseek_v3 as deepseek_parity  # noqa: E402
 import test_targets_deepseek_v32 as deepseek_v32_parity  # noqa: E402
+import test_targets_gemma4 as gemma4_parity  # noqa: E402
 import test_targets_glm4_moe as glm4_moe_parity  # noqa: E402
 import test_targets_hf as hf_parity  # noqa: E402
+import test_targets_kimi_linear as kimi_linear_parity  # noqa: E402
 import test_targets_minimax_m2 as minimax_parity  # noqa: E402
+import test_targets_mistral4 as mistral4_parity  # noqa: E402
 import test_targets_multimodal as multimodal_parity  # noqa: E402
 import test_targets_moe_looped as moe_looped_parity  # noqa: E402
 import test_targets_nemotron_h as nemotron_parity  # noqa: E402
@@ -106,6 +109,13 @@ CASES = {
     "Qwen3NextForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3NextForCausalLM"), {}),
     "Qwen3_5ForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5ForCausalLM"), {}),
     "Qwen3_5MoeForCausalLM": (lambda: qwen3_next_parity._hf_config("Qwen3_5MoeForCausalLM"), {}),
+    # per-layer inputs, shared KV, k = v full layers with their own head shape, soft-capping
+    "Gemma4ForCausalLM": (lambda: transformers.Gemma4TextConfig(**gemma4_parity.COMMON,
+                                                                **gemma4_parity.VARIANTS["shared_ple"]), {}),
+    # MLA with Llama-4 query scaling (YaRN, interleaved RoPE) + softmax-routed grouped MoE, a dense layer
+    "Mistral4ForCausalLM": (lambda: mistral4_parity._hf_config("scaled"), {}),
+    # Kimi Delta Attention (per-key-channel gated delta rule) + MLA without RoPE; DeepSeek's MoE after a dense layer
+    "KimiLinearForCausalLM": (lambda: kimi_linear_parity._hf_config("release"), {}),
     # multimodal checkpoints read as their text targets
     "Qwen3_5ForConditionalGeneration": (multimodal_parity._qwen3_5, {}),
     "Qwen3_5MoeForConditionalGeneration": (multimodal_parity._qwen3_5_moe, {}),
@@ -131,6 +141,10 @@ def _tiny_run(tmp_path, arch, yaml_extra=""):
 # and weights are read in tests/parity/test_targets_multimodal.py. Its compile runs under -m slow.
 MULTIMODAL_ALIASES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                       "Gemma3ForConditionalGeneration", "Kimi_K25ForConditionalGeneration")
+
+
+# transformers 5.25's AutoModelForCausalLM does not list these (their own class is used)
+NOT_IN_AUTO_MAPPING = ("Mistral4ForCausalLM",)
 
 
 def is_slow_case(test_name: str, params: dict) -> bool:
@@ -203,6 +217,8 @@ def test_training_compile_only_and_shapes_build_the_same_draft(arch, tmp_path):
     if arch in MULTIMODAL_ALIASES:  # the multimodal class itself, saved with the release's tensor names
         tdir = pathlib.Path(multimodal_parity.save_as_released(getattr(transformers, arch)(make_config()), arch,
                                                                 str(tdir)))
+    elif arch in NOT_IN_AUTO_MAPPING:
+        getattr(transformers, arch)(make_config()).save_pretrained(str(tdir))
     else:
         transformers.AutoModelForCausalLM.from_config(make_config()).save_pretrained(str(tdir))
     hf = json.loads((tdir / "config.json").read_text())

@@ -343,3 +343,16 @@ def test_full_vocab_head_ships_no_d2t(tmp_path):
     tensors = dict(tensors, d2t=np.zeros(V, np.int64))
     findings, _ = validate_folder(write_folder(tmp_path / "with_d2t", config, tensors, manifest))
     assert [f.rule for f in errors(findings)] == ["vocab.d2t_unexpected"]
+
+
+@pytest.mark.parametrize("folder,hybrid", [("kimi_linear_48b_a3b", True), ("qwen3_next_80b_a3b", True),
+                                           ("nemotron_h_30b_a3b", True), ("qwen3_30b_a3b", False),
+                                           ("deepseek_v3", False), ("gpt_oss_20b", False)])
+def test_hybrid_rule_reads_the_published_configs(repo_root, folder, hybrid):
+    """The engines' hybrid-target rules (the draft's KV heads) apply to the published config.json of
+    each linear-attention / SSM hybrid, whose layer kinds may only be named in a model-specific key
+    (Kimi Linear: linear_attn_config), and to no plain or MoE transformer."""
+    from specjax_converters.target_facts import is_hybrid_target
+
+    with open(os.path.join(repo_root, "configs", "targets", folder, "config.json")) as f:
+        assert is_hybrid_target(json.load(f)) is hybrid

@@ -36,15 +36,20 @@ from specjax.targets.base import Target, tree_set
 from specjax.targets.deepseek_v3 import DeepseekV3Target, DeepseekV3TargetConfig
 from specjax.targets.deepseek_v32 import DeepseekV32Target, DeepseekV32TargetConfig, GlmMoeDsaTarget
 from specjax.targets.gemma3 import FULL, SLIDING, Gemma3Target, Gemma3TargetConfig
+from specjax.targets.gemma4 import Gemma4Target, Gemma4TargetConfig, ProportionalRope
 from specjax.targets.glm4_moe import Glm4MoeLiteTarget, Glm4MoeLiteTargetConfig, Glm4MoeTarget, Glm4MoeTargetConfig
 from specjax.targets.gpt_oss import FULL as GPT_FULL
 from specjax.targets.gpt_oss import SLIDING as GPT_SLIDING
 from specjax.targets.gpt_oss import GptOssTarget, GptOssTargetConfig
 from specjax.targets.hrm_text import HrmTextTarget, HrmTextTargetConfig
+from specjax.targets.kimi_linear import FULL as KL_FULL
+from specjax.targets.kimi_linear import LINEAR as KL_LINEAR
+from specjax.targets.kimi_linear import KimiLinearTarget, KimiLinearTargetConfig
 from specjax.layers.rope import RopeSpec
 from specjax.targets.looped import LoopedLlamaConfig, LoopedLlamaTarget
 from specjax.targets.minimax_m2 import MiniMaxM2Target, MiniMaxM2TargetConfig
 from specjax.targets.mistral import MistralTarget, MistralTargetConfig
+from specjax.targets.mistral4 import Mistral4Target, Mistral4TargetConfig
 from specjax.targets.phi3 import Phi3Target, Phi3TargetConfig
 from specjax.targets.qwen3_moe import Qwen3MoeTarget, Qwen3MoeTargetConfig
 from specjax.targets.qwen3_next import FULL as QN_FULL
@@ -205,7 +210,49 @@ def _minimax_m2():
         num_experts_per_tok=2, rope=RopeSpec("default", 10000.0, partial_rotary_factor=0.5), **COMMON)
 
 
-FAMILIES = {"deepseek_v32": _deepseek_v32, "glm_moe_dsa": _glm_moe_dsa, "glm4_moe": _glm4_moe, "glm4_moe_lite": _glm4_moe_lite, "minimax_m2": _minimax_m2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
+def _gemma4():
+    # sliding (window 4) and full layers with their own head shapes (full: 1 KV head of 16, k = v, proportional
+    # RoPE on half the frequencies); layers 4-5 compute no K/V and read layer 1's cache row (shared KV) with
+    # double-wide MLPs (one scan: the default taps (1, 2, 3) leave them together); per-layer inputs, layer
+    # scalars, final-logit soft-capping
+    types = (SLIDING, FULL, SLIDING, SLIDING, FULL, FULL)
+    return Gemma4Target, Gemma4TargetConfig(
+        architecture="Gemma4ForCausalLM", num_hidden_layers=6, num_key_value_heads=2, layer_types=types,
+        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=10.0, sliding_window=4, rope_local=RopeSpec("default", 500.0),
+        rope_global=ProportionalRope(10000.0, 0.5), **COMMON)
+
+
+def _mistral4():
+    # Mistral 4: DeepSeek-V3's MLA (q LoRA, YaRN, absorbed cached decoding) with every query scaled by Llama 4's
+    # position rule (original length 4, so the prompts and generations cross several blocks), two dense layers
+    # (5 layers: the default taps leave a layer scan longer than 1), then softmax-routed grouped MoE (top-2 in 2
+    # of 4 groups, x1.5) with a shared expert
+    rope = RopeSpec("yarn", 10000.0, factor=4.0, original_max_position_embeddings=4, mscale=1.0, mscale_all_dim=1.0)
+    return Mistral4Target, Mistral4TargetConfig(
+        architecture="Mistral4ForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, first_k_dense_replace=2, routed_scaling_factor=1.5, llama_4_scaling_beta=0.5, rope=rope)
+
+
+def _kimi_linear():
+    # Kimi Delta Attention (the gated delta rule with a decay per key channel; decoding keeps a window of its
+    # states, re-labelled on rollback and by the tree commit) and MLA without RoPE (latent cache), one dense layer
+    # then sigmoid-routed grouped MoE with a shared expert; [linear, linear, full, linear] so the default taps
+    # (1, 2, 3) leave a run of two KDA layers. The forward runs the sequential rule that decoding runs, as the
+    # qwen3_next entries do
+    return KimiLinearTarget, KimiLinearTargetConfig(
+        architecture="KimiLinearForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+        layer_types=(KL_LINEAR, KL_LINEAR, KL_FULL, KL_LINEAR), kv_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, linear_num_heads=2, linear_head_dim=8, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        gated_delta_implementation="reference")
+
+
+FAMILIES = {"gemma4": _gemma4, "mistral4": _mistral4, "kimi_linear": _kimi_linear, "deepseek_v32": _deepseek_v32, "glm_moe_dsa": _glm_moe_dsa, "glm4_moe": _glm4_moe, "glm4_moe_lite": _glm4_moe_lite, "minimax_m2": _minimax_m2, "qwen3_next": _qwen3_next, "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "mistral_window": _mistral_window, "gemma3": _gemma3, "gpt_oss": _gpt_oss, "phi3": _phi3, "qwen3_moe": _moe, "looped_llama": _looped_llama, "looped_qwen3": _looped_qwen3, "hrm_text": _hrm}
 
 
 def build(name, seed=0, vocab=None, **overrides):
@@ -215,6 +262,8 @@ def build(name, seed=0, vocab=None, **overrides):
     cls, cfg = FAMILIES[name]()
     if vocab is not None:
         overrides["vocab_size"] = vocab
+        if cls is Gemma4Target:  # its per-layer input table covers the vocabulary too
+            overrides["vocab_size_per_layer_input"] = vocab
     cfg = dataclasses.replace(cfg, **overrides)
     params: dict = {}
     key = jax.random.key(seed)
@@ -225,7 +274,7 @@ def build(name, seed=0, vocab=None, **overrides):
                                                   and spec.path[:2] != ("linear_attn", "norm"))
             value = (0.0 if unit_offset else 1.0) + 0.1 * noise
         elif spec.path[0] in ("embed_tokens", "lm_head", "z_L_init"):  # Gemma scales its embedding by sqrt(D)
-            value = (0.1 if cls is Gemma3Target else 0.5) * noise
+            value = (0.1 if cls in (Gemma3Target, Gemma4Target) else 0.5) * noise
         else:
             value = 0.15 * noise
         tree_set(params, spec.path, value)
@@ -235,7 +284,7 @@ def build(name, seed=0, vocab=None, **overrides):
 # The families are split over two files (test_decoding_families_more.py runs the same tests on the rest)
 # so that pytest-xdist's --dist loadfile runs the halves on two workers: one file was CI's longest.
 MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemma3", "gpt_oss", "glm4_moe_lite",
-                 "minimax_m2", "glm_moe_dsa")
+                 "minimax_m2", "glm_moe_dsa", "kimi_linear", "gemma4")
 
 # Every family runs the decoding contract (cached == forward, left padding and logits_index, tree chunks,
 # partial acceptance at every position). The loop machinery tests below (batched generation, random-draft
@@ -292,7 +341,7 @@ def _max_diff(got, ref):
 # =============================================================================================
 # (a) cached decoding == uncached forward
 # =============================================================================================
-DECODING_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
+DECODING_ARCHS = ("Gemma4ForCausalLM", "Mistral4ForCausalLM", "KimiLinearForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "LoopedLlamaForCausalLM", "LoopedQwen3ForCausalLM", "HrmTextForCausalLM")
 
 
 def test_registered_for_decoding():

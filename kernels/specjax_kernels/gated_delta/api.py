@@ -6,7 +6,8 @@
 
   q, k [B, T, Hk, Dk]   v [B, T, Hv, Dv] with Hv % Hk == 0 (value head h reads q/k head h // (Hv/Hk),
   transformers' repeat_interleave)   g [B, T, Hv] log decay (<= 0; Qwen3-Next: -exp(A_log) *
-  softplus(a + dt_bias))   beta [B, T, Hv] write strength (sigmoid(b))
+  softplus(a + dt_bias)), or [B, T, Hv, Dk]: one log decay per key channel (Kimi Delta Attention:
+  the state's row c decays by exp(g[..., c]); reference.py)   beta [B, T, Hv] write strength (sigmoid(b))
   initial_state [B, Hv, Dk, Dv]   segment_ids [B, T] int: the state resets where the id changes
   scale: multiplies q after the optional L2 normalisation (None = Dk ** -0.5)
   -> o [B, T, Hv, Dv] fp32 (and the state after the last position, [B, Hv, Dk, Dv] fp32); fp64 for
@@ -55,9 +56,11 @@ def check_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None, chunk_s
     if hv % hk:
         raise ValueError(f"{op}: the {hv} value heads must split evenly over the {hk} query/key heads "
                          "(each q/k head serves Hv / Hk consecutive value heads)")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (bsz, t, hv):
-            raise ValueError(f"{op}: {name} must be [B, T, Hv] = {(bsz, t, hv)}, got {x.shape}")
+    if g.shape not in ((bsz, t, hv), (bsz, t, hv, dk)):
+        raise ValueError(f"{op}: g must be [B, T, Hv] = {(bsz, t, hv)} (one log decay per value head) or "
+                         f"[B, T, Hv, Dk] = {(bsz, t, hv, dk)} (one per key channel), got {g.shape}")
+    if beta.shape != (bsz, t, hv):
+        raise ValueError(f"{op}: beta must be [B, T, Hv] = {(bsz, t, hv)}, got {beta.shape}")
     if initial_state is not None and initial_state.shape != (bsz, hv, dk, dv):
         raise ValueError(f"{op}: the state must be [B, Hv, Dk, Dv] = {(bsz, hv, dk, dv)}, "
                          f"got {initial_state.shape}")

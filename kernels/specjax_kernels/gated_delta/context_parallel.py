@@ -1,6 +1,7 @@
 """Context-parallel gated delta rule: T split in contiguous shards along a mesh axis (forward).
 
-Each step S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T is affine in the state, so
+Each step S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T, D_t = exp(g_t) (a scalar per head)
+or diag(exp(g_t)) (per key channel, Kimi Delta Attention), is affine in the state, so
 over a shard the state after row t is P_t S_in + S_t^own, with P_t [Dk, Dk] the product of the
 shard's transitions up to t and S^own the state reached from zero; the outputs are
 o_t = o_t^own + S_in^T (P_t^T q_t). One local pass gives all of it: the value columns are widened by

@@ -2,7 +2,8 @@
 form (a chunk of new tokens continued from saved state, with per-row rollback).
 
 Qwen3-Next / Qwen3.5 run a depthwise causal conv1d (kernel K = linear_conv_kernel_dim = 4, no bias)
-over the concatenated [q | k | v] projections, then SiLU, then split q, k, v for the rule:
+over the concatenated [q | k | v] projections, then SiLU, then split q, k, v for the rule (Kimi
+Linear's three convs, one each over q, k and v, are this one over their concatenation):
 
     out[t, c] = act(bias[c] + sum_{j=0}^{K-1} kernel[K-1-j, c] * x[t-j, c])
 
@@ -37,7 +38,7 @@ needs no extra memory but a re-run of the accepted tokens.
 states before the chunk; parent[i] < i), both for the conv taps (the window follows the ancestors)
 and for the recurrence, so each node sees exactly its root-to-node path. Without it a chunk is a
 chain (parent[i] = i - 1). Rows a target wants to skip (left padding) should carry beta = 0 and
-g = 0 (an identity step) and zero conv inputs.
+g = 0 (an identity step; every channel of a per-key-channel g) and zero conv inputs.
 
 The recurrent step is the reference's own per-token math (reference.delta_rule_step), so decoding
 token by token and the whole-sequence op agree to summation order. Forward only, jit-able.
@@ -182,7 +183,8 @@ def causal_conv1d_update(x, conv_state, kernel, bias=None, *, activation="silu",
 def gated_delta_rule_update(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm: bool = True,
                             valid_len=None, parent=None, return_states: bool = False):
     """The gated delta rule over a chunk of T new tokens continued from ``state`` [B, Hv, Dk, Dv] (shapes
-    as api.gated_delta_rule; zeros at a sequence start). Returns (o [B, T, Hv, Dv] fp32, the state
+    as api.gated_delta_rule, g per value head [B, T, Hv] or per key channel [B, T, Hv, Dk]; zeros at a
+    sequence start). Returns (o [B, T, Hv, Dv] fp32, the state
     after row valid_len-1 [B, Hv, Dk, Dv] fp32) and, with ``return_states``, the state after every row
     [B, T, Hv, Dk, Dv] fp32. ``valid_len`` [B] or scalar in 0..T (None = T; outside: a NaN state);
     ``parent`` [B, T] for tree chunks (see the module docstring)."""

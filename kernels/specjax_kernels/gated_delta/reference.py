@@ -9,6 +9,11 @@ share one query/key head, as transformers' ``repeat_interleave`` over the head a
     S  <- S + beta_t * k_t (v_t - S^T k_t)^T                    delta-rule write, S is [Dk, Dv]
     o_t = S^T q_t * scale                                       scale defaults to Dk ** -0.5
 
+The decay g_t is one number per value head ([B, T, Hv]: Gated DeltaNet, Qwen3-Next / Qwen3.5), or
+one per value head and key channel ([B, T, Hv, Dk]: Kimi Delta Attention, Kimi Linear), where
+``exp(g_t) * S`` scales row c of S (key channel c) by exp(g_t[c]): S <- diag(exp(g_t)) S. A per-key-
+channel g that is the same on every channel is the per-head rule.
+
 ``S`` before t = 0 is ``initial_state`` (zeros when None). Packed documents: wherever
 ``segment_ids[t] != segment_ids[t-1]`` the carried state is dropped (S := 0 before the decay), exactly
 as if the new document were run on its own; padding (id 0) is a segment like any other, so the state
@@ -51,11 +56,18 @@ def prepare_qk(q, k, acc, *, scale=None, use_qk_l2norm=True):
     return q * jnp.asarray(scale, acc), k
 
 
+def decay_factor(g_t):
+    """exp(g_t) shaped to multiply a state [B, H, Dk, Dv]: g_t [B, H] (per head) or [B, H, Dk] (per key
+    channel: the rows of the state)."""
+    e = jnp.exp(g_t)
+    return e[..., None] if g_t.ndim == 3 else e[:, :, None, None]
+
+
 def delta_rule_step(state, q_t, k_t, v_t, g_t, beta_t):
     """One token of the recurrence for all heads: state [B, H, Dk, Dv]; q_t, k_t [B, H, Dk] (already
-    prepared and expanded to the H value heads); v_t [B, H, Dv]; g_t, beta_t [B, H].
-    Returns (new state, o_t [B, H, Dv])."""
-    state = state * jnp.exp(g_t)[:, :, None, None]
+    prepared and expanded to the H value heads); v_t [B, H, Dv]; g_t [B, H] or [B, H, Dk] (per key
+    channel); beta_t [B, H]. Returns (new state, o_t [B, H, Dv])."""
+    state = state * decay_factor(g_t)
     read = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HI)
     delta = beta_t[..., None] * (v_t - read)
     state = state + k_t[..., :, None] * delta[..., None, :]

@@ -38,6 +38,25 @@ the last run's writes. That is the reference's reset rule, so nothing crosses a 
 Query/key heads stay un-repeated (Hk of them): K K^T and Q K^T are computed once per key head and
 shared by its Hv / Hk value heads. Accumulation in fp32 (fp64 for fp64 inputs); the matmuls run at
 ``precision`` (HIGHEST by default: fp32 products, so results match the reference to ~1e-5).
+
+Per-key-channel decay (g [B, T, Hv, Dk], Kimi Delta Attention). gam_i is then a vector over the key
+channels, the scalar exp(gam_i - gam_j) becomes the diagonal diag(exp(gam_i - gam_j)), and the same
+unrolling holds with every decayed product taken channel by channel:
+
+    A[i, j]    = beta_i sum_c k_i[c] k_j[c] exp(gam_i[c] - gam_j[c])      (j < i)
+    attn[i, j] =        sum_c q_i[c] k_j[c] exp(gam_i[c] - gam_j[c])      (j <= i)
+    W_k rows beta_i exp(gam_i) * k_i,  o_i = S_0^T (exp(gam_i) * q_i) + sum_j attn[i, j] u_j,
+    S_C = diag(exp(gam_C)) S_0 + sum_j (exp(gam_C - gam_j) * k_j) u_j^T.
+
+The decay no longer factors out of the dot products, and splitting it as exp(gam_i) exp(-gam_j)
+would overflow (gam falls with every step), so :func:`decayed_scores` forms every factor as the exp
+of a difference that is <= 0: inside sub-chunks of SUB_CHUNK rows the exact pairwise decays
+([.., s, s, Dk] per sub-chunk), and between sub-chunks through a reference row r (the last row
+before row i's sub-chunk, so j <= r < i): exp(gam_i - gam_j) = exp(gam_i - gam_r) exp(gam_r - gam_j),
+two decays <= 1 that scale the two vectors before one matmul. Transient memory per chunk and value
+head: about C (s + C / s) Dk values (C = 64, s = 16: 20 C Dk, where the per-head path forms C^2).
+q and k are expanded to the Hv value heads first (their decays differ per value head). Resets,
+padding and the scan are the per-head path's.
 """
 from __future__ import annotations
 
@@ -45,10 +64,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax_kernels.dtypes import accum_dtype
-from specjax_kernels.gated_delta.reference import prepare_qk, segment_starts
+from specjax_kernels.gated_delta.reference import expand_heads, prepare_qk, segment_starts
 
 DEFAULT_CHUNK = 64
 BASE_BLOCK = 16
+SUB_CHUNK = 16  # rows whose pairwise per-channel decays are formed exactly (decayed_scores)
 SOLVES = ("blocked", "lax")
 
 
@@ -96,6 +116,10 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     sequential steps; ``precision`` of the matmuls; ``solve`` one of SOLVES (module docstring)."""
     if solve not in SOLVES:
         raise ValueError(f"gated_delta xla: unknown solve {solve!r}; choose one of {SOLVES}")
+    if g.ndim == 4:
+        return _per_channel_rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
+                                 scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                                 precision=precision, solve=solve)
     bsz, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     r = hv // hk
@@ -161,3 +185,100 @@ def gated_delta_rule(q, k, v, g, beta, *, segment_ids=None, initial_state=None, 
     final, o = jax.lax.scan(body, state0, xs)  # o [n, B, Hk, r, C, Dv]
     o = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(bsz, nc * c, hv, dv)[:, :t]
     return o, final.reshape(bsz, hv, dk, dv)
+
+
+# =============================================================================================
+# Per-key-channel decay (module docstring, last section)
+# =============================================================================================
+def decayed_scores(x, y, gam, *, precision=jax.lax.Precision.HIGHEST, sub: int = SUB_CHUNK):
+    """M[..., i, j] = sum_c x[..., i, c] y[..., j, c] exp(gam[..., i, c] - gam[..., j, c]) for j <= i,
+    zero above the diagonal. x, y, gam [..., C, Dk]; gam non-increasing along C (cumulative log decays
+    <= 0), so every exp below has an argument <= 0. Rows come in sub-chunks of ``sub``: pairs inside
+    one get their exact decays, pairs across go through the reference row before row i's sub-chunk."""
+    c, dk = x.shape[-2:]
+    lead = x.shape[:-2]
+    s = min(int(sub), c)
+    n = -(-c // s)
+    cp = n * s
+    if cp > c:  # zero rows add nothing; the edge value keeps gam non-increasing (every exp stays <= 1)
+        widths = [(0, 0)] * len(lead) + [(0, cp - c), (0, 0)]
+        x, y = jnp.pad(x, widths), jnp.pad(y, widths)
+        gam = jnp.pad(gam, widths, mode="edge")
+    xs, ys, gs = (a.reshape(lead + (n, s, dk)) for a in (x, y, gam))
+    i = jnp.arange(s)
+    lower = (i[:, None] >= i[None, :])[:, :, None]
+    inside = jnp.exp(jnp.where(lower, gs[..., :, None, :] - gs[..., None, :, :], -jnp.inf))  # [.., n, s, s, Dk]
+    intra = jnp.sum(xs[..., :, None, :] * ys[..., None, :, :] * inside, axis=-1)  # [.., n, s, s]
+    # reference row of sub-chunk J: the last row of sub-chunk J-1 (sub-chunk 0 has no earlier rows)
+    ref = jnp.concatenate([gs[..., :1, 0, :], gs[..., :-1, -1, :]], axis=-2)  # [.., n, Dk]
+    x_ref = xs * jnp.exp(gs - ref[..., :, None, :])  # rows i of J: decay from r_J to i
+    before = jnp.arange(cp)[None, :] < (jnp.arange(n) * s)[:, None]  # [n, Cp]: row j lies before J
+    to_ref = jnp.where(before[:, :, None], ref[..., :, None, :] - gam[..., None, :, :], -jnp.inf)
+    y_ref = y[..., None, :, :] * jnp.exp(to_ref)  # [.., n, Cp, Dk]: decay from j to r_J
+    inter = jnp.einsum("...nid,...njd->...nij", x_ref, y_ref, precision=precision).reshape(lead + (cp, cp))
+    diag = jnp.einsum("...nij,nm->...nimj", intra, jnp.eye(n, dtype=intra.dtype)).reshape(lead + (cp, cp))
+    return (inter + diag)[..., :c, :c]
+
+
+def _per_channel_rule(q, k, v, g, beta, *, segment_ids, initial_state, scale, use_qk_l2norm, chunk_size,
+                      precision, solve):
+    """gated_delta_rule with g [B, T, Hv, Dk]: same contract and chunking as the per-head path."""
+    bsz, t, _, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    c = int(chunk_size)
+    nc = -(-t // c)
+    pad = nc * c - t
+    acc = accum_dtype(q, k, v, g, beta)
+    ein = lambda spec, *xs: jnp.einsum(spec, *xs, precision=precision)  # noqa: E731
+
+    q, k = prepare_qk(q, k, acc, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    q, k = expand_heads(q, hv), expand_heads(k, hv)
+    run = jnp.cumsum(segment_starts(segment_ids, (bsz, t)).astype(jnp.int32), axis=1)  # [B, T]
+
+    def chunks(x, edge=False):
+        if pad:
+            widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+            x = jnp.pad(x, widths, mode="edge" if edge else "constant")
+        return x.reshape((bsz, nc, c) + x.shape[2:])
+
+    qc, kc = jnp.moveaxis(chunks(q), 2, 3), jnp.moveaxis(chunks(k), 2, 3)  # [B, n, Hv, C, Dk]
+    vc = jnp.moveaxis(chunks(v.astype(acc)), 2, 3)  # [B, n, Hv, C, Dv]
+    gam = jnp.cumsum(jnp.moveaxis(chunks(g.astype(acc)), 2, 3), axis=-2)  # [B, n, Hv, C, Dk]
+    bc = jnp.moveaxis(chunks(beta.astype(acc)), 2, -1)  # [B, n, Hv, C]
+    run = chunks(run, edge=True)  # [B, n, C]
+    run_in = jnp.concatenate([jnp.zeros((bsz, 1), run.dtype), run[:, :-1, -1]], axis=1)  # [B, n]
+    run_last = run[:, :, -1]
+
+    idx = jnp.arange(c)
+    same = (run[:, :, :, None] == run[:, :, None, :])[:, :, None]  # [B, n, 1, C, C]
+    kk = decayed_scores(kc, kc, gam, precision=precision)
+    qk = decayed_scores(qc, kc, gam, precision=precision)
+    a_mat = jnp.where(same & (idx[:, None] > idx[None, :]), bc[..., :, None] * kk, 0.0)
+    attn = jnp.where(same & (idx[:, None] >= idx[None, :]), qk, 0.0)
+
+    in_first = (run == run_in[:, :, None])[:, :, None, :, None]  # [B, n, 1, C, 1]: S_0 reaches the row
+    in_last = (run == run_last[:, :, None])[:, :, None, :, None]  # the row's writes reach S_C
+    q_start = qc * jnp.exp(gam) * in_first
+    k_start = kc * jnp.exp(gam) * in_first * bc[..., None]
+    k_end = kc * jnp.exp(gam[..., -1:, :] - gam) * in_last
+    chunk_decay = jnp.exp(gam[..., -1, :]) * (run_last == run_in)[:, :, None, None]  # [B, n, Hv, Dk]
+
+    rhs = jnp.concatenate([vc * bc[..., None], k_start], axis=-1)
+    if solve == "lax":
+        w = jax.lax.linalg.triangular_solve(a_mat, rhs, left_side=True, lower=True, unit_diagonal=True)
+    else:
+        w = ein("...ls,...sd->...ld", unit_lower_inverse(a_mat, precision=precision), rhs)
+    w_v, w_k = w[..., :dv], w[..., dv:]
+
+    def body(state, xs):  # state [B, Hv, Dk, Dv]
+        w_v, w_k, q_s, k_e, attn, cd = xs
+        u = w_v - ein("bhlk,bhkv->bhlv", w_k, state)
+        o = ein("bhlk,bhkv->bhlv", q_s, state) + ein("bhls,bhsv->bhlv", attn, u)
+        state = state * cd[..., None] + ein("bhsk,bhsv->bhkv", k_e, u)
+        return state, o
+
+    state0 = jnp.zeros((bsz, hv, dk, dv), acc) if initial_state is None else initial_state.astype(acc)
+    xs = [jnp.moveaxis(x, 1, 0) for x in (w_v, w_k, q_start, k_end, attn, chunk_decay)]
+    final, o = jax.lax.scan(body, state0, xs)  # o [n, B, Hv, C, Dv]
+    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(bsz, nc * c, hv, dv)[:, :t]
+    return o, final

@@ -13,6 +13,9 @@ Per token h [D] (transformers' ``DeepseekV3Attention``):
     c @ kv_b_proj gives each head's k_nope (qk_nope_head_dim) and v (v_head_dim), and head n's key is
     [k_nope_n | k_rope].
   * scores (q . k) * softmax_scale, softmax in fp32, output heads [N * v_head_dim] @ o_proj.
+  * optionally a per-token query scale (``q_scale_bt`` of :func:`mla_block`; Mistral 4's Llama-4
+    attention scaling by position): every head's whole query (nope and rope dims) times it, in both
+    the training forward and cached decoding (the absorbed query is linear in it).
 Both LoRA norms use eps 1e-6 whatever the config's rms_norm_eps (transformers builds them with the
 norm's default). ``rope_interleave`` (DeepSeek's checkpoints: true): the RoPE dims of q and k hold
 interleaved pairs (x0, x1), (x2, x3), ...; they are de-interleaved to [x0, x2, ... | x1, x3, ...]
@@ -123,7 +126,7 @@ def _pad_last(x, size: int):
 # The block
 # =============================================================================================
 def mla_block(p: dict, spec: MLAConfig, h_btd, mask, rope, *, cache: dict | None = None, layer=None,
-              slots_bt=None):
+              slots_bt=None, q_scale_bt=None):
     """MLA of a normed hidden state [B,T,D]: (o_proj output [B,T,D], new cache or None).
 
     ``p``: {"q_proj"} or {"q_a_proj", "q_a_layernorm", "q_b_proj"}, and {"kv_a_proj_with_mqa",
@@ -131,10 +134,14 @@ def mla_block(p: dict, spec: MLAConfig, h_btd, mask, rope, *, cache: dict | None
     ``rope``: (cos, sin) [B,T,qk_rope_head_dim] (``layers/rope.rope_tables``). Training forward: no
     cache, ``mask`` the chunk's SegmentCausalMask. Cached decoding: ``cache`` {"kv", "k_rope"} of
     :func:`init_cache`, this ``layer``'s row, the ``slots_bt`` the chunk is written to and the bool
-    [B,T,S] ``mask`` of ``attention.cache_attention_mask``.
+    [B,T,S] ``mask`` of ``attention.cache_attention_mask``. ``q_scale_bt`` [B,T] (None: no scaling)
+    multiplies each token's queries (module docstring).
     """
     b, t, _ = h_btd.shape
     q_nope, q_rope = queries(p, spec, h_btd, rope)
+    if q_scale_bt is not None:
+        scale = jnp.asarray(q_scale_bt).astype(q_nope.dtype)[:, :, None, None]
+        q_nope, q_rope = q_nope * scale, q_rope * scale
     c, k_rope = latents(p, spec, h_btd, rope)
     if cache is not None:
         cache = _write(cache, layer, slots_bt, c, k_rope)

@@ -4,7 +4,12 @@ Every rule here picks k experts per token; the expert math itself is ``specjax_k
 (``moe_experts`` takes these ids and weights). The rules, with the families that use them:
 
   * :func:`softmax_topk`: softmax over all experts, the k largest probabilities, optionally
-    renormalised to sum to one over the k (Qwen3-MoE, Mixtral: ``norm_topk_prob``).
+    renormalised to sum to one over the k (Qwen3-MoE, Mixtral: ``norm_topk_prob``); optionally
+    limited to the ``topk_group`` best of ``n_group`` expert groups as :func:`sigmoid_topk` is (a
+    group's score the sum of its two largest probabilities) and the weights times
+    ``scaling_factor`` (Mistral 4; transformers masks the other groups' probabilities to 0 rather
+    than -inf, which picks the same experts since k never exceeds the kept groups' experts and a
+    kept probability is > 0; its +1e-20 in the renormalisation is below an fp32 ulp of the sum).
   * :func:`topk_softmax`: the k largest logits, then a softmax over those k (gpt-oss).
   * :func:`sigmoid_topk`: DeepSeek-V3's "noaux_tc" rule (Kimi K2 too; Nemotron-H's router is the
     same rule): sigmoid scores; the choice adds a per-expert ``correction_bias`` to the scores (load
@@ -32,13 +37,22 @@ def router_logits(x_td, kernel_de, bias_e=None):
     return logits if bias_e is None else logits + bias_e.astype(acc)
 
 
-def softmax_topk(logits_te, k: int, *, renormalize: bool = False):
+def softmax_topk(logits_te, k: int, *, renormalize: bool = False, n_group: int = 1, topk_group: int = 1,
+                 scaling_factor: float = 1.0):
     """Softmax over all E experts, then the top k: (ids int32 [T, k], weights [T, k] in the logits'
-    float dtype, at least fp32). ``renormalize``: the k weights divided by their sum."""
+    float dtype, at least fp32). ``renormalize``: the k weights divided by their sum. ``n_group`` > 1:
+    the k are picked within the ``topk_group`` best groups (:func:`group_limited`); the weights are
+    then multiplied by ``scaling_factor`` (the defaults change nothing)."""
     probs = jax.nn.softmax(logits_te.astype(accum_dtype(logits_te)), axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
+    if n_group == 1:
+        weights, ids = jax.lax.top_k(probs, k)
+    else:
+        _, ids = jax.lax.top_k(group_limited(probs, n_group, topk_group), k)
+        weights = jnp.take_along_axis(probs, ids, axis=1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if scaling_factor != 1.0:
+        weights = weights * jnp.asarray(scaling_factor, weights.dtype)
     return ids.astype(jnp.int32), weights
 
 
