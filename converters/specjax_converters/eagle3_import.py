@@ -141,10 +141,11 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         notes.append("norm_output: true read with the vLLM/SGLang meaning (post-norm hidden fed to the next step); "
                      "SpecForge writes it meaning 'norm before lm_head' (docs/eagle3-format.md, "
                      "\"EAGLE-3.1 flags (fc_norm, norm_output)\")")
-    try:
-        rope = rope_spec_from_hf(cfg)
+    try:  # a draft copies its target's RoPE: YaRN (gpt-oss, DeepSeek), LongRoPE and partial (Phi-3, GLM, ...)
+        rope = rope_spec_from_hf(cfg, longrope=True, partial_rotary=True, yarn=True)
     except ValueError as e:
-        _refuse(folder, "rope_parameters", str(e), "specjax drafts support default/linear/llama3 RoPE")
+        _refuse(folder, "rope_parameters", str(e),
+                "specjax drafts support default/linear/llama3/YaRN/LongRoPE RoPE, full or partial width")
     V = int(cfg["vocab_size"])
     Vd = int(cfg.get("draft_vocab_size") or V)
     draft_cfg = Eagle3Config(

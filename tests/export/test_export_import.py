@@ -175,6 +175,67 @@ def test_heads_specjax_cannot_run_are_refused(tmp_path, problem):
         read_head(tmp_path / "b")
 
 
+def _family_target(kind):
+    """A tiny target of a family whose RoPE the draft copies: gpt-oss (YaRN), Phi-3 (LongRoPE on half of
+    each head), GLM-4.5 (partial 0.5), MiniMax-M2 (partial through the legacy rotary_dim)."""
+    import transformers
+
+    from specjax.targets.abstract import make_target
+
+    common = dict(vocab_size=V, hidden_size=H, num_attention_heads=N_HEADS, num_key_value_heads=N_KV,
+                  head_dim=HEAD_DIM, num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "yarn":
+        conf = transformers.GptOssConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=512, rope_parameters={
+                                             "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": 16,
+                                             "rope_theta": 150000.0}, **common)
+    elif kind == "longrope_partial":
+        half = HEAD_DIM // 4  # factors per rotated pair: half of each head rotates
+        conf = transformers.Phi3Config(intermediate_size=INTER, max_position_embeddings=256,
+                                       original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                                        "long_factor": [2.0 + 0.2 * i for i in range(half)]},
+                                       **common)
+    elif kind == "rotary_dim":  # MiniMax-M2's config.json as published: rotary_dim + rope_theta, no rope_parameters
+        conf = transformers.MiniMaxM2Config(intermediate_size=INTER, num_local_experts=4, num_experts_per_tok=2,
+                                            **common)
+        hf = {k: v for k, v in conf.to_dict().items() if k not in ("rope_parameters", "partial_rotary_factor")}
+        hf.update(architectures=["MiniMaxM2ForCausalLM"], rope_theta=5e6, rotary_dim=HEAD_DIM // 2)
+        return hf, make_target(hf).config
+    else:
+        conf = transformers.Glm4MoeConfig(intermediate_size=INTER, moe_intermediate_size=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, first_k_dense_replace=1, partial_rotary_factor=0.5,
+                                          **common)
+    hf = conf.to_dict()
+    hf["architectures"] = [type(conf).__name__.replace("Config", "ForCausalLM")]
+    return hf, make_target(hf).config
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope_partial", "partial", "rotary_dim"])
+def test_heads_with_the_targets_rope_import_as_exported(tmp_path, kind):
+    """A head trained for a YaRN / LongRoPE / partial-RoPE target carries that RoPE (the draft's
+    positions are the target's): specjax.eval's importer reads it back into the same draft config and
+    tensors, so such heads can be measured (it used to refuse every RoPE but default/linear/llama3)."""
+    target_hf, tcfg = _family_target(kind)
+    cfg = eagle3.config_from_target(tcfg, draft_vocab_size=VD, aux_layer_ids=AUX)
+    assert cfg.rope.rope_type != "default" or cfg.rope.partial_rotary_factor != 1.0
+    params = jax.tree_util.tree_map(np.asarray, eagle3.init_draft_params(cfg, jax.random.key(0)))
+    vocab = DraftVocab.from_ids(np.arange(VD), V)
+    a = export_eagle3(params, cfg, vocab, target_hf, tmp_path / "a", dtype="fp32")
+    head = read_head(a)
+    assert head.config == cfg, (head.config.rope, cfg.rope)
+    for k, v in jax.tree_util.tree_leaves_with_path(params):
+        np.testing.assert_array_equal(v, _get(head.params, k))
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree
+
+
 # ---- warm start ---------------------------------------------------------------------------------------
 def test_warm_start_same_and_different_vocab(tmp_path):
     target_hf, cfg, params, vocab = make_draft(seed=3)
