@@ -78,12 +78,16 @@ class Fp8BlockQuant:
 
 
 def _beside(spec: WeightSpec, suffix: str, transpose: bool, trailing: tuple[int, ...], dtype: str = "float32",
-            values_per_element: int = 0) -> WeightSpec:
+            values_per_element: int = 0, rows_first: bool = False) -> WeightSpec:
     """A stored tensor next to a quantized kernel: ``X.weight<suffix>`` on disk, leaf ``kernel<suffix>``
-    beside the kernel, the kernel's stacking axes and then ``trailing`` (a scale: not a parameter)."""
+    beside the kernel, the kernel's stacking axes and then ``trailing`` (a scale: not a parameter).
+    ``rows_first``: ``trailing`` is the file's [out, in-derived] grid, sharded as the kernel's output
+    and input axes are (packed codes and per-group scales are as large as the weight's shards need to
+    be: left whole, a 1 T model's int4 experts would sit on every FSDP shard); else unsharded."""
     lead = spec.shape[:-2]
+    axes = (spec.axes[-1], spec.axes[-2]) if rows_first else (None,) * len(trailing)
     return WeightSpec(spec.hf_name + suffix, spec.path[:-1] + (spec.path[-1] + suffix,), transpose, lead + trailing,
-                      spec.axes[:-2] + (None,) * len(trailing), layer_ids=spec.layer_ids, dtype=dtype,
+                      spec.axes[:-2] + axes, layer_ids=spec.layer_ids, dtype=dtype,
                       values_per_element=values_per_element)
 
 
@@ -161,8 +165,8 @@ class CompressedTensorsQuant:
             raise ValueError(f"{spec.hf_name}: {d_in} inputs do not fill whole int32 words of {per_word} codes"
                              + (f" and groups of {self.group_size}" if self.strategy == "group" else "")
                              + ": this packed layout is not read. Fix: use the bf16 release")
-        packed = _beside(spec, "_packed", False, (d_out, d_in // per_word), "int32", per_word)
-        return [packed, _beside(spec, "_scale", False, grid)]
+        packed = _beside(spec, "_packed", False, (d_out, d_in // per_word), "int32", per_word, rows_first=True)
+        return [packed, _beside(spec, "_scale", False, grid, rows_first=True)]
 
     def dequantize(self, node: Mapping[str, Any], dtype) -> Any:
         scale = node["kernel_scale"]

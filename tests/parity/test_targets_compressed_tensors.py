@@ -229,3 +229,27 @@ def test_kimi_k25_int4_experts_as_released(tmp_path):
     with torch.no_grad():
         want = ref(input_ids=torch.tensor(ids, dtype=torch.long), use_cache=False).logits.numpy()
     assert rel_err(target(jnp.asarray(ids)).logits, want) < REL_TOL
+
+
+def test_packed_codes_and_group_scales_shard_like_their_kernel():
+    """An int4 expert kernel [L, E, in, out] stored as codes [L, E, out, in / 8] and scales
+    [L, E, out, in / g] keeps the kernel's logical axes (output then input), so FSDP and expert
+    sharding split the stored tensors as they split a bf16 kernel (left whole, a 1 T model's codes sat
+    on every FSDP shard); a dimension the mesh does not divide stays whole (mesh._fits)."""
+    from specjax import mesh as meshlib
+    from specjax.targets.base import WeightSpec
+
+    quant = CompressedTensorsQuant("pack-quantized", 4, "group", group_size=32)
+    kernel = WeightSpec("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("moe_layers", "experts", "up_proj", "kernel"),
+                        True, (2, 8, 256, 64), ("layers", "experts", "embed", "expert_mlp"))
+    packed, scale = quant.stored_specs(kernel)
+    assert packed.path[-1] == "kernel_packed" and packed.shape == (2, 8, 64, 32)
+    assert packed.axes == scale.axes == ("layers", "experts", "expert_mlp", "embed")
+    assert scale.shape == (2, 8, 64, 8)
+    mesh = meshlib.make_mesh({"data": 1, "fsdp": 4, "expert": 2})
+    spec = meshlib.named_sharding(mesh, packed.axes, packed.shape).spec
+    on_dev = meshlib.named_sharding(mesh, packed.axes, packed.shape).shard_shape(packed.shape)
+    assert on_dev[1] == 4 and on_dev[-1] == 8, (spec, on_dev)  # experts over expert=2, codes' input over fsdp=4
+    # 8 scale groups over fsdp=4 divide; 6 would not and stay whole
+    odd = meshlib.named_sharding(mesh, scale.axes, (2, 8, 64, 6)).shard_shape((2, 8, 64, 6))
+    assert odd[-1] == 6
