@@ -167,7 +167,7 @@ class DFlashFamily(DraftFamily):
                 input_ids=batch["input_ids"], loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"],
                 positions=batch["positions"], aux_hidden=aux, embed_table=target.embed_table(target_params),
                 final_hidden=final_hidden, lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
-                compute_dtype=compute_dtype)
+                compute_dtype=compute_dtype, logit_softcap=target.logit_softcap)
             first = draft_cfg.first_trained_slot
             # the loop's columns: acc_k / slot_tokens_k become acc_0.. (draft token 0 = the first drafted slot)
             metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],

@@ -127,7 +127,7 @@ class Eagle3Family(DraftFamily):
                 aux_hidden=aux, final_hidden=final_hidden,
                 embed_table=target.embed_table(target_params), lm_head=target.lm_head_weight(target_params),
                 draft_ids=vocab["draft_ids"], t2d=vocab["t2d"], d2t=vocab["d2t"],
-                compute_dtype=compute_dtype, cod_key=self.cod_key(ttt, step),
+                compute_dtype=compute_dtype, cod_key=self.cod_key(ttt, step), logit_softcap=target.logit_softcap,
             )
 
         return loss_fn

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from specjax.drafts import lk_losses
 from specjax.drafts.eagle3 import (Eagle3Config, draft_logits, draft_step, mask_hidden_projected, next_step_hidden,
                                    project_aux)
+from specjax.layers.logits import soft_cap
 from specjax.layers.norms import rms_norm
 from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.soft_ce import fused_linear_soft_ce
@@ -100,9 +101,11 @@ def shift_right(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
     return jnp.concatenate([pad, x[:, : T - n]], axis=1)
 
 
-def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse: bool = False):
+def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse: bool = False,
+                   softcap: float | None = None):
     """argmax_v (h @ w.T) without materialising all V logits at once (first index wins on ties);
-    with `with_lse`, (argmax, logsumexp_v) from the same pass (online logsumexp, fp32)."""
+    with `with_lse`, (argmax, logsumexp_v) from the same pass (online logsumexp, fp32). `softcap`:
+    the logits are soft_cap(h @ w.T, softcap), as the target's (Gemma 4)."""
     V, D = w_vd.shape
     chunk = min(chunk, V)
     n_chunks = -(-V // chunk)
@@ -114,7 +117,7 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
     def body(carry, inp):
         best_val, best_idx, sum_exp = carry
         wc, c = inp
-        logits = jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=acc)
+        logits = soft_cap(jnp.einsum("nd,vd->nv", h_nd, wc.astype(h_nd.dtype), preferred_element_type=acc), softcap)
         col = c * chunk + jnp.arange(chunk)
         logits = jnp.where(col[None, :] < V, logits, -jnp.inf)
         idx = jnp.argmax(logits, axis=-1)
@@ -133,18 +136,20 @@ def chunked_argmax(h_nd: jnp.ndarray, w_vd: jnp.ndarray, chunk: int, *, with_lse
     return best.astype(jnp.int32)
 
 
-def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int, with_lse: bool = False):
+def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: int, with_lse: bool = False,
+                        softcap: float | None = None):
     """(teacher logits over the draft vocab [B,T,Vd] fp32 (fp64 for fp64 input), full-vocab argmax
-    [B,T]) and, with `with_lse`, the full-vocab logsumexp [B,T] as a third entry."""
+    [B,T]) and, with `with_lse`, the full-vocab logsumexp [B,T] as a third entry. `softcap`: the
+    target's final-logit soft-cap (Target.logit_softcap), applied to every logit."""
     B, T, D = final_hidden_btd.shape
     rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
-    teacher = jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
-                         preferred_element_type=accum_dtype(final_hidden_btd))
+    teacher = soft_cap(jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
+                                  preferred_element_type=accum_dtype(final_hidden_btd)), softcap)
     flat = final_hidden_btd.reshape(B * T, D)
     if with_lse:
-        argmax, lse = chunked_argmax(flat, lm_head_vd, vocab_chunk, with_lse=True)
+        argmax, lse = chunked_argmax(flat, lm_head_vd, vocab_chunk, with_lse=True, softcap=softcap)
         return teacher, argmax.reshape(B, T), lse.reshape(B, T)
-    return teacher, chunked_argmax(flat, lm_head_vd, vocab_chunk).reshape(B, T)
+    return teacher, chunked_argmax(flat, lm_head_vd, vocab_chunk, softcap=softcap).reshape(B, T)
 
 
 def ttt_loss(
@@ -165,6 +170,7 @@ def ttt_loss(
     d2t: jnp.ndarray,  # [Vd] int
     compute_dtype=jnp.float32,
     cod_key: Optional[jax.Array] = None,  # P-EAGLE: the COD sampling key (None: keep every row)
+    logit_softcap: Optional[float] = None,  # the target's final-logit soft-cap (Target.logit_softcap)
 ):
     """Returns (weighted loss, metrics dict of per-step arrays and scalars)."""
     B, T = input_ids.shape
@@ -172,7 +178,8 @@ def ttt_loss(
     aux_hidden = tuple(sg(a) for a in aux_hidden)
     lk = ttt.loss != "soft_ce"
     needs_lse = ttt.loss in ("lk_alpha", "lk_lambda")
-    teacher = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk, with_lse=needs_lse)
+    teacher = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk, with_lse=needs_lse,
+                                  softcap=logit_softcap)
     teacher_logits, target_argmax = sg(teacher[0]), teacher[1]
     target_lse = sg(teacher[2]) if needs_lse else None
     params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), draft_params)

@@ -304,6 +304,12 @@ class Target:
         """[V, H] output projection in HF layout (rows = vocab; tied -> the embedding table)."""
         return type(self).decoder.lm_head_weight(params, self.config)
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """c when the target's logits are c * tanh((h @ lm_head.T) / c) (Gemma 4's
+        final_logit_softcapping; specjax.layers.logits.soft_cap), which training teachers apply too."""
+        return None
+
     # ---- cached decoding ------------------------------------------------------------------------
     @property
     def supports_decoding(self) -> bool:

@@ -40,8 +40,9 @@ What is new in transformers' Gemma4TextModel, and how each config key turns it o
   * shared KV (``num_kv_shared_layers`` S): the last S layers compute no K/V; each uses the K/V of the
     last earlier layer of its own type (the "producer"). ``use_double_wide_mlp`` doubles those S
     layers' intermediate_size;
-  * ``final_logit_softcapping`` c: logits = c * tanh(logits / c) (:func:`soft_cap`; applied to the
-    logits of ``Target.__call__`` and ``decode_chunk``).
+  * ``final_logit_softcapping`` c: logits = c * tanh(logits / c) (``specjax.layers.logits.soft_cap``;
+    applied to the logits of ``Target.__call__`` and ``decode_chunk``, and by the training teachers
+    through ``Target.logit_softcap``).
   * transformers forces the last layer to "full_attention" (with a warning); so does this config.
 
 Params: one stacked group per (layer type, shared) pair, under ``layers`` ("sliding", "full",
@@ -77,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.layers.logits import soft_cap
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin, rope_spec_from_hf
 from specjax.targets.base import Target, WeightSpec, resolve_hf_config, tree_set
@@ -557,14 +559,6 @@ def unit_norm(x, cfg: Gemma4TargetConfig):
     return rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps, weight_in_fp32=True)
 
 
-def soft_cap(logits, cap: float | None):
-    """cap * tanh(logits / cap) (transformers' final_logit_softcapping); None leaves the logits."""
-    if cap is None:
-        return logits
-    c = jnp.asarray(cap, logits.dtype)
-    return jnp.tanh(logits / c) * c
-
-
 def project_kv(ap: dict, cfg: Gemma4TargetConfig, kind: str, h_btd, rope):
     """A layer's own K (normed, rotated) and V (the raw k_proj output with attention_k_eq_v), [B,T,Hkv,hd]."""
     b, t, _ = h_btd.shape
@@ -834,6 +828,10 @@ class Gemma4Target(Target):
         index = prefix.removeprefix("model.layers.")
         return (rest in SHARED_LAYER_KV and prefix.startswith("model.layers.") and index.isdigit()
                 and config.first_shared_layer <= int(index) < config.num_hidden_layers)
+
+    @property
+    def logit_softcap(self) -> float | None:
+        return self.config.final_logit_softcapping
 
     def __call__(self, input_ids, aux_layer_ids=None, positions=None, segment_ids=None):
         out = super().__call__(input_ids, aux_layer_ids, positions, segment_ids)

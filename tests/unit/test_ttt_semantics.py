@@ -91,6 +91,24 @@ def test_chunked_argmax_matches_dense_with_ties_and_padding():
         np.testing.assert_allclose(lse, jax.scipy.special.logsumexp(h @ w.T, axis=-1), rtol=1e-5)
 
 
+def test_soft_capped_teacher_is_the_targets_distribution():
+    """A target whose logits are soft-capped (Gemma 4's final_logit_softcapping, Target.logit_softcap):
+    the teacher over the draft vocab, the full-vocab argmax and logsumexp are those of
+    cap * tanh(h @ w.T / cap), not of the raw product (fp32, 1e-5)."""
+    from specjax.drafts.ttt import teacher_from_hidden
+
+    h = 3.0 * jax.random.normal(jax.random.key(2), (2, 5, 8))
+    w = jax.random.normal(jax.random.key(3), (37, 8))
+    ids = jnp.array([1, 4, 9, 20, 36])
+    capped = 4.0 * jnp.tanh((h @ w.T) / 4.0)
+    teacher, argmax, lse = teacher_from_hidden(h, w, ids, 10, with_lse=True, softcap=4.0)
+    np.testing.assert_allclose(teacher, capped[..., ids], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(argmax, jnp.argmax(capped, -1))
+    np.testing.assert_allclose(lse, jax.scipy.special.logsumexp(capped, axis=-1), rtol=1e-5)
+    raw = teacher_from_hidden(h, w, ids, 10, with_lse=True)
+    assert float(jnp.abs(raw[2] - lse).max()) > 1.0  # the cap changes the distribution at this scale
+
+
 def test_shift_left():
     x = jnp.arange(10).reshape(2, 5)
     np.testing.assert_array_equal(shift_left(x, 2), [[2, 3, 4, 0, 0], [7, 8, 9, 0, 0]])
