@@ -54,7 +54,7 @@ from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
 from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, write_head_folder
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
-from specjax_converters.target_facts import rope_dict, target_text_config
+from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
 
 __all__ = ["ARCHITECTURE", "CONFIG_FILE", "FORMAT", "VARIANT", "WEIGHTS_FILE", "dflash_hf_config", "dflash_state_dict",
            "export_dflash", "manifest_draft_config"]
@@ -148,7 +148,7 @@ def _check_against_target(cfg, tc: Mapping) -> None:
         _fail("mask_token_id", f"{cfg.mask_token_id} is outside the target vocab", "use a token id the target embeds")
     target_rope = rope_dict(tc)
     ours = rope_dict({"rope_parameters": cfg.rope.to_hf()})
-    if target_rope is not None and target_rope != ours:
+    if target_rope is not None and ours not in target_rope_dicts(tc):  # one of the target's RoPEs (per layer type)
         _fail("rope", f"the draft was built with {ours} but the target config says {target_rope}",
               "use the target's RoPE (config_from_target copies it)")
 

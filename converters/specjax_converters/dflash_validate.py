@@ -42,7 +42,7 @@ from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.head_files import Finding, HeadTensors
 from specjax_converters.head_rules import (HeadFormat, check_embedding_copy, check_vocab_maps, check_weight_dtypes,
                                            same_value)
-from specjax_converters.target_facts import rope_dict, target_text_config, target_virtual_depth
+from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config, target_virtual_depth
 
 __all__ = ["ARCHITECTURE", "HEAD_FORMAT", "MODEL_TYPE", "DFlashShape", "block_attention_causal", "check_dflash_head",
            "dflash_shape", "expected_dflash_weights", "is_dflash_config", "manifest_causal", "speculators_dflash_error"]
@@ -373,7 +373,8 @@ def _check_target(config, ids, target_config, bad):
     mine, theirs = rope_dict(config), rope_dict(tc)
     if theirs is None:
         theirs = {"rope_type": "default", "rope_theta": 10000.0}
-    if mine is not None and not same_value(mine, theirs):
+    # a target with a RoPE per layer type (Gemma 3 / 4): the draft may copy any one of them
+    if mine is not None and not any(same_value(mine, t) for t in target_rope_dicts(tc) or [theirs]):
         bad("target.rope", "rope_parameters", f"draft RoPE {mine} != target RoPE {theirs} (the block continues the "
             "target's positions)",
             "copy the target's rope_theta / rope_scaling / rope_parameters into the draft config")

@@ -28,7 +28,8 @@ from specjax.drafts import weights
 from specjax_converters.head_files import Finding, HeadTensors
 from specjax_converters.head_rules import (ExportValidationError, HeadFormat, check_embedding_copy, check_vocab_maps,
                                            check_weight_dtypes, errors, same_value)
-from specjax_converters.target_facts import is_hybrid_target, rope_dict, target_text_config, target_virtual_depth
+from specjax_converters.target_facts import (is_hybrid_target, rope_dict, target_rope_dicts, target_text_config,
+                                             target_virtual_depth)
 
 __all__ = [
     "ARCHITECTURE",
@@ -441,7 +442,8 @@ def _check_target(cfg, target_config, bad):
     mine, theirs = rope_dict(cfg), rope_dict(tc)
     if theirs is None:
         theirs = {"rope_type": "default", "rope_theta": 10000.0}
-    if mine is not None and not same_value(mine, theirs):
+    # a target with a RoPE per layer type (Gemma 3 / 4): the draft may copy any one of them
+    if mine is not None and not any(same_value(mine, t) for t in target_rope_dicts(tc) or [theirs]):
         bad("target.rope", "rope_parameters", f"draft RoPE {mine} != target RoPE {theirs}",
             "copy the target's rope_theta / rope_scaling / rope_parameters into the draft config")
     t_ctx = tc.get("max_position_embeddings")

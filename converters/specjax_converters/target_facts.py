@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional
 
-__all__ = ["is_hybrid_target", "rope_dict", "target_text_config", "target_virtual_depth"]
+__all__ = ["is_hybrid_target", "rope_dict", "target_rope_dicts", "target_text_config", "target_virtual_depth"]
 
 # config keys that mean "this target mixes Mamba/SSM or linear-attention blocks with attention"
 _HYBRID_KEYS = ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
@@ -53,6 +53,19 @@ def is_hybrid_target(target_config: Mapping) -> bool:
     return any(isinstance(t, str) and ("mamba" in t or "linear" in t or "ssm" in t) for t in types)
 
 
+def target_rope_dicts(config: Mapping) -> list[dict]:
+    """Every RoPE a draft of this target may copy, as rope_dict forms: one per layer type when
+    rope_parameters is nested per layer type (Gemma 3 / 4: the sliding layers' and the full layers';
+    a draft copies the one it can represent: Gemma 4's full layers use a "proportional" RoPE that the
+    engines' Llama drafts do not), else the config's one RoPE ([] when it names none)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
+        rest = {k: v for k, v in config.items() if k != "rope_parameters"}
+        return [rope_dict({**rest, "rope_parameters": p}) for _, p in sorted(params.items())]
+    one = rope_dict(config)
+    return [] if one is None else [one]
+
+
 def rope_dict(config: Mapping) -> Optional[dict]:
     """A config's RoPE as one normalised dict {rope_type, rope_theta, <scaling keys>} from either
     layout (transformers 5 `rope_parameters`, or `rope_theta` + `rope_scaling`); None when the config
@@ -69,8 +82,10 @@ def rope_dict(config: Mapping) -> Optional[dict]:
     params = dict(params)
     # M-RoPE's sections (Qwen3.5's multimodal configs) rotate text positions as plain RoPE: the three
     # position streams of a text token are equal
+    # Mistral 4's llama_4_scaling_beta rides in rope_parameters but scales the target's queries by
+    # position; it is not part of the rotation a draft copies
     out = {k: v for k, v in params.items()
-           if k not in ("type", "rope_type", "rope_theta", "mrope_section", "mrope_interleaved")}
+           if k not in ("type", "rope_type", "rope_theta", "mrope_section", "mrope_interleaved", "llama_4_scaling_beta")}
     out["rope_type"] = params.get("rope_type", params.get("type", "default"))
     out["rope_theta"] = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     # partial rotary: inside rope_parameters (transformers 5) or top-level (the legacy layout, which
