@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from specjax_kernels.gated_delta import gated_delta_rule
-from specjax_kernels.gated_delta.conv import causal_conv1d, causal_conv1d_update, gated_delta_rule_update
+from specjax_kernels.gated_delta.conv import causal_conv1d
 
 from specjax import mesh as meshlib
 from specjax.layers.norms import rms_norm
@@ -654,68 +654,6 @@ def decode_inputs(cfg: KimiLinearTargetConfig, cache: dict, input_ids_bt, positi
     return StackInputs(mask, no_rope(b, t, dtype), slots=slots, extra=extra), cache
 
 
-def recurrent_window_decode(mixed_btc, g, beta, kernel_kc, split, conv_bwkc, state_bwhkv, chunk: qn.DeltaNetChunk,
-                            implementation: str | None = None):
-    """The short conv and the gated delta rule of one layer over a chunk, continued from and kept in the
-    layer's state window (qwen3_next.py "Cached decoding"; the same steps as its deltanet_decode, for
-    any projections). ``mixed_btc`` the conv input with left-padding rows zeroed, ``g`` [B,T,H] or
-    [B,T,H,Dk] and ``beta`` [B,T,H] zero there (identity steps), ``kernel_kc`` the conv kernel [K, C],
-    ``split(conv_out) -> (q, k, v)``. Returns (rule output [B,T,H,Dv] fp32, new conv window, new state
-    window)."""
-    plan = chunk.plan
-    b, t, _ = mixed_btc.shape
-    w = state_bwhkv.shape[1]
-    rows = jnp.arange(b)
-    f32 = jnp.float32
-
-    def entry(win):  # zero at a sequence start, the window's entry labelled start-1, else NaN
-        e = win[rows, plan.entry_index]
-        shape = (b,) + (1,) * (e.ndim - 1)
-        e = jnp.where(plan.entry_found.reshape(shape), e, jnp.nan)
-        return jnp.where(plan.entry_zero.reshape(shape), jnp.zeros((), e.dtype), e)
-
-    conv0, state0 = entry(conv_bwkc).astype(mixed_btc.dtype), entry(state_bwhkv).astype(f32)
-    parent = plan.parent if plan.tree else None
-    conv_out, _ = causal_conv1d_update(mixed_btc, conv0, kernel_kc, activation="silu", parent=parent)
-    q, k, v = split(conv_out)
-    ext = jnp.concatenate([conv0, mixed_btc], axis=1)
-    if t + 1 <= w:  # every row's states (and the entry's) are kept, at window entries plan.out_entry
-        o, _, states = gated_delta_rule_update(q, k, v, g, beta, state0, parent=parent, return_states=True)
-        kept_state = jnp.concatenate([state0[:, None], states], axis=1)  # offsets 0..T
-        kept_conv = jnp.concatenate([conv0[:, None], qn.conv_states_after(ext, plan.taps)], axis=1)
-        new_state = jnp.zeros(state_bwhkv.shape, f32).at[rows[:, None], plan.out_entry].set(kept_state, mode="drop")
-        new_conv = jnp.zeros(conv_bwkc.shape, conv_bwkc.dtype).at[rows[:, None], plan.out_entry].set(
-            kept_conv.astype(conv_bwkc.dtype), mode="drop")
-        return o, new_conv, new_state.astype(state_bwhkv.dtype)
-    # a long chain chunk: the chunked rule for the head, per-row states for the last rows only
-    li = chunk.logits_index
-    n = 0 if li is None else int(li.shape[1])
-    tail = w - n
-    head = t - tail
-    s_head, outs = state0, []
-    if head:
-        o_head, s_head = gated_delta_rule(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                          initial_state=state0, return_final_state=True, implementation=implementation)
-        outs.append(o_head)
-    o_tail, _, tail_states = gated_delta_rule_update(q[:, head:], k[:, head:], v[:, head:], g[:, head:],
-                                                     beta[:, head:], s_head, return_states=True)
-    o = jnp.concatenate(outs + [o_tail], axis=1)
-    kept_rows = head + jnp.broadcast_to(jnp.arange(tail, dtype=jnp.int32), (b, tail))
-    picked = []
-    for j in range(n):  # the state after row li[:, j]: the rows after it become identity steps
-        keep = jnp.arange(t)[None, :] <= li[:, j:j + 1]  # [B, T]
-        keep_g = keep.reshape(keep.shape + (1,) * (g.ndim - 2))
-        picked.append(gated_delta_rule(q, k, v, jnp.where(keep_g, g, 0.0), jnp.where(keep[..., None], beta, 0.0),
-                                       initial_state=state0, return_final_state=True,
-                                       implementation=implementation)[1])
-    if n:  # window entries 0..n-1: the logits rows' states, n..W-1: the last rows' (plan.out_entry)
-        tail_states = jnp.concatenate([jnp.stack(picked, axis=1), tail_states], axis=1)
-        kept_rows = jnp.concatenate([jnp.asarray(li, jnp.int32), kept_rows], axis=1)
-    taps = jnp.take_along_axis(plan.taps, kept_rows[..., None], axis=1)
-    new_conv = qn.conv_states_after(ext, taps).astype(conv_bwkc.dtype)
-    return o, new_conv, tail_states.astype(state_bwhkv.dtype)
-
-
 def kda_decode(lp: dict, cfg: KimiLinearTargetConfig, h_btd, conv_bwkc, state_bwhkv, chunk: qn.DeltaNetChunk):
     """One KDA mixer over a chunk with this layer's state window. Rows before valid_from (left padding)
     are identity steps from a zero state. Returns (out [B,T,D], new conv window, new state window)."""
@@ -723,8 +661,8 @@ def kda_decode(lp: dict, cfg: KimiLinearTargetConfig, h_btd, conv_bwkc, state_bw
     mixed = jnp.where(valid, kda_projections(lp, h_btd), jnp.zeros((), h_btd.dtype))
     g, beta = decay_and_beta(lp, cfg, h_btd)
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid, beta, jnp.zeros((), beta.dtype))
-    o, conv, state = recurrent_window_decode(mixed, g, beta, conv_kernel(lp, cfg), lambda m: split_qkv(m, cfg),
-                                             conv_bwkc, state_bwhkv, chunk, cfg.gated_delta_implementation)
+    o, conv, state = qn.recurrent_window_decode(mixed, g, beta, conv_kernel(lp, cfg), lambda m: split_qkv(m, cfg),
+                                                conv_bwkc, state_bwhkv, chunk, cfg.gated_delta_implementation)
     return kda_output(lp, cfg, o, h_btd), conv, state
 
 

@@ -619,16 +619,29 @@ def conv_states_after(ext_bec, taps_bnk):
 def deltanet_decode(lp: dict, cfg: Qwen3NextTargetConfig, h_btd, conv_bwkc, state_bwhkv, chunk: DeltaNetChunk):
     """One Gated DeltaNet mixer over a chunk with this layer's state window (see the section comment).
     Returns (out [B,T,D], new conv window, new state window)."""
-    plan: DecodeChunk = chunk.plan
-    b, t, _ = h_btd.shape
-    w = state_bwhkv.shape[1]
-    rows = jnp.arange(b)
-    f32 = jnp.float32
     mixed, z, bb, a = deltanet_projections(lp, cfg, h_btd)
-    valid = plan.row_valid[..., None]
+    valid = chunk.plan.row_valid[..., None]
     mixed = jnp.where(valid, mixed, jnp.zeros((), mixed.dtype))
     g, beta = decay_and_beta(lp, bb, a)
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, jnp.zeros((), beta.dtype))
+    o, new_conv, new_state = recurrent_window_decode(mixed, g, beta, conv_kernel(lp, cfg), lambda c: split_qkv(c, cfg),
+                                                     conv_bwkc, state_bwhkv, chunk, cfg.gated_delta_implementation)
+    return deltanet_output(lp, cfg, o, z, h_btd.dtype), new_conv, new_state
+
+
+def recurrent_window_decode(mixed_btc, g, beta, kernel_kc, split, conv_bwkc, state_bwhkv, chunk: DeltaNetChunk,
+                            implementation: str | None = None):
+    """The short conv and the gated delta rule of one layer over a chunk, continued from and kept in the
+    layer's state window (the section comment), for any projections (Gated DeltaNet's here, Kimi Delta
+    Attention's in kimi_linear.py). ``mixed_btc`` the conv input with left-padding rows zeroed, ``g`` [B,T,H] or
+    [B,T,H,Dk] and ``beta`` [B,T,H] zero there (identity steps), ``kernel_kc`` the conv kernel [K, C],
+    ``split(conv_out) -> (q, k, v)``. Returns (rule output [B,T,H,Dv] fp32, new conv window, new state
+    window)."""
+    plan = chunk.plan
+    b, t, _ = mixed_btc.shape
+    w = state_bwhkv.shape[1]
+    rows = jnp.arange(b)
+    f32 = jnp.float32
 
     def entry(win):  # zero at a sequence start, the window's entry labelled start-1, else NaN
         e = win[rows, plan.entry_index]
@@ -636,11 +649,11 @@ def deltanet_decode(lp: dict, cfg: Qwen3NextTargetConfig, h_btd, conv_bwkc, stat
         e = jnp.where(plan.entry_found.reshape(shape), e, jnp.nan)
         return jnp.where(plan.entry_zero.reshape(shape), jnp.zeros((), e.dtype), e)
 
-    conv0, state0 = entry(conv_bwkc).astype(mixed.dtype), entry(state_bwhkv).astype(f32)
+    conv0, state0 = entry(conv_bwkc).astype(mixed_btc.dtype), entry(state_bwhkv).astype(f32)
     parent = plan.parent if plan.tree else None
-    conv_out, _ = causal_conv1d_update(mixed, conv0, conv_kernel(lp, cfg), activation="silu", parent=parent)
-    q, k, v = split_qkv(conv_out, cfg)
-    ext = jnp.concatenate([conv0, mixed], axis=1)
+    conv_out, _ = causal_conv1d_update(mixed_btc, conv0, kernel_kc, activation="silu", parent=parent)
+    q, k, v = split(conv_out)
+    ext = jnp.concatenate([conv0, mixed_btc], axis=1)
     if t + 1 <= w:  # every row's states (and the entry's) are kept, at window entries plan.out_entry
         o, _, states = gated_delta_rule_update(q, k, v, g, beta, state0, parent=parent, return_states=True)
         kept_state = jnp.concatenate([state0[:, None], states], axis=1)  # offsets 0..T
@@ -648,34 +661,34 @@ def deltanet_decode(lp: dict, cfg: Qwen3NextTargetConfig, h_btd, conv_bwkc, stat
         new_state = jnp.zeros(state_bwhkv.shape, f32).at[rows[:, None], plan.out_entry].set(kept_state, mode="drop")
         new_conv = jnp.zeros(conv_bwkc.shape, conv_bwkc.dtype).at[rows[:, None], plan.out_entry].set(
             kept_conv.astype(conv_bwkc.dtype), mode="drop")
-    else:  # a long chain chunk: chunked rule for the head, per-row states for the last rows only
-        li = chunk.logits_index
-        n = 0 if li is None else int(li.shape[1])
-        tail = w - n
-        head = t - tail
-        s_head, outs = state0, []
-        if head:
-            o_head, s_head = gated_delta_rule(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                              initial_state=state0, return_final_state=True,
-                                              implementation=cfg.gated_delta_implementation)
-            outs.append(o_head)
-        o_tail, _, tail_states = gated_delta_rule_update(q[:, head:], k[:, head:], v[:, head:], g[:, head:],
-                                                         beta[:, head:], s_head, return_states=True)
-        o = jnp.concatenate(outs + [o_tail], axis=1)
-        kept_rows = head + jnp.broadcast_to(jnp.arange(tail, dtype=jnp.int32), (b, tail))
-        picked = []
-        for j in range(n):  # the state after row li[:, j]: the rows after it become identity steps
-            keep = (jnp.arange(t)[None, :] <= li[:, j:j + 1])[..., None]
-            picked.append(gated_delta_rule(q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0),
-                                           initial_state=state0, return_final_state=True,
-                                           implementation=cfg.gated_delta_implementation)[1])
-        if n:  # window entries 0..n-1: the logits rows' states, n..W-1: the last rows' (plan.out_entry)
-            tail_states = jnp.concatenate([jnp.stack(picked, axis=1), tail_states], axis=1)
-            kept_rows = jnp.concatenate([jnp.asarray(li, jnp.int32), kept_rows], axis=1)
-        new_state = tail_states
-        taps = jnp.take_along_axis(plan.taps, kept_rows[..., None], axis=1)
-        new_conv = conv_states_after(ext, taps).astype(conv_bwkc.dtype)
-    return deltanet_output(lp, cfg, o, z, h_btd.dtype), new_conv, new_state.astype(state_bwhkv.dtype)
+        return o, new_conv, new_state.astype(state_bwhkv.dtype)
+    # a long chain chunk: the chunked rule for the head, per-row states for the last rows only
+    li = chunk.logits_index
+    n = 0 if li is None else int(li.shape[1])
+    tail = w - n
+    head = t - tail
+    s_head, outs = state0, []
+    if head:
+        o_head, s_head = gated_delta_rule(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
+                                          initial_state=state0, return_final_state=True, implementation=implementation)
+        outs.append(o_head)
+    o_tail, _, tail_states = gated_delta_rule_update(q[:, head:], k[:, head:], v[:, head:], g[:, head:],
+                                                     beta[:, head:], s_head, return_states=True)
+    o = jnp.concatenate(outs + [o_tail], axis=1)
+    kept_rows = head + jnp.broadcast_to(jnp.arange(tail, dtype=jnp.int32), (b, tail))
+    picked = []
+    for j in range(n):  # the state after row li[:, j]: the rows after it become identity steps
+        keep = jnp.arange(t)[None, :] <= li[:, j:j + 1]  # [B, T]
+        keep_g = keep.reshape(keep.shape + (1,) * (g.ndim - 2))
+        picked.append(gated_delta_rule(q, k, v, jnp.where(keep_g, g, 0.0), jnp.where(keep[..., None], beta, 0.0),
+                                       initial_state=state0, return_final_state=True,
+                                       implementation=implementation)[1])
+    if n:  # window entries 0..n-1: the logits rows' states, n..W-1: the last rows' (plan.out_entry)
+        tail_states = jnp.concatenate([jnp.stack(picked, axis=1), tail_states], axis=1)
+        kept_rows = jnp.concatenate([jnp.asarray(li, jnp.int32), kept_rows], axis=1)
+    taps = jnp.take_along_axis(plan.taps, kept_rows[..., None], axis=1)
+    new_conv = conv_states_after(ext, taps).astype(conv_bwkc.dtype)
+    return o, new_conv, tail_states.astype(state_bwhkv.dtype)
 
 
 def commit_path(cache: dict, start, path, accepted) -> dict:
