@@ -286,17 +286,19 @@ def build(name, seed=0, vocab=None, **overrides):
 MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemma3", "gpt_oss", "glm4_moe_lite",
                  "minimax_m2", "glm_moe_dsa", "kimi_linear", "gemma4")
 
-# Every family runs the decoding contract (cached == forward, left padding and logits_index, tree chunks,
-# partial acceptance at every position). The loop machinery tests below (batched generation, random-draft
-# losslessness, the device loop, rejection sampling, unrolled scans; continuous batching, regeneration and
-# decode_eval in tests/eval) exercise code shared by all families, whose per-family part is the cache: in
-# the default run they take one family per cache kind (LOOP_FAMILIES: KV + MoE, MLA latent, mixed
-# sliding/full windows, Gated DeltaNet states, virtual layers, H/L cycles; Llama, Qwen3 and Nemotron-H's
-# Mamba states in their own files), the rest under ``pytest -m slow``.
+# Every family runs the decoding contract's core in the default run: cached decoding (prefill, then
+# chunks, then a rollback over stale entries) equals the forward. The tests that drive the shared
+# machinery over a family's cache (left padding and logits_index, tree chunks, partial acceptance at every
+# position, batched generation, random-draft losslessness, the device loop, rejection sampling, unrolled
+# scans; continuous batching, regeneration and decode_eval in tests/eval) run in the default run on one
+# family per cache kind (LOOP_FAMILIES: KV + MoE, MLA latent, mixed sliding/full windows, Gated DeltaNet
+# states, virtual layers, H/L cycles; Llama, Qwen3 and Nemotron-H's Mamba states in their own files), and
+# on every family under ``pytest -m slow``.
 LOOP_FAMILIES = ("qwen3_moe", "deepseek_v3", "gemma3", "qwen3_5", "looped_qwen3", "hrm_text", "nemotron_h")
-LOOP_TESTS = ("test_batched_generate_equals_uncached_greedy", "test_lossless_random_draft",
-              "test_device_loop_equals_host_decoder", "test_rejection_sampling_keeps_the_target_distribution",
-              "test_unrolled_layer_scans_decode_the_same")
+LOOP_TESTS = ("test_left_padding_and_logits_index", "test_tree_chunk_matches_paths",
+              "test_lossless_partial_acceptance_everywhere", "test_batched_generate_equals_uncached_greedy",
+              "test_lossless_random_draft", "test_device_loop_equals_host_decoder",
+              "test_rejection_sampling_keeps_the_target_distribution", "test_unrolled_layer_scans_decode_the_same")
 
 
 def is_slow_case(test_name: str, params: dict) -> bool:
@@ -345,8 +347,9 @@ DECODING_ARCHS = ("Gemma4ForCausalLM", "Mistral4ForCausalLM", "KimiLinearForCaus
 
 
 def test_registered_for_decoding():
-    for name in FAMILIES:
-        assert build(name).supports_decoding, name
+    for name in FAMILIES:  # the class decides (no params needed)
+        cls, cfg = FAMILIES[name]()
+        assert cls(cfg, {}, None).supports_decoding, name
     ok = {a for a, cls in registry.ARCHITECTURES.items() if cls.decoder is not None}
     assert set(DECODING_ARCHS) <= ok
     # the refusal names every architecture that decodes
