@@ -91,13 +91,18 @@ def qwen3_moe_hf(tiny=False):
 
 
 def gpt_oss_hf(name: str, tiny=False):
-    """gpt-oss-20b / -120b (configs/targets; MXFP4 experts kept quantized on the device)."""
-    with open(os.path.join(ROOT, "configs", "targets", name, "config.json")) as f:
+    """gpt-oss-20b / -120b (configs/targets; MXFP4 experts kept quantized on the device); the name with
+    "_bf16" appended is the same shape with bf16 experts (what transformers dequantizes MXFP4 to, and
+    what SpecForge trains against)."""
+    base, bf16 = (name[:-len("_bf16")], True) if name.endswith("_bf16") else (name, False)
+    with open(os.path.join(ROOT, "configs", "targets", base, "config.json")) as f:
         hf = json.load(f)
+    if bf16:
+        hf.pop("quantization_config", None)
     if tiny:
         hf.update(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
-                  layer_types=["sliding_attention", "full_attention"] * 2)
+                  layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, eos_token_id=1)
     return hf
 
 
@@ -106,13 +111,13 @@ def model_hf(name: str, tiny: bool) -> dict:
         return llama_hf(512, 64, 128, 4, 4, 2, 16, 4096) if tiny else llama_hf(128256, 4096, 14336, 32, 32, 8, 128)
     if name == "qwen3_30b_a3b":
         return qwen3_moe_hf(tiny)
-    if name in ("gpt_oss_20b", "gpt_oss_120b"):
+    if name in ("gpt_oss_20b", "gpt_oss_120b", "gpt_oss_20b_bf16", "gpt_oss_120b_bf16"):
         return gpt_oss_hf(name, tiny)
     if name == "smollm2_135m":  # the README's first real head (SmolLM2-135M-Instruct's shape); sizing table
         with open(os.path.join(ROOT, "configs", "targets", "smollm2_135m", "config.json")) as f:
             return json.load(f)
-    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b or "
-                     f"smollm2_135m")
+    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b "
+                     f"(either with _bf16: bf16 experts) or smollm2_135m")
 
 
 def draft_shape(hf: dict, Vd: int) -> dict:
@@ -482,7 +487,13 @@ def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
                     f = value.shape[1]
                     put(prefix + "gate_up_proj", value, (slice(None), slice(0, f) if kind == "gate_proj" else slice(f, 2 * f)))
                 continue
-            put(spec.hf_name.format(i=layer), value.T if spec.transpose else value)
+            value = value.T if spec.transpose else value
+            if spec.deinterleave_axis is not None:  # specjax's [gate | up] halves -> the file's alternating entries
+                half = value.shape[spec.deinterleave_axis] // 2
+                gate, up = value.split(half, dim=spec.deinterleave_axis)
+                axis = spec.deinterleave_axis % value.ndim
+                value = torch.stack((gate, up), dim=axis + 1).flatten(axis, axis + 1)
+            put(spec.hf_name.format(i=layer), value)
     missing = sorted(set(params) - written)
     if missing:
         raise ValueError(f"fill_hf_target_shared: parameters not in specjax's weight map: {missing[:5]}")
@@ -862,7 +873,9 @@ def run_specforge(plan: dict, emit) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    hf = plan["hf"]
+    # transformers' model in bf16 whatever the target's stored format: SpecForge's users get MXFP4
+    # dequantized to bf16 (its kernels need triton_kernels' MXFP4 ops, which do not train)
+    hf = {k: v for k, v in plan["hf"].items() if k != "quantization_config"}
     K, Vd = plan["K"], plan["Vd"]
     dt = torch.float32 if tiny else torch.bfloat16
     d = draft_shape(hf, Vd)
@@ -870,8 +883,13 @@ def run_specforge(plan: dict, emit) -> None:
     t0 = time.perf_counter()
     torch.manual_seed(plan["seed"])
     conf = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k not in ("model_type",)})
+    # gpt-oss's sinks have no SDPA path in transformers: flex_attention on the GPU (its fastest
+    # built-in path; flash kernels come from the Hub), eager on CPU smoke runs
+    target_attn = "sdpa"
+    if hf["model_type"] == "gpt_oss":
+        target_attn = "flex_attention" if dev.type == "cuda" else "eager"
     with torch.device(dev):
-        target = AutoModelForCausalLM.from_config(conf, dtype=dt, attn_implementation="sdpa").eval()
+        target = AutoModelForCausalLM.from_config(conf, dtype=dt, attn_implementation=target_attn).eval()
     # transformers' own init draws the same law, but another sample: the weights specjax's side uses
     fill_hf_target_shared(target, hf, plan["seed"])
     target.requires_grad_(False)
@@ -941,7 +959,8 @@ def run_specforge(plan: dict, emit) -> None:
         triton_v = triton.__version__
     except ImportError:
         triton_v = None
-    emit({"event": "setup", "system": "specforge", "triton": triton_v, "setup_s": setup_s, "aux_ids": list(aux), "device": str(dev),
+    emit({"event": "setup", "system": "specforge", "triton": triton_v, "target_attention": target_attn,
+          "target_experts": getattr(target.config, "_experts_implementation", None), "setup_s": setup_s, "aux_ids": list(aux), "device": str(dev),
           "torch": torch.__version__, "transformers": transformers.__version__, "attention_backend": attn_backend,
           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None})
 
