@@ -85,3 +85,30 @@ def _get(tree, path):
     for k in path:
         tree = tree[k]
     return tree
+
+
+def test_gpt_oss_bf16_sides_hold_the_same_target():
+    """gpt-oss with bf16 experts (the SpecForge side-by-side's target): after the fill, transformers'
+    GptOssForCausalLM (fused gate_up_proj with gate and up columns interleaved, biases, sinks) and
+    specjax's target are the same function (fp32, 1e-5 relative), so the fill interleaves specjax's
+    [gate | up] halves back into the file's alternating columns."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import jax.numpy as jnp
+
+    from specjax.targets.abstract import make_target
+
+    hf = tt.model_hf("gpt_oss_20b_bf16", True)
+    assert "quantization_config" not in hf
+    conf = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    hf_model = transformers.AutoModelForCausalLM.from_config(conf, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    target = make_target(hf, moe_implementation="reference")
+    params = tt._jax_random_params(target, jnp.float32, 0)
+    assert tt.fill_hf_target_shared(hf_model, hf, 0) == len(dict(hf_model.named_parameters()))
+    ids = tt.fixed_batch(2, 32, hf["vocab_size"], 1)["input_ids"]
+    with torch.no_grad():
+        want = hf_model(input_ids=torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    final, _ = target.forward(params, jnp.asarray(ids), aux_layer_ids=())
+    got = np.asarray(final @ target.lm_head_weight(params).T)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
