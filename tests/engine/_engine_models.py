@@ -203,3 +203,112 @@ def train_direct_head(target_path: str, out_dir, corpus: np.ndarray | None, *, s
               f"acc {[round(float(a), 2) for a in metrics['acc_k']]}")
         params = state["params"]
     return export_eagle3(jax.device_get(params), cfg, vocab, target.hf_config, Path(out_dir), dtype="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# The other target families (test_vllm_families.py): transformers configs shaped after the parity
+# tests' tiny configs (tests/parity/test_targets_<family>.py), resized to what vLLM's CPU kernels take:
+# attention head_dim 32 (CPU_ATTN), and for MLA a latent cache row of kv_lora_rank + qk_rope_head_dim
+# = 512 + 64 = 576 values (CPU_MLA's decode kernel is compiled for that size only, DeepSeek-V3's).
+FAMILY_KINDS = ("gpt_oss", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2", "qwen3_next", "qwen3_5",
+                "qwen3_5_moe", "gemma3", "mistral", "mistral_sliding_window", "phi3", "deepseek_v32")
+FAMILY_WINDOW = 8  # sliding windows shorter than the 12-token prompts plus 48 new tokens
+
+
+def family_hf_config(kind: str):
+    """The transformers config of the tiny `kind` target (one of FAMILY_KINDS)."""
+    import transformers
+
+    base = dict(vocab_size=HF_VOCAB, hidden_size=64, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1,
+                pad_token_id=0, tie_word_embeddings=False)
+    gqa = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    mla = dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=512, qk_rope_head_dim=64,
+               qk_nope_head_dim=32, v_head_dim=32)
+    moe = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
+    ds_yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+               "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+    # the YaRN context as transformers expects it, and the routing keys DeepSeek's config.json carries (transformers
+    # drops them; vLLM reads them, and without them routes by softmax with no correction bias)
+    ds_base = {**base, "max_position_embeddings": 64 * 40, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    if kind == "gpt_oss":  # sliding and full layers, attention sinks, biased clamped-SwiGLU experts, YaRN
+        return transformers.GptOssConfig(
+            num_hidden_layers=4, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=FAMILY_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0},
+            **gqa, **{**base, "max_position_embeddings": 16 * 32})
+    if kind == "deepseek_v3":  # MLA with q LoRA and YaRN, a dense layer, grouped sigmoid routing + shared expert
+        return transformers.DeepseekV3Config(
+            num_hidden_layers=3, first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1,
+            norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, rope_parameters=ds_yarn,
+            **mla, **moe, **ds_base)
+    if kind == "deepseek_v32":  # DeepSeek-V3 plus the lightning indexer keeping 8 keys per query (its heads
+        # rotate their first qk_rope_head_dim dims: index_head_dim >= 64)
+        return transformers.DeepseekV32Config(
+            num_hidden_layers=3, first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1,
+            norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=ds_yarn, index_topk=8, index_head_dim=64,
+            index_n_heads=4, **mla, **moe, **ds_base)
+    if kind == "glm4_moe":  # q/k/v biases, qk-norm, half-width RoPE, a dense layer, grouped MoE + shared expert
+        return transformers.Glm4MoeConfig(
+            num_hidden_layers=3, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, n_group=2,
+            topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **gqa, **moe, **base)
+    if kind == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
+        return transformers.Glm4MoeLiteConfig(
+            num_hidden_layers=3, first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1,
+            routed_scaling_factor=1.8, **mla, **moe, **base)
+    if kind == "minimax_m2":  # full-width q/k norm, partial RoPE, sigmoid routing with a correction bias
+        # with the published config's keys that vLLM reads (rotary_dim, scoring_func, use_routing_bias)
+        return transformers.MiniMaxM2Config(
+            num_hidden_layers=3, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
+            scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer",
+            shared_intermediate_size=0, **gqa, **base)
+    if kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet and gated attention, partial RoPE
+        shape = dict(num_hidden_layers=4, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                       "linear_attention"],
+                     linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                     linear_num_value_heads=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                     **gqa, **base)
+        experts = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                       num_experts_per_tok=2)
+        if kind == "qwen3_next":
+            return transformers.Qwen3NextConfig(intermediate_size=96, mlp_only_layers=[3], **experts, **shape)
+        if kind == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(intermediate_size=96, **shape)
+        return transformers.Qwen3_5MoeTextConfig(**experts, **shape)
+    if kind == "gemma3":  # sliding (own RoPE base) and global layers, (1 + w) norms, GeGLU, tied embeddings
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=4, intermediate_size=96, query_pre_attn_scalar=24, sliding_window=FAMILY_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}},
+            **gqa, **{**base, "tie_word_embeddings": True})
+    if kind in ("mistral", "mistral_sliding_window"):
+        window = FAMILY_WINDOW if kind == "mistral_sliding_window" else None
+        return transformers.MistralConfig(num_hidden_layers=4, intermediate_size=96, sliding_window=window,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **gqa, **base)
+    if kind == "phi3":  # fused qkv and gate_up projections, RoPE on half of each head
+        return transformers.Phi3Config(num_hidden_layers=4, intermediate_size=96, num_attention_heads=2,
+                                       num_key_value_heads=1, partial_rotary_factor=0.5, **base)
+    raise ValueError(f"unknown family {kind!r}; one of {FAMILY_KINDS}")
+
+
+def build_family_target(kind: str, path, *, seed: int = 0):
+    """Save the tiny random `kind` target (family_hf_config) to `path`, weights sharpened as
+    build_hf_target's, expert-choice correction biases (buffers, which HF leaves at zero) drawn so
+    that they steer the routing; return (path, the torch model)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(family_hf_config(kind)).eval()
+    _sharpen_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=g))
+    model.save_pretrained(str(path))
+    return str(path), model
