@@ -1,9 +1,10 @@
 """Continuous batching (specjax.eval.continuous) against references that share none of its code.
 
 CPU, fp32, tiny random targets. Llama / Qwen3 (eval._models, weights scaled so greedy argmaxes are
-not near-ties): transformers' own `generate`, one unpadded prompt at a time. Every other decoding
-family (Qwen3-MoE, looped Llama / Qwen3, HRM-Text, Nemotron-H: tests/parity builders): the greedy
-continuation by the target's uncached full forward (`naive_greedy`, no KV or SSM cache). The bar is
+not near-ties): transformers' own `generate`, one unpadded prompt at a time. The other decoding families
+(tests/parity builders; DRIVER_FAMILIES of test_decoding_families.py by default, every family under
+`-m slow`, and every family's cache axes): the greedy continuation by the target's uncached full
+forward (`naive_greedy`, no KV or SSM cache). The bar is
 exact token equality."""
 import os
 import sys
@@ -160,26 +161,37 @@ def test_errors(target):
         ContinuousGenerator(target, batch_size=0, max_prompt_tokens=8, max_new_tokens=4)
 
 
-GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+GATED_DELTA_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")  # Kimi Linear: KDA, the same state window
 
 
-@pytest.mark.parametrize("name", fam.loop_family_params([*fam.FAMILIES, "nemotron_h"]))
-def test_every_family_equals_uncached_greedy(name):
-    """Each family's cache (KV per virtual layer, Nemotron-H's conv / SSM states and slot labels,
-    whose batch axis differs) is refilled row by row and still decodes as the uncached forward does."""
-    target = nemo.build(vocab=128) if name == "nemotron_h" else fam.build(name, vocab=128)
-    cls, cfg = type(target), target.config
-    axes = cache_batch_axes(cls, cfg, target.embed_table(target.params).dtype)
+@pytest.mark.parametrize("name", [*fam.FAMILIES, "nemotron_h"])
+def test_every_family_has_cache_batch_and_slot_axes(name):
+    """Each family's cache leaves name their batch axis (0 or 1: Nemotron-H's differs) and their slot axis
+    (right after the batch axis; none for fixed-size leaves), which continuous batching refills along."""
+    if name == "nemotron_h":
+        nemotron = nemo.build(vocab=128)
+        cls, cfg = type(nemotron), nemotron.config
+    else:
+        cls, cfg = fam.FAMILIES[name]()  # the class and config, no parameters
+    axes = cache_batch_axes(cls, cfg, np.float32)
     assert set(jax_leaves(axes)) <= {0, 1}
-    slots = cache_slot_axes(cls, cfg, target.embed_table(target.params).dtype)
+    slots = cache_slot_axes(cls, cfg, np.float32)
     # slots right after the batch axis; fixed-size leaves (Nemotron-H's SSM states and labels) have none
     assert all(sx in (-1, ax + 1) for ax, sx in zip(jax_leaves(axes), jax_leaves(slots)))
     if name == "nemotron_h":
         assert {k for k, sx in slots.items() if sx >= 0} == {"conv", "k", "v"}
     elif name in GATED_DELTA_FAMILIES:  # conv windows and delta states are fixed-size, labelled by state_slot
-        assert {k for k, sx in slots.items() if sx >= 0} == {"k", "v"}
+        assert {k for k, sx in slots.items() if sx < 0} == {"conv", "delta", "state_slot"}
+        assert {sx for sx in slots.values() if sx >= 0} == {2}  # the attention layers' K/V (or MLA latent)
     else:
         assert set(jax_leaves(slots)) == {2}
+
+
+@pytest.mark.parametrize("name", fam.driver_family_params([*fam.FAMILIES, "nemotron_h"]))
+def test_every_family_equals_uncached_greedy(name):
+    """Each family's cache (KV per virtual layer, Nemotron-H's conv / SSM states and slot labels,
+    whose batch axis differs) is refilled row by row and still decodes as the uncached forward does."""
+    target = nemo.build(vocab=128) if name == "nemotron_h" else fam.build(name, vocab=128)
     prompts = [[p % 128 for p in q] for q in PROMPTS[:5]]
     want = [fam.naive_greedy(target, p, 5) for p in prompts]
     got, _ = _run(target, prompts, batch_size=2, max_prompt_tokens=32, max_new_tokens=5, segment_steps=2,

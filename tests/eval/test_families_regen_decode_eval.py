@@ -1,6 +1,7 @@
-"""Regeneration (the JAX back end) and decode_eval (backend jax) on every decoding family other than
-Llama / Qwen3 (which tests/data/test_regenerate.py and tests/train cover): Qwen3-MoE, looped Llama /
-Qwen3, HRM-Text and Nemotron-H, tiny random targets with the tiny tokenizer's vocab (320). CPU, fp32.
+"""Regeneration (the JAX back end) and decode_eval (backend jax) on the decoding families other than
+Llama / Qwen3 (which tests/data/test_regenerate.py and tests/train cover): by default the DRIVER_FAMILIES
+of tests/parity/test_decoding_families.py (mixed-window KV, Gated DeltaNet, Nemotron-H's Mamba states),
+every family under `-m slow`; tiny random targets with the tiny tokenizer's vocab (320). CPU, fp32.
 
   regeneration: `JaxBackend.answer` on three chat prompts of different lengths (one batch of 2 and one
     of 1) gives, per prompt, the decoded text of the target's own greedy continuation computed by an
@@ -33,7 +34,7 @@ def tok(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
-@pytest.mark.parametrize("name", fam.loop_family_params(FAMILIES))
+@pytest.mark.parametrize("name", fam.driver_family_params(FAMILIES))
 def test_regeneration_answers_are_the_targets_greedy_text(name, tok):
     from specjax.regen.common import Item
     from specjax.regen.jax_backend import JaxBackend
@@ -60,7 +61,7 @@ def test_regeneration_answers_are_the_targets_greedy_text(name, tok):
             assert ans.content is None and ans.skip_reason == "empty answer"
 
 
-@pytest.mark.parametrize("name", fam.loop_family_params(FAMILIES))
+@pytest.mark.parametrize("name", fam.driver_family_params(FAMILIES))
 def test_decode_eval_runs(name, tok, tiny_target):
     from specjax.config import load_config
     from specjax.drafts.eagle3 import config_from_target, init_draft_params

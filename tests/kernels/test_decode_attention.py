@@ -168,12 +168,13 @@ def test_decoding_through_the_kernel(family, kernel, monkeypatch):
     with jax.default_matmul_precision("highest"), recording_choices() as chosen:
         outs = []
         for t in (xla, kern):
+            decode = jax.jit(t.decode_chunk, static_argnames=("aux_layer_ids",))  # eager, the scans dispatch slowly
             cache = t.init_cache(1, 64)
             pos = jnp.arange(8, dtype=jnp.int32)[None]
-            _, _, _, cache = t.decode_chunk(t.params, cache, prompt[:, :6], pos[:, :6], jnp.array([0]))  # prefill
+            _, _, _, cache = decode(t.params, cache, prompt[:, :6], pos[:, :6], jnp.array([0]))  # prefill
             tree = jnp.asarray(np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)[None])
-            logits, aux, final, _ = t.decode_chunk(t.params, cache, prompt[:, 5:8], jnp.asarray([[6, 7, 7]]), jnp.array([6]),
-                                             aux_layer_ids=t.default_aux_layer_ids(), chunk_mask=tree)
+            logits, aux, final, _ = decode(t.params, cache, prompt[:, 5:8], jnp.asarray([[6, 7, 7]]), jnp.array([6]),
+                                           aux_layer_ids=t.default_aux_layer_ids(), chunk_mask=tree)
             outs.append((logits, final))
         assert _diff(outs[0][0], outs[1][0]) < 1e-5 and _diff(outs[0][1], outs[1][1]) < 1e-5
         prompts = [[5, 17, 3, 9, 11, 2, 40], [3, 1, 4], list(range(20, 33))]

@@ -287,28 +287,47 @@ MORE_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "mistral_window", "gemm
                  "minimax_m2", "glm_moe_dsa", "kimi_linear", "gemma4")
 
 # Every family runs the decoding contract's core in the default run: cached decoding (prefill, then
-# chunks, then a rollback over stale entries) equals the forward. The tests that drive the shared
-# machinery over a family's cache (left padding and logits_index, tree chunks, partial acceptance at every
-# position, batched generation, random-draft losslessness, the device loop, rejection sampling, unrolled
-# scans; continuous batching, regeneration and decode_eval in tests/eval) run in the default run on one
-# family per cache kind (LOOP_FAMILIES: KV + MoE, MLA latent, mixed sliding/full windows, Gated DeltaNet
-# states, virtual layers, H/L cycles; Llama, Qwen3 and Nemotron-H's Mamba states in their own files), and
-# on every family under ``pytest -m slow``.
+# chunks, then a rollback over stale entries) equals the forward. The tests that drive a family's cache
+# through the shared machinery run by default on a subset, and on every family under ``pytest -m slow``:
+#   LOOP_TESTS (left padding and logits_index, tree chunks, partial acceptance at every position, batched
+#     generation with in-device refill, random-draft losslessness): they exercise what differs between
+#     cache kinds (rollback, tree commit, row refill along each leaf's batch axis), so they run on one
+#     family per cache kind, LOOP_FAMILIES: KV + MoE, MLA latent, mixed sliding/full windows, Gated
+#     DeltaNet states, virtual layers, H/L cycles (Llama, Qwen3 and Nemotron-H's Mamba states in their
+#     own files).
+#   DRIVER_TESTS (the batched device loop, rejection sampling, unrolled layer scans; continuous batching,
+#     regeneration and decode_eval in tests/eval): drivers that reach a cache only through the contract
+#     the tests above check per kind, so they run on DRIVER_FAMILIES: a KV cache with mixed windows, a
+#     Gated DeltaNet state window and Nemotron-H's Mamba states (a batch axis other than 0).
 LOOP_FAMILIES = ("qwen3_moe", "deepseek_v3", "gemma3", "qwen3_5", "looped_qwen3", "hrm_text", "nemotron_h")
 LOOP_TESTS = ("test_left_padding_and_logits_index", "test_tree_chunk_matches_paths",
               "test_lossless_partial_acceptance_everywhere", "test_batched_generate_equals_uncached_greedy",
-              "test_lossless_random_draft", "test_device_loop_equals_host_decoder",
-              "test_rejection_sampling_keeps_the_target_distribution", "test_unrolled_layer_scans_decode_the_same")
+              "test_lossless_random_draft")
+DRIVER_FAMILIES = ("gemma3", "qwen3_5", "nemotron_h")
+DRIVER_TESTS = ("test_device_loop_equals_host_decoder", "test_rejection_sampling_keeps_the_target_distribution",
+                "test_unrolled_layer_scans_decode_the_same")
 
 
 def is_slow_case(test_name: str, params: dict) -> bool:
-    """tests/conftest.py marks these cases slow: a loop test for a family outside LOOP_FAMILIES."""
-    return test_name in LOOP_TESTS and params.get("target") not in LOOP_FAMILIES
+    """tests/conftest.py marks these cases slow: a loop test for a family outside LOOP_FAMILIES, a driver
+    test for one outside DRIVER_FAMILIES."""
+    family = params.get("target")
+    return ((test_name in LOOP_TESTS and family not in LOOP_FAMILIES)
+            or (test_name in DRIVER_TESTS and family not in DRIVER_FAMILIES))
+
+
+def _params(names, default):
+    return [pytest.param(n) if n in default else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def loop_family_params(names):
-    """``names`` as pytest params, those outside LOOP_FAMILIES marked slow (for tests/eval's loops)."""
-    return [pytest.param(n) if n in LOOP_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in names]
+    """``names`` as pytest params, those outside LOOP_FAMILIES marked slow (tests/e2e's per-family training)."""
+    return _params(names, LOOP_FAMILIES)
+
+
+def driver_family_params(names):
+    """``names`` as pytest params, those outside DRIVER_FAMILIES marked slow (tests/eval's drivers)."""
+    return _params(names, DRIVER_FAMILIES)
 
 
 def family_fixture(names):
