@@ -148,14 +148,13 @@ NOT_IN_AUTO_MAPPING = ("Mistral4ForCausalLM",)
 
 
 # The XLA compile of the sharded step (memory and FLOP analysis) in the default run: one architecture per
-# kind of layer stack (dense GQA, softmax MoE, Mamba-2 hybrid, MLA + sigmoid MoE, Gated DeltaNet hybrid,
-# sinks + sliding windows, shared-KV / per-layer inputs, virtual layers, H/L cycles). Every architecture
-# lowers the same sharded step in the default run (test_training_compile_only_and_shapes_build_the_same_draft
-# calls lower_train_step on each), so a family outside this list loses only XLA's compile of it there; the
-# compiles of the rest run under -m slow.
-COMPILE_REPRESENTATIVES = ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "NemotronHForCausalLM", "DeepseekV3ForCausalLM",
-                           "Qwen3_5MoeForCausalLM", "GptOssForCausalLM", "Gemma4ForCausalLM", "LoopedQwen3ForCausalLM",
-                           "HrmTextForCausalLM")
+# kind of layer stack (dense GQA, Mamba-2 hybrid, MLA + sigmoid MoE, Gated DeltaNet hybrid + softmax MoE
+# with a shared expert, sinks + sliding windows, shared-KV / per-layer inputs, a looped stack: HRM's H/L
+# cycles). Every architecture lowers the same sharded step in the default run
+# (test_training_compile_only_and_shapes_build_the_same_draft calls lower_train_step on each), so a family
+# outside this list loses only XLA's compile of it there; the compiles of the rest run under -m slow.
+COMPILE_REPRESENTATIVES = ("LlamaForCausalLM", "NemotronHForCausalLM", "DeepseekV3ForCausalLM",
+                           "Qwen3_5MoeForCausalLM", "GptOssForCausalLM", "Gemma4ForCausalLM", "HrmTextForCausalLM")
 
 
 def is_slow_case(test_name: str, params: dict) -> bool:
