@@ -75,6 +75,12 @@ class TargetConfig(CheckedSection):
     # lets the HF tokenizer/config run code shipped in the model folder; off unless you trust it
     trust_remote_code: bool = described(False, "Let the HF tokenizer/config run Python code shipped in the "
                                                 "model folder; only for folders you trust")
+    # cache: only the target's embedding and lm_head are loaded; the states come from cache_dir
+    source: Literal["online", "cache"] = described(
+        "online", "Target states: online (computed in the train step) or cache (read from cache_dir, see "
+                  "specjax.precompute)")
+    cache_dir: str = described("", "State cache folder: python -m specjax.precompute writes it, source=cache "
+                                   "trains from it")
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,19 @@ class KernelsConfig(CheckedSection):
 
 
 @dataclass(frozen=True)
+class PrecomputeConfig(CheckedSection):
+    """`python -m specjax.precompute`: the frozen target's states over the prepared training data,
+    written once to target.cache_dir (specjax.data.state_cache) for training with target.source=cache."""
+    SECTION: ClassVar[str] = "precompute"
+    DOC: ClassVar[str] = ("python -m specjax.precompute: the target's states written once to target.cache_dir, "
+                          "for training with target.source=cache.")
+    # bfloat16 stores a bf16 target's states exactly; float8_e4m3fn takes about half the bytes
+    dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = described(
+        "bfloat16", "Stored dtype of the states (float8_e4m3fn: one scale per token and state)")
+    rows_per_shard: int = ranged(64, ge=1, doc="Packed rows per shard file of each array")
+
+
+@dataclass(frozen=True)
 class RegenerateConfig(CheckedSection):
     """Stage run by `specjax.launch` before training when enabled (see `python -m specjax.regenerate`):
     replace the assistant turns of `source` with the target's own answers, written as parquet shards
@@ -379,6 +398,7 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
     decode_eval: DecodeEvalConfig = field(default_factory=DecodeEvalConfig)
 
     def __post_init__(self):

@@ -20,7 +20,7 @@ from specjax.config_fields import ConfigError, DraftSection, described, ranged
 from specjax.drafts import dflash, dflash_decoding
 from specjax.targets.layers.attention import cache_size_for
 from specjax.drafts.family import (DraftFamily, ServePlan, read_head_config, register, resolve_mask_token_id,
-                                   target_config_for_serving)
+                                   target_config_for_serving, target_states)
 from specjax_converters.dflash_export import export_dflash
 from specjax_converters.dflash_import import read_dflash_head, warm_start_dflash_params
 from specjax_converters.dflash_validate import block_attention_causal
@@ -155,10 +155,7 @@ class DFlashFamily(DraftFamily):
         loss_cfg = objective.loss
 
         def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            final_hidden, aux = target.forward(
-                target_params, batch["input_ids"], aux_layer_ids=tap_ids,
-                positions=batch["positions"], segment_ids=batch["segment_ids"],
-            )
+            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
             candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
             anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
             params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))

@@ -18,7 +18,7 @@ from specjax.aux_ids import default_aux_layer_ids as engine_default_aux_ids
 from specjax.config_fields import DraftSection, described, ranged
 from specjax.drafts import eagle3, eagle3_decoding
 from specjax.drafts.family import (DEFAULT_META_NAME, DraftFamily, ServePlan, family_for_folder, register,
-                                   resolve_mask_token_id, target_config_for_serving)
+                                   resolve_mask_token_id, target_config_for_serving, target_states)
 from specjax.drafts.ttt import TTTConfig, ttt_loss
 from specjax_converters.eagle3_export import export_eagle3
 from specjax_converters.eagle3_import import read_head, warm_start_params
@@ -116,10 +116,7 @@ class Eagle3Family(DraftFamily):
         aux_ids = tuple(draft_cfg.aux_layer_ids)
 
         def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            final_hidden, aux = target.forward(
-                target_params, batch["input_ids"], aux_layer_ids=aux_ids,
-                positions=batch["positions"], segment_ids=batch["segment_ids"],
-            )
+            final_hidden, aux = target_states(target, target_params, batch, aux_ids)
             return ttt_loss(
                 draft_params, draft_cfg, ttt,
                 input_ids=batch["input_ids"], loss_mask=batch["loss_mask"],

@@ -32,6 +32,21 @@ META_KEY = "draft_family"  # run_meta.json key beside draft_config
 DEFAULT_META_NAME = "eagle3"  # the family of a run_meta.json without META_KEY
 
 
+# A batch read from an offline state cache (target.source: cache; specjax.data.state_cache) carries the
+# target's states under these keys, and the step runs without the target forward.
+CACHED_STATE_KEYS = ("final_hidden", "aux_hidden")
+
+
+def target_states(target, target_params, batch: Mapping, aux_layer_ids) -> tuple[Any, tuple]:
+    """(final_hidden [B, T, D], aux tuple of [B, T, D] in aux_layer_ids order) for a training batch:
+    the frozen target's forward, or the cached states the batch carries (aux_hidden [B, T, A, D])."""
+    if "final_hidden" in batch:
+        aux = batch["aux_hidden"]
+        return batch["final_hidden"], tuple(aux[:, :, i] for i in range(aux.shape[2]))
+    return target.forward(target_params, batch["input_ids"], aux_layer_ids=tuple(aux_layer_ids),
+                          positions=batch["positions"], segment_ids=batch["segment_ids"])
+
+
 @dataclass(frozen=True)
 class ServePlan:
     """What serve_cmd prints for one head, besides the engine commands themselves: the header

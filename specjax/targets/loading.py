@@ -204,8 +204,11 @@ def load_params(
     config: Any,
     dtype: Any = "bfloat16",
     shardings: Any = None,
+    only: Any = None,
 ) -> dict:
-    """Read a safetensors checkpoint into the stacked specjax param tree of ``target_cls``."""
+    """Read a safetensors checkpoint into the stacked specjax param tree of ``target_cls``. `only`: a
+    set of param paths to read (the whole checkpoint is still checked against the architecture), e.g.
+    `embedding_and_head_paths` for a run fed from a state cache."""
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     files = checkpoint_files(hf_dir)
     specs = target_cls.checkpoint_weight_specs(config, files)
@@ -237,6 +240,8 @@ def load_params(
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
         for spec in specs:
+            if only is not None and tuple(spec.path) not in only:
+                continue
             buf = np.empty(spec.shape, np.dtype(jax.numpy.dtype(spec.dtype)) if spec.dtype else np_dtype)
             for index, name in spec.hf_tensors(L):
                 _check_fp8_storage(reader.dtype_tag(name), buf.dtype, name, config)
@@ -271,16 +276,27 @@ def load_params(
     return params
 
 
+def embedding_and_head_paths(target_cls: type[Target], config: Any) -> set[tuple[str, ...]]:
+    """The param paths of the token embedding and the lm_head (none when tied): all a draft's train
+    step reads of the target when the target's states come from a cache."""
+    paths = {tuple(target_cls.decoder.embedding)}
+    if not getattr(config, "tie_word_embeddings", False):
+        paths.add(("lm_head", "kernel"))
+    return paths
+
+
 def load_target(
     hf_dir: str | os.PathLike,
     dtype: Any = "bfloat16",
     shardings: Any = None,
+    embedding_and_head_only: bool = False,
     **config_overrides,
 ) -> Target:
     """Load an HF safetensors checkpoint as a frozen specjax target.
 
     dtype: params/compute dtype ("bfloat16" or "float32"; the on-disk dtype is cast).
     shardings: optional pytree like the params (leaves jax.sharding.Sharding or None).
+    embedding_and_head_only: read only the embedding and lm_head (a run fed from a state cache).
     config_overrides: runtime config fields, e.g. ``kernels=KernelChoices(...)``, or the kernel keywords
     ``moe_implementation=``, ``ssd_implementation=``, ``attention_implementation=``,
     ``attention_q_block=``, ``decode_attention_implementation=`` (Target.config_from_hf folds them
@@ -289,5 +305,6 @@ def load_target(
     hf_config = read_hf_config(hf_dir)
     cls = get_target_class(hf_config)
     config = cls.config_from_hf(hf_config, **config_overrides)
-    params = load_params(hf_dir, cls, config, dtype=dtype, shardings=shardings)
+    only = embedding_and_head_paths(cls, config) if embedding_and_head_only else None
+    params = load_params(hf_dir, cls, config, dtype=dtype, shardings=shardings, only=only)
     return cls(config, hf_config, params)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 
 from specjax import mesh as meshlib
 from specjax.config import Config
+from specjax.targets.base import tree_get, tree_set
+from specjax.targets.loading import embedding_and_head_paths
 from specjax.train.setup import abstract_target, build_run_setup, check_batch_fits, make_mesh
 from specjax.train.step import BATCH_KEYS, init_state
 from specjax_kernels.selection import recording_choices
@@ -93,12 +95,23 @@ def lower_train_step(cfg: Config, mesh, hf: Mapping[str, Any] | None = None, dty
 def _lower(cfg, mesh, hf, dtype, batch_size, seq_length, lowering_platform) -> LoweredStep:
     dtype = dtype or cfg.target.dtype
     target = abstract_target(cfg, hf, dtype)
+    if cfg.target.source == "cache":  # the step reads only the embedding and lm_head; the states come in the batch
+        keep = embedding_and_head_paths(type(target), target.config)
+        tparams = {}
+        for path in keep:
+            tree_set(tparams, path, tree_get(target.params, path))
+        target = type(target)(target.config, target.hf_config, tparams)
     tparams = target.params
     setup = build_run_setup(cfg, target, mesh, dtype=dtype)
     dcfg, dparams, optimizer, fns = setup.draft_config, setup.draft_params_shape, setup.optimizer, setup.fns
     state = jax.eval_shape(lambda p: init_state(p, optimizer), dparams)
     B, T = int(batch_size or cfg.data.batch_size), int(seq_length or cfg.data.seq_length)
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=fns.batch_sharding) for k in BATCH_KEYS}
+    if cfg.target.source == "cache":
+        D, A = int(target.config.hidden_size), len(dcfg.aux_layer_ids)
+        sdt = jnp.float32 if dtype == "float32" else jnp.bfloat16
+        batch["final_hidden"] = jax.ShapeDtypeStruct((B, T, D), sdt, sharding=fns.batch_sharding)
+        batch["aux_hidden"] = jax.ShapeDtypeStruct((B, T, A, D), sdt, sharding=fns.batch_sharding)
     Vd, V = dcfg.draft_vocab_size, dcfg.vocab_size
     vocab = {"draft_ids": jax.ShapeDtypeStruct((Vd,), jnp.int32), "t2d": jax.ShapeDtypeStruct((V,), jnp.bool_),
              "d2t": jax.ShapeDtypeStruct((Vd,), jnp.int32)}

@@ -115,13 +115,13 @@ def _save(mngr, step, state, data_iter, result, identity: dict, due_not_run: tup
         ) from e
 
 
-def _global_batch(np_batch: dict, sharding) -> dict:
+def _global_batch(np_batch: dict, sharding, keys=BATCH_KEYS) -> dict:
     """Every process holds the same global numpy batch (identical iterators); each contributes the
     rows of its own devices, so training is the same whatever the number of processes."""
     nproc, proc = jax.process_count(), jax.process_index()
     rows = np_batch["input_ids"].shape[0] // nproc
     return {k: jax.make_array_from_process_local_data(
-        sharding, np.asarray(np_batch[k])[proc * rows:(proc + 1) * rows]) for k in BATCH_KEYS}
+        sharding, np.asarray(np_batch[k])[proc * rows:(proc + 1) * rows]) for k in keys}
 
 
 def _to_float_dict(metrics: dict) -> dict:
@@ -242,7 +242,8 @@ class _Trainer:
         if not self.run.data.val_batches:
             return {}
         ms = [self.fns.eval_step(self.loop.state["params"], self.run.target_params, self.run.vocab_arrays,
-                                 _global_batch(b, self.fns.batch_sharding)) for b in self.run.data.val_batches]
+                                 _global_batch(b, self.fns.batch_sharding, self.fns.batch_keys))
+              for b in self.run.data.val_batches]
         agg = {k: float(np.mean([_to_float_dict(m)[k] for m in ms])) for k in _to_float_dict(ms[0])}
         self.writer.write(step, "val", agg)
         self.last_val = agg
@@ -307,8 +308,8 @@ class _Trainer:
         lp = self.loop
         np_batch = next(self.data_iter)
         lp.tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0))
-        lp.state, lp.metrics = self.fns.train_step(lp.state, self.run.target_params, self.run.vocab_arrays,
-                                                   _global_batch(np_batch, self.fns.batch_sharding))
+        batch = _global_batch(np_batch, self.fns.batch_sharding, self.fns.batch_keys)
+        lp.state, lp.metrics = self.fns.train_step(lp.state, self.run.target_params, self.run.vocab_arrays, batch)
         lp.step += 1
         self._settle()  # the previous step's flag, which is ready by now
         lp.pending = (lp.step, lp.metrics["skipped"], np_batch.get("example_ids"))

@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 from specjax import checkpoint as ckpt
 from specjax import run_lock
@@ -44,10 +46,12 @@ from specjax.data.chat import TemplateLimits, check_chat_template
 from specjax.data.pipeline import batches_per_epoch
 from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
+from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, describe,
+                                        make_cache_iterator, open_checked_cache)
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.setup import (
     RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_draft_fits_target, check_writable,
-    load_prepared_target, make_mesh, preflight, prepare_target_folder, resolve_path,
+    load_prepared_target, make_mesh, preflight, prepare_target_folder, resolve_aux_ids, resolve_path,
 )
 from specjax.train.signals import StopSignal
 from specjax.train.step import init_state
@@ -115,12 +119,13 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         tokenizer = preflight(cfg)  # before anything expensive: jinja2, the tokenizer, its template
         prepare_target_folder(cfg)
         check_draft_fits_target(cfg)  # the taps, the draft vocab, the draft config: before any data pass
+        check_cache_settings(cfg)
         with stop.paused() if stop is not None else contextlib.nullcontext():
             cfg = run_regenerate_stage(cfg)
         mesh = make_mesh(cfg)
         target = load_prepared_target(cfg, mesh)
-        tokenizer = _checked_tokenizer(cfg, tokenizer, target)
-        data = _prepare_data(cfg, tokenizer, out_dir)
+        tokenizer = checked_tokenizer(cfg, tokenizer, target)
+        data = _prepare_data(cfg, tokenizer, out_dir, target)
         cfg = resolve_steps(cfg, data.train)
 
         vocab = build_vocab(cfg, data.train, target.config.vocab_size, out_dir)
@@ -178,7 +183,7 @@ def run_regenerate_stage(cfg: Config) -> Config:
     return cfg
 
 
-def _checked_tokenizer(cfg: Config, tokenizer, target):
+def checked_tokenizer(cfg: Config, tokenizer, target):
     """Preflight's tokenizer, or, when the target build wrote it (demo, GGUF), the one loaded and
     checked now, before the data pass; either way it must fit the target's vocabulary."""
     if tokenizer is None:
@@ -192,9 +197,28 @@ def _checked_tokenizer(cfg: Config, tokenizer, target):
     return tokenizer
 
 
-def _prepare_data(cfg: Config, tokenizer, out_dir: str) -> RunData:
+def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
     """data.*: the training files -> examples (every skipped row, file:line and reason, in
-    <out_dir>/skipped_rows.jsonl), the validation batches and the training iterator."""
+    <out_dir>/skipped_rows.jsonl), the validation batches and the training iterator; with
+    target.source=cache the batches are the state cache's rows (checked against these examples)."""
+    prepared = prepare_training_examples(cfg, tokenizer, out_dir)
+    d = cfg.data
+    if cfg.target.source == "cache":
+        cache = open_checked_cache(cfg, cache_fields(cfg, prepared, tokenizer, resolve_aux_ids(cfg, target)))
+        log.info("data: %s", describe(cache))
+        state_dtype = np.float32 if cfg.target.dtype == "float32" else ml_dtypes.bfloat16
+        return RunData(prepared=prepared,
+                       val_batches=cache_val_batches(cache, d.batch_size, cfg.train.eval_batches, state_dtype),
+                       iterator=make_cache_iterator(cache, d.batch_size, d.shuffle_seed, state_dtype))
+    return RunData(
+        prepared=prepared,
+        val_batches=make_eval_batches(prepared.val, d.seq_length, d.batch_size)[: cfg.train.eval_batches],
+        iterator=make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed))
+
+
+def prepare_training_examples(cfg: Config, tokenizer, out_dir: str):
+    """data.*: the training files -> prepared examples (train / val split, every skipped row,
+    file:line and reason, in <out_dir>/skipped_rows.jsonl), or a ValueError when none is usable."""
     d = cfg.data
     files = tuple(resolve_path(p) for p in d.train_files)
     if not files:
@@ -213,10 +237,7 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str) -> RunData:
              time.perf_counter() - t_prep)
     if not prepared.train:
         raise ValueError(f"no usable training rows in {files} (skipped: {dict(prepared.skipped)}).")
-    return RunData(
-        prepared=prepared,
-        val_batches=make_eval_batches(prepared.val, d.seq_length, d.batch_size)[: cfg.train.eval_batches],
-        iterator=make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed))
+    return prepared
 
 
 def resolve_steps(cfg: Config, train_examples) -> Config:

@@ -34,7 +34,7 @@ from specjax.targets.registry import get_target_class
 from specjax.targets.abstract import abstract_params
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.train.optim import lr_schedule, make_optimizer
-from specjax.train.step import StepFns, build_step_fns
+from specjax.train.step import BATCH_KEYS, CACHED_BATCH_KEYS, StepFns, build_step_fns
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -150,7 +150,9 @@ def load_prepared_target(cfg: Config, mesh=None):
     kernels = KernelChoices.of(cfg.kernels)
     shardings = None if mesh is None else target_shardings(cls, cls.config_from_hf(hf, kernels=kernels), mesh,
                                                            cfg.parallelism.target_excluded_axes)
-    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, kernels=kernels)
+    # fed from a state cache, the step reads only the embedding and lm_head of the target
+    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, kernels=kernels,
+                       embedding_and_head_only=cfg.target.source == "cache")
 
 
 def build_target(cfg: Config, mesh=None):
@@ -294,7 +296,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     dshape = jax.eval_shape(lambda: family.init_params(draft_cfg, jax.random.key(0)))
     objective = make_objective_config(cfg, draft_cfg)
     fns = build_step_fns(target, target.params, dshape, draft_cfg, objective, optimizer, mesh, compute_dtype,
-                         target_exclude=cfg.parallelism.target_excluded_axes)
+                         target_exclude=cfg.parallelism.target_excluded_axes,
+                         batch_keys=CACHED_BATCH_KEYS if cfg.target.source == "cache" else BATCH_KEYS)
     return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, objective=objective,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                     compute_dtype=compute_dtype, draft_params_shape=dshape, fns=fns)

@@ -19,8 +19,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import mesh as meshlib
 from specjax.drafts.families import family_of
+from specjax.drafts.family import CACHED_STATE_KEYS
 
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
+CACHED_BATCH_KEYS = BATCH_KEYS + CACHED_STATE_KEYS  # a batch from an offline state cache (target.source: cache)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class StepFns:
     target_shardings: Any
     vocab_shardings: Any
     batch_sharding: NamedSharding
+    batch_keys: tuple = BATCH_KEYS  # the arrays a batch feeds the step (CACHED_BATCH_KEYS: states from a cache)
 
 
 def make_loss_fn(target, draft_cfg, objective, compute_dtype):
@@ -48,10 +51,20 @@ def opt_state_shardings(optimizer, params, param_shardings, mesh: Mesh):
     )
 
 
+def present_subtree(tree, like):
+    """The part of nested dict `tree` at the paths `like` has (a target's logical axes for the weights
+    a cache-fed run loads: the embedding and lm_head only)."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: present_subtree(tree[k], v) for k, v in like.items()}
+
+
 def build_step_fns(target, target_params, draft_params, draft_cfg, objective, optimizer,
-                   mesh: Mesh, compute_dtype=jnp.float32, target_exclude=()) -> StepFns:
+                   mesh: Mesh, compute_dtype=jnp.float32, target_exclude=(), batch_keys=BATCH_KEYS) -> StepFns:
     """The jitted train and eval steps of `draft_cfg`'s family (its loss on `objective`, its logical
-    axes, its frozen leaves) with explicit shardings on `mesh`."""
+    axes, its frozen leaves) with explicit shardings on `mesh`. `target_params` may hold only some of
+    the target's weights (a run fed from a state cache needs the embedding and lm_head); `batch_keys`:
+    the batch's arrays, each sharded over the batch (and sequence) axes."""
     family = family_of(draft_cfg)
     loss_fn = family.loss_fn(target, draft_cfg, objective, compute_dtype)
     replicated = NamedSharding(mesh, P())
@@ -61,10 +74,11 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, objective, op
         "params": param_sh,
         "opt_state": opt_state_shardings(optimizer, draft_params, param_sh, mesh),
     }
-    target_sh = meshlib.tree_shardings(mesh, target.param_logical_axes(), target_params, target_exclude)
+    target_sh = meshlib.tree_shardings(mesh, present_subtree(target.param_logical_axes(), target_params),
+                                       target_params, target_exclude)
     vocab_sh = {"draft_ids": replicated, "t2d": replicated, "d2t": replicated}
     batch_sh = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
-    batch_shs = {k: batch_sh for k in BATCH_KEYS}
+    batch_shs = {k: batch_sh for k in batch_keys}
 
     def train_step(state, target_params, vocab, batch):
         with meshlib.use_mesh(mesh):  # context > 1: the explicit context-parallel attention/scan paths
@@ -97,7 +111,7 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, objective, op
         in_shardings=(param_sh, target_sh, vocab_sh, batch_shs),
         out_shardings=replicated,
     )
-    return StepFns(train_jit, eval_jit, state_sh, target_sh, vocab_sh, batch_sh)
+    return StepFns(train_jit, eval_jit, state_sh, target_sh, vocab_sh, batch_sh, tuple(batch_keys))
 
 
 def init_state(draft_params, optimizer):

@@ -77,7 +77,7 @@ def test_base_cycle(tmp_path):
 def test_dict_sections_and_help():
     d = config_to_dict(Config())
     assert list(d) == ["run", "target", "draft", "data", "optim", "train", "checkpoint", "export", "parallelism",
-                       "kernels", "regenerate", "decode_eval"]
+                       "kernels", "regenerate", "precompute", "decode_eval"]
     assert d["draft"]["ttt_steps"] == 7 and d["decode_eval"]["prompts"] == ["mtbench"]  # tuples become lists
     text = describe_sections().splitlines()
     assert "    ttt_steps: int = 7" in text and "  parallelism:" in text

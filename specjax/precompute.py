@@ -1,0 +1,159 @@
+"""python -m specjax.precompute --config X.yaml [key=value ...]: the frozen target's states, once.
+
+Runs the JAX target over the run's prepared data (the same templating, loss masking, truncation and
+train/val split as training; the examples first-fit packed in order into data.seq_length rows) and
+writes per row its tapped states, final hidden state and token arrays to target.cache_dir
+(specjax.data.state_cache: tensorstore zarr3, precompute.dtype, precompute.rows_per_shard rows per
+shard file). Training with target.source=cache then runs the same step without the target's forward
+and loads only its embedding and lm_head.
+
+Before it starts it prints the bytes per token and the total. Resumable: a killed precompute rerun
+with the same config writes only the rows not yet written (no row twice, none lost); a rerun with
+other settings or data is refused, naming each field that differs. The taps are the draft type's
+(draft.aux_layer_ids or its default), so a cache serves every draft type with the same taps.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from specjax import mesh as meshlib
+from specjax.config import Config, ConfigError, load_config
+from specjax.data.state_cache import StateCache, manifest_differences, state_bytes_per_token
+from specjax.train.cache_source import cache_fields, packed_rows
+from specjax.train.run import checked_tokenizer, prepare_training_examples
+from specjax.train.setup import (check_batch_fits, check_draft_fits_target, load_prepared_target, make_mesh, preflight,
+                                 prepare_target_folder, resolve_aux_ids)
+
+__all__ = ["main", "precompute"]
+
+log = logging.getLogger("specjax")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def precompute(cfg: Config, *, progress: bool = True) -> str:
+    """Write (or finish writing) the state cache of `cfg` at target.cache_dir; returns its path."""
+    out = cfg.target.cache_dir
+    if not out:
+        raise ValueError("target.cache_dir is empty: name the folder to write the state cache to "
+                         "(e.g. target.cache_dir=runs/state_cache)")
+    if jax.process_count() > 1:
+        raise ValueError("python -m specjax.precompute runs in one process (its writes are not split across hosts "
+                         "yet); run it on one host")
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, source="online"))  # the whole target
+    tokenizer = preflight(cfg)
+    prepare_target_folder(cfg)
+    check_draft_fits_target(cfg)
+    mesh = make_mesh(cfg)
+    check_batch_fits(cfg, mesh)
+    target = load_prepared_target(cfg, mesh)
+    tokenizer = checked_tokenizer(cfg, tokenizer, target)
+    os.makedirs(out, exist_ok=True)
+    prepared = prepare_training_examples(cfg, tokenizer, out)
+    aux_ids = resolve_aux_ids(cfg, target)
+    fields = cache_fields(cfg, prepared, tokenizer, aux_ids)
+    T = cfg.data.seq_length
+    rows = {"train": packed_rows(prepared.train, T), "val": packed_rows(prepared.val, T)}
+    D, A, dtype = int(target.config.hidden_size), len(aux_ids), cfg.precompute.dtype
+
+    if os.path.isfile(os.path.join(out, "manifest.json")):
+        cache = StateCache.open(out)
+        diffs = manifest_differences(cache.fields, fields)
+        m = cache.manifest
+        for key, want in (("dtype", dtype), ("hidden_size", D), ("num_aux", A)):
+            if m[key] != want:
+                diffs.append(f"{key}: the cache has {m[key]!r}, this run has {want!r}")
+        if diffs:
+            raise ValueError(f"{out} holds a state cache written for other settings or data:\n  " + "\n  ".join(diffs)
+                             + "\nFix: put those settings back to continue it, or set target.cache_dir to a new folder")
+        log.info("precompute: continuing the state cache in %s", out)
+    else:
+        cache = StateCache.create(out, fields, {k: len(v) for k, v in rows.items()}, seq_length=T, num_aux=A,
+                                  hidden=D, dtype=dtype, rows_per_shard=cfg.precompute.rows_per_shard)
+
+    per_token = state_bytes_per_token(A, D, dtype)
+    n_rows = sum(len(v) for v in rows.values())
+    msg = (f"precompute: {n_rows} rows x {T} tokens ({len(rows['train'])} train, {len(rows['val'])} val), taps "
+           f"{list(aux_ids)} + final hidden, {D} wide, {dtype}: {per_token:,} bytes per token, "
+           f"{_gib(per_token * T * n_rows)} in all -> {out}")
+    log.info(msg)
+
+    B = cfg.data.batch_size
+    batch_sharding = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
+
+    @jax.jit
+    def states(params, ids, pos, seg):
+        final, aux = target.forward(params, ids, aux_layer_ids=tuple(aux_ids), positions=pos, segment_ids=seg)
+        return final, jnp.stack(aux, axis=2)
+
+    t0 = time.perf_counter()
+    for split, split_rows in rows.items():
+        if not split_rows:
+            continue
+        store = cache.split(split)
+        pending = np.flatnonzero(~store.done())
+        if pending.size == 0:
+            continue
+        bar = tqdm(total=len(split_rows), initial=len(split_rows) - pending.size, desc=f"precompute {split}",
+                   unit="row", dynamic_ncols=True, disable=not progress)
+        for b0 in range(0, pending.size, B):
+            idx = pending[b0:b0 + B]
+            batch = {k: np.zeros((B, T), np.int32) for k in split_rows[0]}
+            for r, i in enumerate(idx):
+                for k in batch:
+                    batch[k][r] = split_rows[i][k]
+            on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+            final, aux = states(target.params, on_device["input_ids"], on_device["positions"],
+                                on_device["segment_ids"])
+            final, aux = jax.device_get((final, aux))
+            n = len(idx)
+            store.write(idx, {k: v[:n] for k, v in batch.items()}, final[:n], aux[:n])
+            bar.update(n)
+        bar.close()
+    log.info("precompute: %s complete (%.1f s)", out, time.perf_counter() - t0)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specjax.precompute", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="the training config (target, data, draft taps, precompute.*)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.cache_dir=runs/cache")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    for noisy in ("absl", "jax._src", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        out = precompute(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"state cache written: {out}\ntrain from it with: target.source=cache target.cache_dir={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Training from an offline state cache (target.source: cache): what a cache must have been written
+from (`cache_fields`), the packed rows it holds (`packed_rows`), the training iterator over its rows
+(`make_cache_iterator`: grain, shuffled per epoch, resumable with get_state / set_state as the online
+iterator) and the validation batches (`cache_val_batches`).
+
+The rows are the prepared examples first-fit packed in order (as the validation batches are
+packed online); training shuffles whole rows per epoch. A cache records the fields below; a run
+whose fields differ is refused with each difference named (`open_checked_cache`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from specjax import checkpoint as ckpt
+from specjax.data.chat import resolve_chat_template
+from specjax.data.pipeline import make_eval_batches
+from specjax.data.state_cache import StateCache, manifest_differences
+from specjax.train.setup import tokenizer_files
+
+__all__ = ["cache_fields", "cache_val_batches", "check_cache_settings", "describe", "make_cache_iterator",
+           "open_checked_cache", "packed_rows", "target_fingerprint"]
+
+
+def _sha_files(paths: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.path.basename(p).encode())
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def target_fingerprint(path: str) -> str:
+    """sha256 of the target's config.json and of its weight files' names and sizes (not their bytes:
+    a 1 TB target is not read twice to name it)."""
+    h = hashlib.sha256()
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        h.update(f.read())
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            h.update(f"{name}:{os.path.getsize(os.path.join(path, name))}".encode())
+    return h.hexdigest()
+
+
+def cache_fields(cfg, prepared, tokenizer, aux_layer_ids: Sequence[int]) -> dict:
+    """What a state cache depends on: the target, the tokenizer and chat template, the prepared
+    examples (their token ids and loss masks: the data files, templating, masking, truncation and
+    split), the row length, the taps and the target's dtype."""
+    tok_dir = cfg.data.tokenizer or cfg.target.path
+    tok = [os.path.join(tok_dir, f) for f in tokenizer_files(tok_dir)] if os.path.isdir(tok_dir) else []
+    template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+    return {
+        "target": target_fingerprint(cfg.target.path),
+        "target.dtype": cfg.target.dtype,
+        "tokenizer": _sha_files(tok) if tok else str(tok_dir),
+        "chat_template": hashlib.sha256(str(template).encode()).hexdigest(),
+        "train_examples": ckpt.examples_sha256(prepared.train),
+        "val_examples": ckpt.examples_sha256(prepared.val),
+        "data.seq_length": int(cfg.data.seq_length),
+        "data.mask_reasoning_content": cfg.data.mask_reasoning_content,
+        "data.mask_generation_prompt": cfg.data.mask_generation_prompt,
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+    }
+
+
+def packed_rows(examples, seq_length: int) -> list[dict]:
+    """The examples first-fit packed in order into [seq_length] rows (token arrays)."""
+    return [{k: v[0] for k, v in b.items()} for b in make_eval_batches(examples, seq_length, 1)]
+
+
+def check_cache_settings(cfg) -> None:
+    """With target.source=cache, the settings that need the whole target in this process are refused
+    before anything is loaded: decode_eval's jax backend and the regeneration stage."""
+    if cfg.target.source != "cache":
+        return
+    if not cfg.target.cache_dir:
+        raise ValueError("target.source=cache needs target.cache_dir: the folder `python -m specjax.precompute "
+                         "--config <this config>` writes")
+    if (cfg.decode_eval.every_steps or cfg.decode_eval.at_end) and cfg.decode_eval.backend == "jax":
+        raise ValueError("decode_eval.backend=jax decodes with the target, which a run with target.source=cache does "
+                         "not load. Fix: decode_eval.backend=vllm (a separate server), or decode_eval.every_steps=0 "
+                         "and decode_eval.at_end=false")
+    if cfg.regenerate.enabled:
+        raise ValueError("regenerate.enabled runs the target, which a run with target.source=cache does not load. "
+                         "Fix: regenerate first (python -m specjax.regenerate), precompute the cache on its output, "
+                         "then train with regenerate.enabled=false")
+
+
+def open_checked_cache(cfg, fields: dict) -> StateCache:
+    """target.cache_dir's cache, complete and written for `fields`, else a ValueError naming each
+    differing field (or the rows still to write) and the fix."""
+    if not cfg.target.cache_dir:
+        raise ValueError("target.source=cache needs target.cache_dir: the folder `python -m specjax.precompute "
+                         "--config <this config>` wrote")
+    cache = StateCache.open(cfg.target.cache_dir)
+    diffs = manifest_differences(cache.fields, fields)
+    if diffs:
+        raise ValueError(
+            f"the state cache at {cfg.target.cache_dir} was written for other settings or data:\n  "
+            + "\n  ".join(diffs)
+            + "\nFix: put those settings back, or write a cache for this config with `python -m specjax.precompute "
+              "--config <this config> target.cache_dir=<new folder>`")
+    for split in ("train", "val"):
+        if cache.rows(split) and not cache.split(split).done().all():
+            left = int((~cache.split(split).done()).sum())
+            raise ValueError(f"the state cache at {cfg.target.cache_dir} is unfinished: {left} of {cache.rows(split)} "
+                             f"{split} rows are not written. Fix: rerun `python -m specjax.precompute` with the same "
+                             "config (it continues where it stopped)")
+    return cache
+
+
+class _ReadRow(grain.transforms.Map):
+    def __init__(self, split, state_dtype):
+        self.split, self.state_dtype = split, state_dtype
+
+    def map(self, row):
+        return self.split.read(int(row), self.state_dtype)
+
+
+def make_cache_iterator(cache: StateCache, batch_size: int, seed: int, state_dtype, shard_index: int = 0,
+                        shard_count: int = 1):
+    """Endless iterator of [batch_size, T] batches (token arrays, final_hidden [B, T, D], aux_hidden
+    [B, T, A, D] in `state_dtype`) over the cache's training rows, reshuffled every epoch; this host
+    reads rows shard_index::shard_count. get_state() / set_state() resume it exactly."""
+    split = cache.split("train")
+    rows = np.arange(split.rows)[shard_index::shard_count]
+    if rows.size < batch_size:
+        raise ValueError(f"the state cache holds {rows.size} training rows for this host, fewer than "
+                         f"data.batch_size={batch_size}; lower data.batch_size or add data")
+    ds = grain.MapDataset.source(rows).shuffle(seed=int(seed) % 2**32).repeat(None).map(_ReadRow(split, state_dtype))
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=2 * batch_size))
+    return iter(ds.batch(batch_size, drop_remainder=True))
+
+
+def cache_val_batches(cache: StateCache, batch_size: int, limit: int, state_dtype) -> list[dict]:
+    """Up to `limit` validation batches of the cache's val rows in order, the last padded with empty
+    rows (segment 0: no loss), as make_eval_batches pads them."""
+    n = cache.rows("val")
+    if n == 0 or limit <= 0:
+        return []
+    split = cache.split("val")
+    batches = []
+    for b0 in range(0, min(n, limit * batch_size), batch_size):
+        rows = [split.read(i, state_dtype) for i in range(b0, min(b0 + batch_size, n))]
+        while len(rows) < batch_size:
+            rows.append({k: np.zeros_like(v) for k, v in rows[0].items()})
+        batches.append({k: np.stack([r[k] for r in rows]) for k in rows[0]})
+    return batches
+
+
+def describe(cache: StateCache) -> str:
+    m = cache.manifest
+    return (f"state cache {cache.path}: {cache.rows('train')} train / {cache.rows('val')} val rows of "
+            f"{m['seq_length']} tokens, {m['num_aux']} taps + final hidden ({m['hidden_size']} wide) in {m['dtype']}; "
+            f"fields {json.dumps({k: m['fields'][k] for k in ('aux_layer_ids', 'data.seq_length')})}")

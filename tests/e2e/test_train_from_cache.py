@@ -1,0 +1,212 @@
+"""Training without the target's forward: `python -m specjax.precompute` writes the tiny target's states,
+and a run with target.source=cache trains from them.
+
+Bars (CPU):
+  - the loss and every gradient of the cache-fed step equal the online step's on the same rows: fp32
+    target, fp32 cache, 1e-5 relative (EAGLE-3 and DFlash); a bf16 target with a bf16 cache: the
+    states are the bf16 values themselves, so the same bar holds (bf16 step arithmetic on both sides);
+  - the cache-fed run loads only the target's embedding and lm_head;
+  - a precompute that dies after two batches, rerun, writes every row once (none twice, none lost), and
+    its store equals an uninterrupted precompute's;
+  - a cache written for other data or taps is refused by precompute's rerun and by training, naming
+    the field; an unfinished cache is refused by training;
+  - a cache-fed run learns (held-out loss falls) and, stopped and resumed, matches an uninterrupted
+    cache-fed run at every step (1e-6), the data position included.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import load_config
+from specjax.data.state_cache import CacheSplit, StateCache
+from specjax.train.metrics import read_metrics
+
+DFLASH = ("draft.type=dflash", "draft.block_size=4", "train.dflash_anchors=16")
+
+
+def _cfg(target, out, cache, *extra):
+    return load_config(None, [
+        f"target.path={target}", "target.dtype=float32", f"run.output_dir={out}", f"target.cache_dir={cache}",
+        "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=120",
+        "data.seq_length=128", "data.batch_size=8", "data.val_fraction=0.05",
+        "draft.ttt_steps=3", "draft.draft_vocab_size=128", "precompute.dtype=float32", "precompute.rows_per_shard=8",
+        "optim.lr=3e-3", "optim.warmup_ratio=0.1", "train.log_every=1", "train.eval_batches=1",
+        "train.progress=false", "checkpoint.every_steps=4", *extra,
+    ])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny_target, tmp_path_factory):
+    from specjax.precompute import precompute
+
+    out = tmp_path_factory.mktemp("cache") / "states"
+    precompute(_cfg(tiny_target, tmp_path_factory.mktemp("unused"), out), progress=False)
+    return str(out)
+
+
+def _batch(split: CacheSplit, rows, with_states: bool):
+    got = [split.read(i) for i in rows]
+    keys = ["input_ids", "loss_mask", "segment_ids", "positions"]
+    keys += ["final_hidden", "aux_hidden"] if with_states else []
+    return {k: jnp.asarray(np.stack([g[k] for g in got])) for k in keys}
+
+
+def _loss_and_grads(cfg, target, batch):
+    from specjax.drafts.families import family_for_type
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.train.setup import make_draft_config, make_objective_config, resolve_aux_ids
+    from specjax.train.step import make_loss_fn
+
+    draft_cfg = make_draft_config(cfg, target, resolve_aux_ids(cfg, target))
+    family = family_for_type(cfg.draft.type)
+    params = family.init_params(draft_cfg, jax.random.key(0))
+    V = target.config.vocab_size
+    vocab = DraftVocab.from_ids(np.arange(cfg.draft.draft_vocab_size), V)
+    arrays = {"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
+              "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
+    compute = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
+    loss_fn = make_loss_fn(target, draft_cfg, make_objective_config(cfg, draft_cfg), compute)
+    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, target.params, arrays, batch,
+                                                                          jnp.int32(3))
+    return float(loss), grads
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
+def test_cache_fed_loss_and_gradients_equal_the_online_step(tiny_target, tmp_path, draft):
+    from specjax.precompute import precompute
+    from specjax.targets.loading import load_target
+
+    extra = DFLASH if draft == "dflash" else ()
+    cfg = _cfg(tiny_target, tmp_path / "run", tmp_path / "states", *extra)
+    precompute(cfg, progress=False)
+    split = StateCache.open(str(tmp_path / "states")).split("train")
+    rows = [0, 3, 5, 7]
+    full = load_target(tiny_target, dtype="float32")
+    partial = load_target(tiny_target, dtype="float32", embedding_and_head_only=True)
+    assert len(jax.tree.leaves(partial.params)) < len(jax.tree.leaves(full.params))
+    online_loss, online_grads = _loss_and_grads(cfg, full, _batch(split, rows, False))
+    cached_loss, cached_grads = _loss_and_grads(cfg, partial, _batch(split, rows, True))
+    assert np.isfinite(online_loss) and online_loss > 0
+    np.testing.assert_allclose(cached_loss, online_loss, rtol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(online_grads):
+        b = dict(jax.tree_util.tree_leaves_with_path(cached_grads))[path]
+        scale = float(np.abs(np.asarray(a)).max()) + 1e-12
+        assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_bf16_cache_of_a_bf16_target_gives_the_online_loss(tiny_target, tmp_path):
+    from specjax.precompute import precompute
+    from specjax.targets.loading import load_target
+
+    cfg = _cfg(tiny_target, tmp_path / "run", tmp_path / "states", "target.dtype=bfloat16", "precompute.dtype=bfloat16")
+    precompute(cfg, progress=False)
+    split = StateCache.open(str(tmp_path / "states")).split("train")
+    full = load_target(tiny_target, dtype="bfloat16")
+    partial = load_target(tiny_target, dtype="bfloat16", embedding_and_head_only=True)
+    rows = [1, 2]
+    online = _batch(split, rows, False)
+    cached = _batch(split, rows, True)
+    # the stored states are the bf16 forward's values: read back, they equal a fresh forward exactly
+    final, aux = jax.jit(lambda p, b: full.forward(p, b["input_ids"], aux_layer_ids=(1, 2, 3),
+                                                   positions=b["positions"], segment_ids=b["segment_ids"]))(
+        full.params, online)
+    np.testing.assert_array_equal(np.asarray(cached["final_hidden"]), np.asarray(final, np.float32))
+    np.testing.assert_array_equal(np.asarray(cached["aux_hidden"]), np.asarray(jnp.stack(aux, 2), np.float32))
+    cached = {**cached, "final_hidden": cached["final_hidden"].astype(jnp.bfloat16),
+              "aux_hidden": cached["aux_hidden"].astype(jnp.bfloat16)}
+    online_loss, _ = _loss_and_grads(cfg, full, online)
+    cached_loss, _ = _loss_and_grads(cfg, partial, cached)
+    np.testing.assert_allclose(cached_loss, online_loss, rtol=1e-5)
+
+
+def test_a_killed_precompute_resumes_without_a_row_twice(tiny_target, tmp_path, cache_dir, monkeypatch):
+    from specjax.precompute import precompute
+
+    cfg = _cfg(tiny_target, tmp_path / "run", tmp_path / "states")
+    written = []
+    real_write = CacheSplit.write
+
+    def write(self, rows, *a, **k):
+        if len(written) == 2:
+            raise KeyboardInterrupt("killed")
+        real_write(self, rows, *a, **k)
+        written.append((self.folder.rsplit("/", 1)[-1], list(map(int, rows))))
+
+    monkeypatch.setattr(CacheSplit, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        precompute(cfg, progress=False)
+    assert len(written) == 2
+    monkeypatch.setattr(CacheSplit, "write", lambda self, rows, *a, **k: (
+        real_write(self, rows, *a, **k), written.append((self.folder.rsplit("/", 1)[-1], list(map(int, rows))))))
+    precompute(cfg, progress=False)
+    ref = StateCache.open(cache_dir)
+    got = StateCache.open(str(tmp_path / "states"))
+    for split in ("train", "val"):
+        rows = [r for s, rs in written if s == split for r in rs]
+        assert sorted(rows) == list(range(ref.rows(split))), split  # every row once
+        for i in range(ref.rows(split)):
+            a, b = ref.split(split).read(i), got.split(split).read(i)
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
+    assert got.complete()
+
+
+def test_mismatched_and_unfinished_caches_are_refused(tiny_target, tmp_path, cache_dir):
+    from specjax.precompute import precompute
+    from specjax.train.loop import train
+
+    with pytest.raises(ValueError, match=r"train_examples: the cache has"):
+        precompute(_cfg(tiny_target, tmp_path / "r0", cache_dir, "data.max_rows=100"), progress=False)
+    with pytest.raises(ValueError, match=r"(?s)aux_layer_ids: the cache has \[1, 2, 3\], this run has \[0, 2, 3\]"
+                                         r".*python -m specjax.precompute"):
+        train(_cfg(tiny_target, tmp_path / "r1", cache_dir, "target.source=cache", "target.aux_layer_ids=[0,2,3]",
+                   "train.steps=2"))
+    unfinished = StateCache.create(str(tmp_path / "u"), StateCache.open(cache_dir).fields,
+                                   StateCache.open(cache_dir).manifest["splits"], seq_length=128, num_aux=3,
+                                   hidden=64, dtype="float32")
+    assert not unfinished.complete()
+    with pytest.raises(ValueError, match="unfinished: .* train rows are not written"):
+        train(_cfg(tiny_target, tmp_path / "r2", tmp_path / "u", "target.source=cache", "train.steps=2"))
+    with pytest.raises(ValueError, match="decode_eval.backend=jax decodes with the target"):
+        train(_cfg(tiny_target, tmp_path / "r3", cache_dir, "target.source=cache", "decode_eval.at_end=true"))
+
+
+def test_a_cache_fed_run_learns_and_resumes_exactly(tiny_target, tmp_path, cache_dir):
+    from specjax.train.loop import train
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    src = ("target.source=cache", "export.at_end=false")
+    res = train(_cfg(tiny_target, full, cache_dir, *src, "train.steps=12", "train.eval_every=12"))
+    assert res.final_step == 12
+    val = read_metrics(str(full), "val")
+    assert val[-1]["loss"] < val[0]["loss"] - 0.05, val
+    first = train(_cfg(tiny_target, split, cache_dir, *src, "train.steps=12", "train.eval_every=12",
+                       "train.stop_at_step=6"))
+    assert first.stopped_early and first.final_step == 6
+    train(_cfg(tiny_target, split, cache_dir, *src, "train.steps=12", "train.eval_every=12"))
+    a = {r["step"]: r for r in read_metrics(str(full), "train")}
+    b = {r["step"]: r for r in read_metrics(str(split), "train")}
+    assert sorted(b) == list(range(1, 13))
+    for step in range(1, 13):
+        for key in ("loss", "acc_0", "grad_norm"):
+            np.testing.assert_allclose(b[step][key], a[step][key], rtol=1e-6, atol=1e-7, err_msg=f"{key} @ {step}")
+
+
+def test_compile_only_lowers_the_cache_fed_step(tiny_target, tmp_path):
+    """--compile-only with target.source=cache compiles the step a cache-fed run runs: the target's
+    embedding and lm_head as arguments, the states in the batch, no target forward."""
+    from specjax.train.aot import compile_step, lower_train_step
+    from specjax.train.setup import make_mesh
+
+    cfg = _cfg(tiny_target, tmp_path / "b", tmp_path / "c", "target.source=cache")
+    step = lower_train_step(cfg, make_mesh(cfg))
+    batch = step.abstract_args[3]
+    assert set(batch) == {"input_ids", "loss_mask", "segment_ids", "positions", "final_hidden", "aux_hidden"}
+    D = step.target.config.hidden_size
+    assert batch["aux_hidden"].shape == (8, 128, 3, D) and batch["final_hidden"].shape == (8, 128, D)
+    assert len(jax.tree.leaves(step.abstract_args[1])) == 2  # embedding, lm_head
+    online = compile_step(_cfg(tiny_target, tmp_path / "a", tmp_path / "c"))
+    cached = compile_step(cfg)
+    assert cached["target_param_bytes_per_device"] < online["target_param_bytes_per_device"]
+    assert cached["flops_per_step"] < online["flops_per_step"]
