@@ -90,6 +90,10 @@ class DataConfig(CheckedSection):
     train_files: tuple[str, ...] = described(
         (), "Training chats, read in order: JSONL/JSON/parquet files, folders of parquet shards, or "
             "preset://sharegpt")
+    # set: validation reads these files (every row; max_rows does not cut them) and the training files are
+    # not split (val_fraction is not used)
+    val_files: tuple[str, ...] = described((), "Validation chats in their own files (then val_fraction is not "
+                                               "used); empty: the val_fraction split of train_files")
     tokenizer: Optional[str] = described(None, "Tokenizer folder; null: target.path")
     chat_template: Optional[str] = described(None, "Jinja chat template, inline or the path of a file holding "
                                                    "one; null: the tokenizer's own")
@@ -169,6 +173,11 @@ class TrainConfig(CheckedSection):
     SECTION: ClassVar[str] = "train"
     DOC: ClassVar[str] = "The training loop: length, logging, validation, and the objective's settings."
     steps: int = ranged(1000, ge=1, doc="Optimizer steps; the learning-rate schedule spans them")
+    # the step computes data.batch_size rows as this many micro-batches of batch_size / n rows in turn (a lax.scan)
+    # and applies their mean gradient once: the update of the whole batch at the activation memory of one
+    # micro-batch. Equal to the whole batch for losses normalised by rows x length (EAGLE-3, P-EAGLE)
+    grad_accum_steps: int = ranged(1, ge=1, doc="Micro-batches per optimizer step (data.batch_size is split into "
+                                                "them); their mean gradient is applied once")
     # when set, replaces `steps`: that many passes over the training examples, counted as packed batches
     # of one pass (pipeline.batches_per_epoch) once the data is read; 2.5 = two and a half passes
     epochs: Optional[float] = ranged(None, gt=0.0, doc="Passes over the training rows (2.5 allowed); when set, "

@@ -140,3 +140,7 @@ class DraftSection(CheckedSection):
     # speculators layers.0.* / specjax export; DFlash: a specjax DFlash export)
     init_from: Optional[str] = described(None, "Warm start from a head folder of the same draft type (EAGLE-3: "
                                                "SpecForge, speculators or specjax; others: specjax)")
+    # several runs (other data, methods or seeds) then share one map, so their heads are comparable and
+    # their exports interchangeable in the same serving config
+    vocab_file: Optional[str] = described(None, "Draft vocabulary to use instead of counting this run's data: "
+                                                "another run's draft_vocab.npz")

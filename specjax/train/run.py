@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -43,7 +44,7 @@ from specjax import run_lock
 from specjax.config import Config, config_to_dict, default_config_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 from specjax.data.chat import TemplateLimits, check_chat_template
-from specjax.data.pipeline import batches_per_epoch
+from specjax.data.pipeline import Prepared, batches_per_epoch, write_skip_report
 from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
 from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, describe,
@@ -224,13 +225,27 @@ def prepare_training_examples(cfg: Config, tokenizer, out_dir: str):
     if not files:
         raise ValueError("data.train_files is empty: give one or more JSONL/JSON/parquet chat files.")
     t_prep = time.perf_counter()
-    prepared = prepare_examples(
-        files, tokenizer, d.seq_length, d.val_fraction, d.shuffle_seed,
-        max_rows=d.max_rows, truncate=d.truncate, chat_template=d.chat_template,
-        mask_reasoning_content=d.mask_reasoning_content, mask_generation_prompt=d.mask_generation_prompt,
-        skip_report_dir=out_dir, workers=d.prepare_processes(),
-        row_limits=RowLimits.of(d), template_limits=TemplateLimits.of(d),
-    )
+
+    def prepare(paths, val_fraction, max_rows, report_dir):
+        return prepare_examples(
+            paths, tokenizer, d.seq_length, val_fraction, d.shuffle_seed,
+            max_rows=max_rows, truncate=d.truncate, chat_template=d.chat_template,
+            mask_reasoning_content=d.mask_reasoning_content, mask_generation_prompt=d.mask_generation_prompt,
+            skip_report_dir=report_dir, workers=d.prepare_processes(),
+            row_limits=RowLimits.of(d), template_limits=TemplateLimits.of(d),
+        )
+
+    if not d.val_files:
+        prepared = prepare(files, d.val_fraction, d.max_rows, out_dir)
+    else:  # validation from its own files: the training files are not split
+        log.info("data: validation from data.val_files %s (data.val_fraction=%g is not used)", list(d.val_files),
+                 d.val_fraction)
+        train_part = prepare(files, 0.0, d.max_rows, None)
+        val_part = prepare(tuple(resolve_path(p) for p in d.val_files), 0.0, None, None)
+        prepared = Prepared(train=train_part.train, val=val_part.train,
+                            skipped=dict(Counter(train_part.skipped) + Counter(val_part.skipped)),
+                            n_rows=train_part.n_rows + val_part.n_rows, skips=train_part.skips + val_part.skips)
+        write_skip_report(prepared, out_dir)
     n_skipped = sum(prepared.skipped.values())
     log.info("data: %d rows -> %d train / %d val examples; skipped %d %s (%.1f s)", prepared.n_rows,
              len(prepared.train), len(prepared.val), n_skipped, dict(prepared.skipped),

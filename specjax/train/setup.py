@@ -206,11 +206,27 @@ def build_vocab(cfg: Config, examples, vocab_size: int, out_dir: str):
                 f"V={vocab_size}, Vd={cfg.draft.draft_vocab_size}; use a new run.output_dir."
             )
         return vocab
-    counts = token_counts_from_examples(examples, vocab_size)
-    vocab = build_draft_vocab(counts, cfg.draft.draft_vocab_size)
+    if cfg.draft.vocab_file:  # a shared map (another run's), not this run's counts
+        vocab = _vocab_from_file(resolve_path(cfg.draft.vocab_file), vocab_size, cfg.draft.draft_vocab_size)
+    else:
+        counts = token_counts_from_examples(examples, vocab_size)
+        vocab = build_draft_vocab(counts, cfg.draft.draft_vocab_size)
     vocab.validate()
     if jax.process_index() == 0:  # every process computes the same vocab; one writes it
         vocab.save(path)
+    return vocab
+
+
+def _vocab_from_file(path: str, vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"draft.vocab_file {path} does not exist; point it at another run's draft_vocab.npz")
+    vocab = DraftVocab.load(path)
+    if vocab.t2d.shape[0] != vocab_size or vocab.draft_ids.shape[0] != draft_vocab_size:
+        raise ValueError(
+            f"draft.vocab_file {path} maps a {vocab.t2d.shape[0]}-token target vocab to {vocab.draft_ids.shape[0]} "
+            f"draft tokens, but this run has a {vocab_size}-token target and draft.draft_vocab_size="
+            f"{draft_vocab_size}. Fix: set draft.draft_vocab_size={vocab.draft_ids.shape[0]}, or use a vocab file "
+            "written for this target")
     return vocab
 
 
@@ -251,6 +267,12 @@ def check_batch_fits(cfg: Config, mesh, batch_size: int | None = None) -> None:
             f"data.batch_size={b} must be divisible by data*fsdp*expert={n_batch_shards} "
             f"(mesh {dict(mesh.shape)}); change data.batch_size or parallelism.*."
         )
+    n = cfg.train.grad_accum_steps
+    if b % (n * n_batch_shards):
+        raise ValueError(
+            f"data.batch_size={b} in train.grad_accum_steps={n} micro-batches gives micro-batches of {b / n:g} rows, "
+            f"which must be whole and divisible by data*fsdp*expert={n_batch_shards}; make data.batch_size a "
+            f"multiple of {n * n_batch_shards}")
     if b % jax.process_count():
         raise ValueError(f"data.batch_size={b} must be divisible by the {jax.process_count()} processes.")
 
@@ -297,7 +319,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     objective = make_objective_config(cfg, draft_cfg)
     fns = build_step_fns(target, target.params, dshape, draft_cfg, objective, optimizer, mesh, compute_dtype,
                          target_exclude=cfg.parallelism.target_excluded_axes,
-                         batch_keys=CACHED_BATCH_KEYS if cfg.target.source == "cache" else BATCH_KEYS)
+                         batch_keys=CACHED_BATCH_KEYS if cfg.target.source == "cache" else BATCH_KEYS,
+                         grad_accum_steps=cfg.train.grad_accum_steps)
     return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, objective=objective,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                     compute_dtype=compute_dtype, draft_params_shape=dshape, fns=fns)

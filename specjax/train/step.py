@@ -59,12 +59,48 @@ def present_subtree(tree, like):
     return {k: present_subtree(tree[k], v) for k, v in like.items()}
 
 
+def accumulated_value_and_grad(loss_fn, n: int, mesh: Mesh, batch_sharding):
+    """`value_and_grad(loss_fn, has_aux=True)` over a batch split into `n` micro-batches computed in turn
+    (lax.scan): the mean loss, metrics and gradient. Micro-batch m holds rows m, m + n, m + 2n, ...: with
+    the rows block-sharded over the batch axes, every device keeps its share of each micro-batch."""
+    vg = jax.value_and_grad(loss_fn, has_aux=True)
+    if n == 1:
+        return vg
+
+    def split(x):
+        return x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
+
+    def accumulated(params, target_params, vocab, batch, step=None):
+        micro = jax.tree.map(split, batch)
+
+        def one(carry, mb):
+            mb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding), mb)
+            (loss, metrics), grads = vg(params, target_params, vocab, mb, step)
+            metrics = jax.tree.map(lambda v: v.astype(jnp.float32), metrics)
+            out = (loss.astype(jnp.float32), metrics, grads)
+            return jax.tree.map(jnp.add, carry, out), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: vg(params, target_params, vocab, first, step))
+        (loss_s, metrics_s), grads_s = shapes
+        zero = lambda s, dt=None: jnp.zeros(s.shape, dt or s.dtype)
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: zero(s, jnp.float32), metrics_s),
+                jax.tree.map(zero, grads_s))
+        (loss, metrics, grads), _ = jax.lax.scan(one, init, micro)
+        mean = lambda v: v / n
+        return (mean(loss), jax.tree.map(mean, metrics)), jax.tree.map(mean, grads)
+
+    return accumulated
+
+
 def build_step_fns(target, target_params, draft_params, draft_cfg, objective, optimizer,
-                   mesh: Mesh, compute_dtype=jnp.float32, target_exclude=(), batch_keys=BATCH_KEYS) -> StepFns:
+                   mesh: Mesh, compute_dtype=jnp.float32, target_exclude=(), batch_keys=BATCH_KEYS,
+                   grad_accum_steps: int = 1) -> StepFns:
     """The jitted train and eval steps of `draft_cfg`'s family (its loss on `objective`, its logical
     axes, its frozen leaves) with explicit shardings on `mesh`. `target_params` may hold only some of
     the target's weights (a run fed from a state cache needs the embedding and lm_head); `batch_keys`:
-    the batch's arrays, each sharded over the batch (and sequence) axes."""
+    the batch's arrays, each sharded over the batch (and sequence) axes; `grad_accum_steps`: micro-batches
+    per step (`accumulated_value_and_grad`)."""
     family = family_of(draft_cfg)
     loss_fn = family.loss_fn(target, draft_cfg, objective, compute_dtype)
     replicated = NamedSharding(mesh, P())
@@ -80,10 +116,11 @@ def build_step_fns(target, target_params, draft_params, draft_cfg, objective, op
     batch_sh = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
     batch_shs = {k: batch_sh for k in batch_keys}
 
+    value_and_grad = accumulated_value_and_grad(loss_fn, int(grad_accum_steps), mesh, batch_sh)
+
     def train_step(state, target_params, vocab, batch):
         with meshlib.use_mesh(mesh):  # context > 1: the explicit context-parallel attention/scan paths
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state["params"], target_params, vocab, batch, state["step"])
+            (loss, metrics), grads = value_and_grad(state["params"], target_params, vocab, batch, state["step"])
         metrics["grad_norm"] = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], family.frozen_leaves_kept(draft_cfg, updates))
