@@ -90,6 +90,9 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
            f"{list(aux_ids)} + final hidden, {D} wide, {dtype}: {per_token:,} bytes per token, "
            f"{_gib(per_token * T * n_rows)} in all -> {out}")
     log.info(msg)
+    if cfg.target.dtype == "float32" and dtype != "float32":
+        log.warning("precompute: the float32 target's states are stored in %s (rounded); precompute.dtype=float32 "
+                    "keeps them exact (twice the bytes of bfloat16)", dtype)
 
     B = cfg.data.batch_size
     batch_sharding = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
