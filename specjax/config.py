@@ -94,6 +94,10 @@ class DataConfig(CheckedSection):
     # not split (val_fraction is not used)
     val_files: tuple[str, ...] = described((), "Validation chats in their own files (then val_fraction is not "
                                                "used); empty: the val_fraction split of train_files")
+    # one weight per train_files entry: each entry's examples are shuffled and repeated on their own and
+    # mixed in these proportions (a weight 3 entry gives three examples for one of a weight 1 entry)
+    train_file_weights: tuple[float, ...] = described((), "Sampling weight of each train_files entry; empty: "
+                                                          "every example once per pass")
     tokenizer: Optional[str] = described(None, "Tokenizer folder; null: target.path")
     chat_template: Optional[str] = described(None, "Jinja chat template, inline or the path of a file holding "
                                                    "one; null: the tokenizer's own")

@@ -382,8 +382,12 @@ def _packed_rows(
     shard_count: int = 1,
     num_epochs: int | None = None,
     num_packing_bins: int = 8,
+    groups: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> grain.IterDataset:
-    """Unbatched packed rows of this host's shard ([T] per feature)."""
+    """Unbatched packed rows of this host's shard ([T] per feature). With `weights`, example i belongs
+    to group `groups[i]` (its data.train_files entry): each group is shuffled and repeated on its own
+    and the groups are mixed in proportion to `weights` (grain's MapDataset.mix), endlessly."""
     if shard_count <= 0 or not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}")
     local = list(examples[shard_index::shard_count])
@@ -392,10 +396,21 @@ def _packed_rows(
             f"host shard {shard_index}/{shard_count} has no example ({len(examples)} examples in total)"
         )
     _check_lengths(local, seq_length)
-    ds = grain.MapDataset.source(list(enumerate(local)))
-    # shuffle before repeat: grain folds the epoch number into the seed, so every epoch gets a
-    # different but reproducible order.
-    ds = ds.shuffle(seed=int(seed) % 2**32).repeat(num_epochs).map(_features)
+    if weights is None:
+        ds = grain.MapDataset.source(list(enumerate(local)))
+        # shuffle before repeat: grain folds the epoch number into the seed, so every epoch gets a
+        # different but reproducible order.
+        ds = ds.shuffle(seed=int(seed) % 2**32).repeat(num_epochs).map(_features)
+    else:
+        local_groups = list(groups[shard_index::shard_count])
+        parts = []
+        for g in range(len(weights)):
+            members = [(i, ex) for i, (ex, eg) in enumerate(zip(local, local_groups)) if eg == g]
+            if not members:
+                raise ValueError(f"data.train_files entry {g} has no training example on host shard "
+                                 f"{shard_index}/{shard_count}, so it cannot get weight {weights[g]}")
+            parts.append(grain.MapDataset.source(members).shuffle(seed=(int(seed) + g) % 2**32).repeat(None))
+        ds = grain.MapDataset.mix(parts, [float(w) for w in weights]).map(_features)
     # Everything is already in memory; reader threads would only add GIL contention.
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -416,8 +431,11 @@ def make_train_iterator(
     shard_count: int = 1,
     *,
     num_packing_bins: int | None = None,
+    groups: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
 ):
-    """Endless iterator of packed [batch_size, seq_length] numpy batches for this host.
+    """Endless iterator of packed [batch_size, seq_length] numpy batches for this host (`groups` /
+    `weights`: data.train_file_weights, see `_packed_rows`).
 
     This host reads ``examples[shard_index::shard_count]`` (disjoint across hosts, together all).
     The returned grain iterator has get_state()/set_state() (a small dict of ints) for exact
@@ -425,7 +443,7 @@ def make_train_iterator(
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     bins = batch_size if num_packing_bins is None else int(num_packing_bins)
-    ds = _packed_rows(examples, seq_length, seed, shard_index, shard_count, None, bins)
+    ds = _packed_rows(examples, seq_length, seed, shard_index, shard_count, None, bins, groups, weights)
     return iter(ds.batch(batch_size, drop_remainder=True))
 
 

@@ -87,6 +87,10 @@ def check_cache_settings(cfg) -> None:
         raise ValueError("decode_eval.backend=jax decodes with the target, which a run with target.source=cache does "
                          "not load. Fix: decode_eval.backend=vllm (a separate server), or decode_eval.every_steps=0 "
                          "and decode_eval.at_end=false")
+    if cfg.data.train_file_weights:
+        raise ValueError("data.train_file_weights mixes the training files in the online stream; a state cache's "
+                         "rows are packed from all of them once. Fix: leave data.train_file_weights empty with "
+                         "target.source=cache")
     if cfg.regenerate.enabled:
         raise ValueError("regenerate.enabled runs the target, which a run with target.source=cache does not load. "
                          "Fix: regenerate first (python -m specjax.regenerate), precompute the cache on its output, "

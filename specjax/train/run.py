@@ -44,6 +44,7 @@ from specjax import run_lock
 from specjax.config import Config, config_to_dict, default_config_dict
 from specjax.data import make_eval_batches, make_train_iterator, prepare_examples
 from specjax.data.chat import TemplateLimits, check_chat_template
+from specjax.data.datasets import resolve_data_paths
 from specjax.data.pipeline import Prepared, batches_per_epoch, write_skip_report
 from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
@@ -202,8 +203,14 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
     """data.*: the training files -> examples (every skipped row, file:line and reason, in
     <out_dir>/skipped_rows.jsonl), the validation batches and the training iterator; with
     target.source=cache the batches are the state cache's rows (checked against these examples)."""
-    prepared = prepare_training_examples(cfg, tokenizer, out_dir)
     d = cfg.data
+    if d.train_file_weights and len(d.train_file_weights) != len(d.train_files):
+        raise ValueError(f"data.train_file_weights has {len(d.train_file_weights)} weights for "
+                         f"{len(d.train_files)} data.train_files entries; give one weight per entry (or none)")
+    if any(w <= 0 for w in d.train_file_weights):
+        raise ValueError(f"data.train_file_weights {list(d.train_file_weights)}: every weight must be > 0 "
+                         "(leave an entry out of data.train_files to drop it)")
+    prepared = prepare_training_examples(cfg, tokenizer, out_dir)
     if cfg.target.source == "cache":
         cache = open_checked_cache(cfg, cache_fields(cfg, prepared, tokenizer, resolve_aux_ids(cfg, target)))
         log.info("data: %s", describe(cache))
@@ -214,7 +221,24 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
     return RunData(
         prepared=prepared,
         val_batches=make_eval_batches(prepared.val, d.seq_length, d.batch_size)[: cfg.train.eval_batches],
-        iterator=make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed))
+        iterator=make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed,
+                                     **_file_mixture(d, prepared.train)))
+
+
+def _file_mixture(d, examples) -> dict:
+    """make_train_iterator's `groups` (each example's data.train_files entry) and `weights`, when
+    data.train_file_weights is set; {} otherwise."""
+    if not d.train_file_weights:
+        return {}
+    entry_of = {}
+    for g, entry in enumerate(d.train_files):
+        for f in resolve_data_paths(resolve_path(entry)):
+            entry_of.setdefault(str(f), g)
+    groups = [entry_of[ex.source] for ex in examples]
+    counts = Counter(groups)
+    log.info("data: train_file_weights %s over %s examples per entry", list(d.train_file_weights),
+             [counts.get(g, 0) for g in range(len(d.train_files))])
+    return {"groups": groups, "weights": tuple(d.train_file_weights)}
 
 
 def prepare_training_examples(cfg: Config, tokenizer, out_dir: str):
