@@ -318,6 +318,10 @@ class PrecomputeConfig(CheckedSection):
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = described(
         "bfloat16", "Stored dtype of the states (float8_e4m3fn: one scale per token and state)")
     rows_per_shard: int = ranged(64, ge=1, doc="Packed rows per shard file of each array")
+    # k > 0 stores the k largest draft-vocab logits (int32 ids, float32 values) and the full-vocab argmax and
+    # logsumexp: 8k + 8 bytes a token in place of the final hidden's D values (docs/training.md states the bound)
+    teacher_top_k: int = ranged(0, ge=0, doc="0: store the final hidden state (the exact teacher); k: the teacher's "
+                                             "top k draft-vocab logits instead")
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
+from specjax import checkpoint as ckpt
 from specjax import mesh as meshlib
 from specjax.config import Config, ConfigError, load_config
 from specjax.data.state_cache import StateCache, manifest_differences, state_bytes_per_token
 from specjax.train.cache_source import cache_fields, packed_rows
 from specjax.train.run import checked_tokenizer, prepare_training_examples
-from specjax.train.setup import (check_batch_fits, check_draft_fits_target, load_prepared_target, make_mesh, preflight,
-                                 prepare_target_folder, resolve_aux_ids)
+from specjax.drafts.teacher import TOPK_STATE_KEYS, tail_mass, top_k_of
+from specjax.drafts.ttt import TTTConfig, teacher_from_hidden
+from specjax.train.setup import (build_vocab, check_batch_fits, check_draft_fits_target, load_prepared_target, make_mesh,
+                                 preflight, prepare_target_folder, resolve_aux_ids)
 
 __all__ = ["main", "precompute"]
 
@@ -68,13 +71,25 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
     T = cfg.data.seq_length
     rows = {"train": packed_rows(prepared.train, T), "val": packed_rows(prepared.val, T)}
     D, A, dtype = int(target.config.hidden_size), len(aux_ids), cfg.precompute.dtype
+    top_k = cfg.precompute.teacher_top_k
+    extra, vocab = {}, None
+    if top_k:
+        Vd = cfg.draft.draft_vocab_size
+        if top_k > Vd:
+            raise ValueError(f"precompute.teacher_top_k={top_k} is more than draft.draft_vocab_size={Vd}; "
+                             f"Fix: precompute.teacher_top_k<={Vd} (={Vd} keeps the whole draft-vocab teacher)")
+        # the teacher is indexed by the draft vocab, so the cache fixes it: written beside the states,
+        # and a training run must use the same one (checked against draft_vocab_sha256)
+        vocab = build_vocab(cfg, prepared.train, target.config.vocab_size, out)
+        extra = {"draft_vocab_sha256": ckpt.vocab_sha256(vocab)}
 
     if os.path.isfile(os.path.join(out, "manifest.json")):
         cache = StateCache.open(out)
         diffs = manifest_differences(cache.fields, fields)
         m = cache.manifest
-        for key, want in (("dtype", dtype), ("hidden_size", D), ("num_aux", A)):
-            if m[key] != want:
+        for key, want in (("dtype", dtype), ("hidden_size", D), ("num_aux", A), ("teacher_top_k", top_k),
+                          *extra.items()):
+            if m.get(key, 0) != want:
                 diffs.append(f"{key}: the cache has {m[key]!r}, this run has {want!r}")
         if diffs:
             raise ValueError(f"{out} holds a state cache written for other settings or data:\n  " + "\n  ".join(diffs)
@@ -82,12 +97,14 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
         log.info("precompute: continuing the state cache in %s", out)
     else:
         cache = StateCache.create(out, fields, {k: len(v) for k, v in rows.items()}, seq_length=T, num_aux=A,
-                                  hidden=D, dtype=dtype, rows_per_shard=cfg.precompute.rows_per_shard)
+                                  hidden=D, dtype=dtype, rows_per_shard=cfg.precompute.rows_per_shard,
+                                  teacher_top_k=top_k, extra=extra)
 
-    per_token = state_bytes_per_token(A, D, dtype)
+    per_token = state_bytes_per_token(A, D, dtype, top_k)
     n_rows = sum(len(v) for v in rows.values())
     msg = (f"precompute: {n_rows} rows x {T} tokens ({len(rows['train'])} train, {len(rows['val'])} val), taps "
-           f"{list(aux_ids)} + final hidden, {D} wide, {dtype}: {per_token:,} bytes per token, "
+           f"{list(aux_ids)} ({D} wide, {dtype}) + "
+           f"{f'top-{top_k} teacher' if top_k else 'final hidden'}: {per_token:,} bytes per token, "
            f"{_gib(per_token * T * n_rows)} in all -> {out}")
     log.info(msg)
     if cfg.target.dtype == "float32" and dtype != "float32":
@@ -97,12 +114,20 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
     B = cfg.data.batch_size
     batch_sharding = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
 
+    draft_ids = None if vocab is None else jnp.asarray(vocab.draft_ids, jnp.int32)
+
     @jax.jit
     def states(params, ids, pos, seg):
         final, aux = target.forward(params, ids, aux_layer_ids=tuple(aux_ids), positions=pos, segment_ids=seg)
-        return final, jnp.stack(aux, axis=2)
+        if not top_k:
+            return final, jnp.stack(aux, axis=2), None, None
+        # the online step's own teacher computation (fp32 logits from the target-dtype final hidden)
+        logits, argmax, lse = teacher_from_hidden(final, target.lm_head_weight(params), draft_ids,
+                                                  TTTConfig.vocab_chunk, with_lse=True, softcap=target.logit_softcap)
+        return None, jnp.stack(aux, axis=2), top_k_of(logits, argmax, lse, top_k)._asdict(), tail_mass(logits, top_k)
 
     t0 = time.perf_counter()
+    tails = []  # the top-k teacher's tail mass on loss tokens (the bound's m), for the log and manifest
     for split, split_rows in rows.items():
         if not split_rows:
             continue
@@ -119,13 +144,20 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
                 for k in batch:
                     batch[k][r] = split_rows[i][k]
             on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
-            final, aux = states(target.params, on_device["input_ids"], on_device["positions"],
-                                on_device["segment_ids"])
-            final, aux = jax.device_get((final, aux))
+            final, aux, teacher, tail = jax.device_get(states(target.params, on_device["input_ids"],
+                                                              on_device["positions"], on_device["segment_ids"]))
             n = len(idx)
-            store.write(idx, {k: v[:n] for k, v in batch.items()}, final[:n], aux[:n])
+            if top_k:
+                tails.append(tail[:n][batch["loss_mask"][:n] > 0])
+                teacher = {name: v[:n] for name, v in zip(TOPK_STATE_KEYS, (
+                    teacher["ids"], teacher["logits"], teacher["argmax"], teacher["lse"]))}
+            store.write(idx, {k: v[:n] for k, v in batch.items()}, None if top_k else final[:n], aux[:n], teacher)
             bar.update(n)
         bar.close()
+    if tails:
+        m = np.concatenate(tails)
+        log.info("precompute: the top-%d teacher's tail mass on loss tokens (m in docs/training.md's bound): mean "
+                 "%.2e, 99th percentile %.2e, max %.2e", top_k, m.mean(), np.percentile(m, 99), m.max())
     log.info("precompute: %s complete (%.1f s)", out, time.perf_counter() - t0)
     return out
 

@@ -10,9 +10,13 @@ Layout (one folder, tensorstore zarr3 arrays, each a group of rows per shard fil
     <split>/segment_ids       int32   [N, T]
     <split>/positions         int32   [N, T]
     <split>/aux_hidden        dtype   [N, T, A, D]  the taps, in aux_layer_ids order
-    <split>/final_hidden      dtype   [N, T, D]
+    <split>/final_hidden      dtype   [N, T, D]    (absent with a top-k teacher)
+    <split>/teacher_ids       int32   [N, T, k]    top-k teacher only (manifest teacher_top_k = k > 0): the
+    <split>/teacher_logits    float32 [N, T, k]      k largest draft-vocab logits, largest first (draft ids)
+    <split>/target_argmax     int32   [N, T]         the full-vocab argmax
+    <split>/target_lse        float32 [N, T]         the full-vocab logsumexp
     <split>/aux_scale         float32 [N, T, A]    FP8 only: one scale per token and tap
-    <split>/final_scale       float32 [N, T]       FP8 only
+    <split>/final_scale       float32 [N, T]       FP8 only, with final_hidden
     <split>/done              uint8   [N]          1 once every array of the row is written
 
 dtype: bfloat16 (a bf16 target's states exactly), float32 (an fp32 target's exactly), or
@@ -27,14 +31,14 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-__all__ = ["CACHE_DTYPES", "CacheSplit", "FP8_MAX", "StateCache", "dequantize_per_token", "manifest_differences",
-           "quantize_per_token", "state_bytes_per_token"]
+__all__ = ["CACHE_DTYPES", "CacheSplit", "FP8_MAX", "StateCache", "TEACHER_ARRAYS", "dequantize_per_token",
+           "manifest_differences", "quantize_per_token", "state_bytes_per_token"]
 
 FORMAT = "specjax-state-cache"
 VERSION = 1
@@ -42,6 +46,9 @@ MANIFEST = "manifest.json"
 CACHE_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 TOKEN_ARRAYS = {"input_ids": np.int32, "loss_mask": np.uint8, "segment_ids": np.int32, "positions": np.int32}
+# a top-k teacher's arrays (specjax.drafts.teacher.TOPK_STATE_KEYS), stored exactly
+TEACHER_ARRAYS = {"teacher_ids": "int32", "teacher_logits": "float32", "target_argmax": "int32",
+                  "target_lse": "float32"}
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -61,10 +68,12 @@ def dequantize_per_token(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return values.astype(np.float32) * np.asarray(scale, np.float32)[..., None]
 
 
-def state_bytes_per_token(num_aux: int, hidden: int, dtype: str) -> int:
-    """Bytes one token takes in the store: its states (+ FP8 scales) and its four int arrays."""
+def state_bytes_per_token(num_aux: int, hidden: int, dtype: str, teacher_top_k: int = 0) -> int:
+    """Bytes one token takes in the store: its states (+ FP8 scales), the final hidden or the top-k
+    teacher, and its four int arrays."""
     per_state = hidden * _np_dtype(dtype).itemsize + (4 if dtype == "float8_e4m3fn" else 0)
-    return (num_aux + 1) * per_state + sum(np.dtype(t).itemsize for t in TOKEN_ARRAYS.values())
+    teacher = 8 * teacher_top_k + 8 if teacher_top_k else per_state
+    return num_aux * per_state + teacher + sum(np.dtype(t).itemsize for t in TOKEN_ARRAYS.values())
 
 
 def manifest_differences(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -106,49 +115,60 @@ class CacheSplit:
     hidden: int
     dtype: str
     arrays: dict
+    teacher_top_k: int = 0
 
     @property
     def fp8(self) -> bool:
         return self.dtype == "float8_e4m3fn"
 
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The state arrays a row reads back as (besides the token arrays)."""
+        return ((*TEACHER_ARRAYS, "aux_hidden") if self.teacher_top_k else ("final_hidden", "aux_hidden"))
+
     def done(self) -> np.ndarray:
         """bool [rows]: the rows completely written."""
         return self.arrays["done"].read().result().astype(bool)
 
-    def write(self, rows: np.ndarray, tokens: Mapping[str, np.ndarray], final_hidden: np.ndarray,
-              aux_hidden: np.ndarray) -> None:
-        """Write rows `rows` (int [n]): token arrays [n, T], final_hidden [n, T, D], aux_hidden
-        [n, T, A, D] (any float dtype); then mark them done."""
+    def write(self, rows: np.ndarray, tokens: Mapping[str, np.ndarray], final_hidden: Optional[np.ndarray],
+              aux_hidden: np.ndarray, teacher: Optional[Mapping[str, np.ndarray]] = None) -> None:
+        """Write rows `rows` (int [n]): token arrays [n, T], final_hidden [n, T, D] (None in a top-k cache,
+        which takes `teacher`: TEACHER_ARRAYS' arrays), aux_hidden [n, T, A, D] (any float dtype); then
+        mark them done."""
         rows = np.asarray(rows, np.int64)
+        if (teacher is None) != (self.teacher_top_k == 0) or (final_hidden is None) != bool(self.teacher_top_k):
+            raise ValueError(f"this cache holds {'a top-k teacher' if self.teacher_top_k else 'the final hidden'}; "
+                             "write exactly that")
         futures = [self.arrays[k][rows].write(np.asarray(tokens[k]).astype(t)) for k, t in TOKEN_ARRAYS.items()]
-        if self.fp8:
-            fv, fs = quantize_per_token(final_hidden)
-            av, as_ = quantize_per_token(aux_hidden)
-            futures += [self.arrays["final_hidden"][rows].write(fv), self.arrays["final_scale"][rows].write(fs),
-                        self.arrays["aux_hidden"][rows].write(av), self.arrays["aux_scale"][rows].write(as_)]
-        else:
-            dt = _np_dtype(self.dtype)
-            futures += [self.arrays["final_hidden"][rows].write(np.asarray(final_hidden).astype(dt)),
-                        self.arrays["aux_hidden"][rows].write(np.asarray(aux_hidden).astype(dt))]
+        states = {"aux_hidden": aux_hidden} if teacher is not None else {"aux_hidden": aux_hidden,
+                                                                         "final_hidden": final_hidden}
+        for name, x in states.items():
+            if self.fp8:
+                v, sc = quantize_per_token(x)
+                scale_name = "aux_scale" if name == "aux_hidden" else "final_scale"
+                futures += [self.arrays[name][rows].write(v), self.arrays[scale_name][rows].write(sc)]
+            else:
+                futures.append(self.arrays[name][rows].write(np.asarray(x).astype(_np_dtype(self.dtype))))
+        for name, dt in (TEACHER_ARRAYS.items() if teacher is not None else ()):
+            futures.append(self.arrays[name][rows].write(np.asarray(teacher[name]).astype(dt)))
         for f in futures:
             f.result()
         self.arrays["done"][rows].write(np.ones(rows.shape, np.uint8)).result()  # after the data, never before
 
     def read(self, row: int, state_dtype=np.float32) -> dict[str, np.ndarray]:
-        """One row: the token arrays (int32 [T]), final_hidden [T, D] and aux_hidden [T, A, D] in
-        `state_dtype` (FP8 dequantized with its scales)."""
-        out = {k: self.arrays[k][row].read() for k in list(TOKEN_ARRAYS) + ["final_hidden", "aux_hidden"]}
+        """One row: the token arrays (int32 [T]), final_hidden [T, D] (a top-k cache: the teacher's
+        arrays, as stored) and aux_hidden [T, A, D] in `state_dtype` (FP8 dequantized with its scales)."""
+        hidden = ["aux_hidden"] if self.teacher_top_k else ["final_hidden", "aux_hidden"]
+        names = list(TOKEN_ARRAYS) + hidden + (list(TEACHER_ARRAYS) if self.teacher_top_k else [])
         if self.fp8:
-            out["final_scale"] = self.arrays["final_scale"][row].read()
-            out["aux_scale"] = self.arrays["aux_scale"][row].read()
-        got = {k: f.result() for k, f in out.items()}
+            names += [n.replace("hidden", "scale") for n in hidden]
+        got = {k: f.result() for k, f in {k: self.arrays[k][row].read() for k in names}.items()}
         row_out = {k: got[k].astype(np.int32) for k in TOKEN_ARRAYS}
-        if self.fp8:
-            row_out["final_hidden"] = dequantize_per_token(got["final_hidden"], got["final_scale"]).astype(state_dtype)
-            row_out["aux_hidden"] = dequantize_per_token(got["aux_hidden"], got["aux_scale"]).astype(state_dtype)
-        else:
-            row_out["final_hidden"] = got["final_hidden"].astype(state_dtype)
-            row_out["aux_hidden"] = got["aux_hidden"].astype(state_dtype)
+        for name in hidden:
+            x = (dequantize_per_token(got[name], got[name.replace("hidden", "scale")]) if self.fp8 else got[name])
+            row_out[name] = x.astype(state_dtype)
+        for name in (TEACHER_ARRAYS if self.teacher_top_k else ()):
+            row_out[name] = got[name]
         return row_out
 
 
@@ -166,8 +186,11 @@ class StateCache:
 
     @classmethod
     def create(cls, path: str, fields: Mapping[str, Any], splits: Mapping[str, int], *, seq_length: int,
-               num_aux: int, hidden: int, dtype: str, rows_per_shard: int = 64) -> "StateCache":
-        """A new store at `path` (refused when one is there): `splits` maps split name -> rows."""
+               num_aux: int, hidden: int, dtype: str, rows_per_shard: int = 64, teacher_top_k: int = 0,
+               extra: Optional[Mapping[str, Any]] = None) -> "StateCache":
+        """A new store at `path` (refused when one is there): `splits` maps split name -> rows;
+        teacher_top_k > 0 stores a top-k teacher in place of the final hidden; `extra`: more manifest
+        entries (not compared as fields)."""
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"state cache dtype {dtype!r} is not one of {CACHE_DTYPES}")
         if os.path.exists(os.path.join(path, MANIFEST)):
@@ -175,18 +198,26 @@ class StateCache:
         os.makedirs(path, exist_ok=True)
         manifest = {"format": FORMAT, "version": VERSION, "fields": dict(fields), "seq_length": int(seq_length),
                     "num_aux": int(num_aux), "hidden_size": int(hidden), "dtype": dtype,
-                    "rows_per_shard": int(rows_per_shard), "splits": {k: int(v) for k, v in splits.items()}}
+                    "rows_per_shard": int(rows_per_shard), "splits": {k: int(v) for k, v in splits.items()},
+                    "teacher_top_k": int(teacher_top_k), **dict(extra or {})}
         T, A, D = int(seq_length), int(num_aux), int(hidden)
         store_dtype = "float8_e4m3fn" if dtype == "float8_e4m3fn" else dtype
         for name, n in splits.items():
             if n <= 0:
                 continue
             base = os.path.join(path, name)
-            shapes = {**{k: ([n, T], np.dtype(t).name) for k, t in TOKEN_ARRAYS.items()},
-                      "aux_hidden": ([n, T, A, D], store_dtype), "final_hidden": ([n, T, D], store_dtype),
-                      "done": ([n], "uint8")}
+            k = int(teacher_top_k)
+            shapes = {**{name: ([n, T], np.dtype(t).name) for name, t in TOKEN_ARRAYS.items()},
+                      "aux_hidden": ([n, T, A, D], store_dtype), "done": ([n], "uint8")}
             if dtype == "float8_e4m3fn":
-                shapes.update(aux_scale=([n, T, A], "float32"), final_scale=([n, T], "float32"))
+                shapes["aux_scale"] = ([n, T, A], "float32")
+            if k:
+                shapes.update({name: ([n, T, k] if name.startswith("teacher") else [n, T], dt)
+                               for name, dt in TEACHER_ARRAYS.items()})
+            else:
+                shapes["final_hidden"] = ([n, T, D], store_dtype)
+                if dtype == "float8_e4m3fn":
+                    shapes["final_scale"] = ([n, T], "float32")
             for key, (shape, dt) in shapes.items():
                 ts.open(_spec(os.path.join(base, key), shape, dt, rows_per_shard), create=True).result()
         tmp = os.path.join(path, MANIFEST + ".tmp")
@@ -209,6 +240,11 @@ class StateCache:
                              f"version {manifest.get('version')!r})")
         return cls(path, manifest)
 
+    @property
+    def teacher_top_k(self) -> int:
+        """k > 0: the rows hold a top-k teacher in place of the final hidden."""
+        return int(self.manifest.get("teacher_top_k", 0))
+
     def rows(self, split: str) -> int:
         return int(self.manifest["splits"].get(split, 0))
 
@@ -218,14 +254,16 @@ class StateCache:
             if n <= 0:
                 raise KeyError(f"the state cache at {self.path} has no {name!r} rows")
             base = os.path.join(self.path, name)
-            keys = list(TOKEN_ARRAYS) + ["aux_hidden", "final_hidden", "done"]
+            top_k = self.teacher_top_k
+            hidden = ["aux_hidden"] + ([] if top_k else ["final_hidden"])
+            keys = list(TOKEN_ARRAYS) + hidden + ["done"] + (list(TEACHER_ARRAYS) if top_k else [])
             if self.manifest["dtype"] == "float8_e4m3fn":
-                keys += ["aux_scale", "final_scale"]
+                keys += [h.replace("hidden", "scale") for h in hidden]
             arrays = {k: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(base, k)}}
                                  ).result() for k in keys}
             m = self.manifest
             self._splits[name] = CacheSplit(base, n, m["seq_length"], m["num_aux"], m["hidden_size"], m["dtype"],
-                                            arrays)
+                                            arrays, top_k)
         return self._splits[name]
 
     def complete(self) -> bool:

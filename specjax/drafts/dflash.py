@@ -88,6 +88,7 @@ import jax.numpy as jnp
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax.drafts.eagle3 import init_params
+from specjax.drafts.teacher import TopKTeacher, dense_logits
 from specjax.layers.logits import soft_cap
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
@@ -535,7 +536,8 @@ def dflash_loss(params: dict, cfg: DFlashConfig, loss_cfg: DFlashLossConfig, *, 
                 final_hidden=None, lm_head=None, draft_ids=None, compute_dtype=jnp.float32,
                 logit_softcap=None):
     """(loss, metrics) of one packed batch for the blocks at `anchors` [B, N] (`anchor_valid` [B, N]
-    bool; see select_anchors). final_hidden [B, T, H] (the target's final-norm hidden) and lm_head
+    bool; see select_anchors). final_hidden [B, T, H] (the target's final-norm hidden, or a TopKTeacher
+    read from a state cache) and lm_head
     [V, H] (the target's) give the teacher of "teacher_kl" (soft-capped by `logit_softcap`, the
     target's Target.logit_softcap); draft_ids [Vd] (ascending target ids) map the draft vocab,
     None = the full vocab."""
@@ -564,9 +566,16 @@ def dflash_loss(params: dict, cfg: DFlashConfig, loss_cfg: DFlashLossConfig, *, 
             raise ValueError("objective 'teacher_kl' needs final_hidden and lm_head (the target's) for the teacher")
         rows = lm_head if draft_ids is None else jnp.take(lm_head, draft_ids, axis=0)  # [Vd, H]
         src = jnp.clip(anchors[:, :, None] + jnp.arange(S) - 1 + int(cfg.sample_from_anchor), 0, T - 1)
-        h_src = jnp.take_along_axis(sg(final_hidden), src.reshape(B, -1)[:, :, None], axis=1)
-        teacher = soft_cap(jnp.einsum("bqd,vd->bqv", h_src, sg(rows).astype(h_src.dtype),
-                                      preferred_element_type=jnp.float32), logit_softcap).reshape(B, *src.shape[1:], -1)
+        if isinstance(final_hidden, TopKTeacher):  # read from a state cache: its logits, soft-capped already
+            idx = src.reshape(B, -1)
+            picked = TopKTeacher(*(jnp.take_along_axis(sg(a), idx[:, :, None] if a.ndim == 3 else idx, axis=1)
+                                   for a in final_hidden))
+            teacher = dense_logits(picked, rows.shape[0]).reshape(B, *src.shape[1:], -1)
+        else:
+            h_src = jnp.take_along_axis(sg(final_hidden), src.reshape(B, -1)[:, :, None], axis=1)
+            teacher = soft_cap(jnp.einsum("bqd,vd->bqv", h_src, sg(rows).astype(h_src.dtype),
+                                          preferred_element_type=jnp.float32),
+                               logit_softcap).reshape(B, *src.shape[1:], -1)
         log_p = jax.nn.log_softmax(teacher, axis=-1)
         per_slot = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # KL(teacher || draft)
         row_loss = jnp.sum(per_slot * slot_mask * decay, axis=(1, 2)) / (jnp.sum(slot_mask, axis=(1, 2)) + _KL_DENOM_EPS)

@@ -26,23 +26,28 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from specjax.config_fields import ConfigError, DraftSection
+from specjax.drafts.teacher import TOPK_STATE_KEYS, TopKTeacher
 from specjax.hf_config_checks import read_config_json
 
 META_KEY = "draft_family"  # run_meta.json key beside draft_config
 DEFAULT_META_NAME = "eagle3"  # the family of a run_meta.json without META_KEY
 
 
-# A batch read from an offline state cache (target.source: cache; specjax.data.state_cache) carries the
-# target's states under these keys, and the step runs without the target forward.
-CACHED_STATE_KEYS = ("final_hidden", "aux_hidden")
+def cached_state_keys(teacher_top_k: int = 0) -> tuple[str, ...]:
+    """The keys under which a batch read from an offline state cache (target.source: cache;
+    specjax.data.state_cache) carries the target's states, so the step runs without the target forward:
+    the final hidden state, or with precompute.teacher_top_k > 0 the top-k teacher, beside the taps."""
+    return (*TOPK_STATE_KEYS, "aux_hidden") if teacher_top_k else ("final_hidden", "aux_hidden")
 
 
 def target_states(target, target_params, batch: Mapping, aux_layer_ids) -> tuple[Any, tuple]:
     """(final_hidden [B, T, D], aux tuple of [B, T, D] in aux_layer_ids order) for a training batch:
-    the frozen target's forward, or the cached states the batch carries (aux_hidden [B, T, A, D])."""
-    if "final_hidden" in batch:
+    the frozen target's forward, or the cached states the batch carries (aux_hidden [B, T, A, D]; in place
+    of final_hidden a TopKTeacher, which the losses' teachers take as they take the final hidden)."""
+    if "aux_hidden" in batch:
         aux = batch["aux_hidden"]
-        return batch["final_hidden"], tuple(aux[:, :, i] for i in range(aux.shape[2]))
+        final = TopKTeacher.from_batch(batch) if "teacher_ids" in batch else batch["final_hidden"]
+        return final, tuple(aux[:, :, i] for i in range(aux.shape[2]))
     return target.forward(target_params, batch["input_ids"], aux_layer_ids=tuple(aux_layer_ids),
                           positions=batch["positions"], segment_ids=batch["segment_ids"])
 

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from specjax.drafts import lk_losses
 from specjax.drafts.eagle3 import (Eagle3Config, draft_logits, draft_step, mask_hidden_projected, next_step_hidden,
                                    project_aux)
+from specjax.drafts.teacher import TopKTeacher, dense_logits
 from specjax.layers.logits import soft_cap
 from specjax.layers.norms import rms_norm
 from specjax_kernels.dtypes import accum_dtype
@@ -140,7 +141,12 @@ def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: in
                         softcap: float | None = None):
     """(teacher logits over the draft vocab [B,T,Vd] fp32 (fp64 for fp64 input), full-vocab argmax
     [B,T]) and, with `with_lse`, the full-vocab logsumexp [B,T] as a third entry. `softcap`: the
-    target's final-logit soft-cap (Target.logit_softcap), applied to every logit."""
+    target's final-logit soft-cap (Target.logit_softcap), applied to every logit. A TopKTeacher (read
+    from a state cache) gives its dense logits and its stored argmax / logsumexp instead."""
+    if isinstance(final_hidden_btd, TopKTeacher):
+        t = final_hidden_btd
+        dense = dense_logits(t, draft_ids.shape[0])
+        return (dense, t.argmax, t.lse) if with_lse else (dense, t.argmax)
     B, T, D = final_hidden_btd.shape
     rows = jnp.take(lm_head_vd, draft_ids, axis=0)  # [Vd, D]
     teacher = soft_cap(jnp.einsum("btd,vd->btv", final_hidden_btd, rows.astype(final_hidden_btd.dtype),
@@ -162,7 +168,7 @@ def ttt_loss(
     segment_ids: jnp.ndarray,  # [B,T], 0 = padding
     positions: jnp.ndarray,  # [B,T]
     aux_hidden: tuple,  # 3 x [B,T,tH]   (target, no gradient)
-    final_hidden: jnp.ndarray,  # [B,T,tH]   target's final-norm hidden
+    final_hidden: jnp.ndarray,  # [B,T,tH]   target's final-norm hidden (or a cached TopKTeacher)
     embed_table: jnp.ndarray,  # [V,H]      target's token embedding (frozen)
     lm_head: jnp.ndarray,  # [V,H]      target's lm_head rows
     draft_ids: jnp.ndarray,  # [Vd] int32 (sorted)

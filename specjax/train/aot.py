@@ -110,8 +110,13 @@ def _lower(cfg, mesh, hf, dtype, batch_size, seq_length, lowering_platform) -> L
     if cfg.target.source == "cache":
         D, A = int(target.config.hidden_size), len(dcfg.aux_layer_ids)
         sdt = jnp.float32 if dtype == "float32" else jnp.bfloat16
-        batch["final_hidden"] = jax.ShapeDtypeStruct((B, T, D), sdt, sharding=fns.batch_sharding)
-        batch["aux_hidden"] = jax.ShapeDtypeStruct((B, T, A, D), sdt, sharding=fns.batch_sharding)
+        k = cfg.precompute.teacher_top_k
+        shapes = ({"teacher_ids": ((B, T, k), jnp.int32), "teacher_logits": ((B, T, k), jnp.float32),
+                   "target_argmax": ((B, T), jnp.int32), "target_lse": ((B, T), jnp.float32)} if k
+                  else {"final_hidden": ((B, T, D), sdt)})
+        shapes["aux_hidden"] = ((B, T, A, D), sdt)
+        batch.update({name: jax.ShapeDtypeStruct(shape, dt, sharding=fns.batch_sharding)
+                      for name, (shape, dt) in shapes.items()})
     Vd, V = dcfg.draft_vocab_size, dcfg.vocab_size
     vocab = {"draft_ids": jax.ShapeDtypeStruct((Vd,), jnp.int32), "t2d": jax.ShapeDtypeStruct((V,), jnp.bool_),
              "d2t": jax.ShapeDtypeStruct((Vd,), jnp.int32)}

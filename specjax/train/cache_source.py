@@ -21,10 +21,11 @@ from specjax import checkpoint as ckpt
 from specjax.data.chat import resolve_chat_template
 from specjax.data.pipeline import make_eval_batches
 from specjax.data.state_cache import StateCache, manifest_differences
+from specjax.run_files import VOCAB_FILE
 from specjax.train.setup import tokenizer_files
 
-__all__ = ["cache_fields", "cache_val_batches", "check_cache_settings", "describe", "make_cache_iterator",
-           "open_checked_cache", "packed_rows", "target_fingerprint"]
+__all__ = ["cache_fields", "cache_val_batches", "check_cache_settings", "check_cache_vocab", "describe",
+           "make_cache_iterator", "open_checked_cache", "packed_rows", "target_fingerprint"]
 
 
 def _sha_files(paths: Sequence[str]) -> str:
@@ -67,7 +68,19 @@ def cache_fields(cfg, prepared, tokenizer, aux_layer_ids: Sequence[int]) -> dict
         "data.mask_reasoning_content": cfg.data.mask_reasoning_content,
         "data.mask_generation_prompt": cfg.data.mask_generation_prompt,
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "precompute.teacher_top_k": int(cfg.precompute.teacher_top_k),
     }
+
+
+def check_cache_vocab(cfg, vocab) -> None:
+    """A top-k teacher is indexed by the draft vocabulary it was written with: this run's must be it."""
+    cache = StateCache.open(cfg.target.cache_dir)
+    want = cache.manifest.get("draft_vocab_sha256")
+    if cache.teacher_top_k and want != ckpt.vocab_sha256(vocab):
+        raise ValueError(
+            f"the state cache at {cfg.target.cache_dir} holds a top-{cache.teacher_top_k} teacher over another draft "
+            f"vocabulary than this run's. Fix: draft.vocab_file={os.path.join(cfg.target.cache_dir, VOCAB_FILE)} "
+            "(the one precompute wrote), with a new run.output_dir if this one has its own draft_vocab.npz")
 
 
 def packed_rows(examples, seq_length: int) -> list[dict]:
@@ -162,5 +175,6 @@ def cache_val_batches(cache: StateCache, batch_size: int, limit: int, state_dtyp
 def describe(cache: StateCache) -> str:
     m = cache.manifest
     return (f"state cache {cache.path}: {cache.rows('train')} train / {cache.rows('val')} val rows of "
-            f"{m['seq_length']} tokens, {m['num_aux']} taps + final hidden ({m['hidden_size']} wide) in {m['dtype']}; "
+            f"{m['seq_length']} tokens, {m['num_aux']} taps ({m['hidden_size']} wide, {m['dtype']}) + "
+            f"{f'a top-{cache.teacher_top_k} teacher' if cache.teacher_top_k else 'the final hidden'}; "
             f"fields {json.dumps({k: m['fields'][k] for k in ('aux_layer_ids', 'data.seq_length')})}")

@@ -48,8 +48,8 @@ from specjax.data.datasets import resolve_data_paths
 from specjax.data.pipeline import Prepared, batches_per_epoch, write_skip_report
 from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
-from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, describe,
-                                        make_cache_iterator, open_checked_cache)
+from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, check_cache_vocab,
+                                        describe, make_cache_iterator, open_checked_cache)
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.setup import (
     RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_draft_fits_target, check_writable,
@@ -131,6 +131,8 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         cfg = resolve_steps(cfg, data.train)
 
         vocab = build_vocab(cfg, data.train, target.config.vocab_size, out_dir)
+        if cfg.target.source == "cache":
+            check_cache_vocab(cfg, vocab)
         identity = run_identity(cfg, data.train, vocab)
         check_batch_fits(cfg, mesh)
         setup = build_run_setup(cfg, target, mesh)

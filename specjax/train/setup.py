@@ -34,7 +34,7 @@ from specjax.targets.registry import get_target_class
 from specjax.targets.abstract import abstract_params
 from specjax.targets.kernel_choices import KernelChoices
 from specjax.train.optim import lr_schedule, make_optimizer
-from specjax.train.step import BATCH_KEYS, CACHED_BATCH_KEYS, StepFns, build_step_fns
+from specjax.train.step import BATCH_KEYS, StepFns, build_step_fns, cached_batch_keys
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -319,7 +319,8 @@ def build_run_setup(cfg: Config, target, mesh, dtype: str | None = None) -> RunS
     objective = make_objective_config(cfg, draft_cfg)
     fns = build_step_fns(target, target.params, dshape, draft_cfg, objective, optimizer, mesh, compute_dtype,
                          target_exclude=cfg.parallelism.target_excluded_axes,
-                         batch_keys=CACHED_BATCH_KEYS if cfg.target.source == "cache" else BATCH_KEYS,
+                         batch_keys=(cached_batch_keys(cfg.precompute.teacher_top_k) if cfg.target.source == "cache"
+                                     else BATCH_KEYS),
                          grad_accum_steps=cfg.train.grad_accum_steps)
     return RunSetup(cfg=cfg, mesh=mesh, target=target, draft_config=draft_cfg, objective=objective,
                     optimizer=optimizer, schedule=lr_schedule(cfg.optim, cfg.train.steps),

@@ -19,10 +19,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import mesh as meshlib
 from specjax.drafts.families import family_of
-from specjax.drafts.family import CACHED_STATE_KEYS
+from specjax.drafts.family import cached_state_keys
 
 BATCH_KEYS = ("input_ids", "loss_mask", "segment_ids", "positions")
-CACHED_BATCH_KEYS = BATCH_KEYS + CACHED_STATE_KEYS  # a batch from an offline state cache (target.source: cache)
+
+
+def cached_batch_keys(teacher_top_k: int = 0) -> tuple[str, ...]:
+    """The arrays a batch read from an offline state cache (target.source: cache) feeds the step."""
+    return BATCH_KEYS + cached_state_keys(teacher_top_k)
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class StepFns:
     target_shardings: Any
     vocab_shardings: Any
     batch_sharding: NamedSharding
-    batch_keys: tuple = BATCH_KEYS  # the arrays a batch feeds the step (CACHED_BATCH_KEYS: states from a cache)
+    batch_keys: tuple = BATCH_KEYS  # the arrays a batch feeds the step (cached_batch_keys: states from a cache)
 
 
 def make_loss_fn(target, draft_cfg, objective, compute_dtype):

@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from specjax.data.state_cache import (FP8_MAX, StateCache, dequantize_per_token, manifest_differences,
-                                      quantize_per_token, state_bytes_per_token)
+from specjax.data.state_cache import (FP8_MAX, TEACHER_ARRAYS, StateCache, dequantize_per_token,
+                                      manifest_differences, quantize_per_token, state_bytes_per_token)
+from specjax.drafts.teacher import TOPK_STATE_KEYS
 
 
 def _decode_e4m3(bits: np.ndarray) -> np.ndarray:
@@ -49,6 +50,37 @@ def test_bytes_per_token():
     assert state_bytes_per_token(3, 128, "bfloat16") == 4 * 128 * 2 + 4 + 1 + 4 + 4
     assert state_bytes_per_token(3, 128, "float8_e4m3fn") == 4 * (128 + 4) + 13
     assert state_bytes_per_token(1, 16, "float32") == 2 * 64 + 13
+    # a top-k teacher in place of the final hidden: k int32 ids + k float32 logits + argmax + lse
+    assert state_bytes_per_token(3, 128, "bfloat16", teacher_top_k=8) == 3 * 128 * 2 + 8 * 8 + 8 + 13
+
+
+def test_top_k_teacher_rows_round_trip_exactly(tmp_path):
+    """A top-k cache stores no final hidden; its teacher arrays come back exactly (float32 logits even
+    in a bf16 / FP8 store), under the names the step's batch uses."""
+    assert tuple(TEACHER_ARRAYS) == TOPK_STATE_KEYS
+    N, T, A, D, k = 4, 5, 2, 8, 3
+    rng = np.random.default_rng(2)
+    tokens = {"input_ids": rng.integers(0, 300, (N, T)), "loss_mask": rng.integers(0, 2, (N, T)),
+              "segment_ids": rng.integers(0, 3, (N, T)), "positions": np.tile(np.arange(T), (N, 1))}
+    aux = rng.normal(size=(N, T, A, D)).astype(np.float32)
+    teacher = {"teacher_ids": rng.integers(0, 100, (N, T, k)), "teacher_logits": rng.normal(size=(N, T, k)) * 7,
+               "target_argmax": rng.integers(0, 300, (N, T)), "target_lse": rng.normal(size=(N, T)) + 9}
+    teacher = {name: v.astype(TEACHER_ARRAYS[name]) for name, v in teacher.items()}
+    cache = StateCache.create(str(tmp_path / "c"), {}, {"train": N}, seq_length=T, num_aux=A, hidden=D,
+                              dtype="float8_e4m3fn", teacher_top_k=k)
+    split = cache.split("train")
+    with pytest.raises(ValueError, match="holds a top-k teacher"):
+        split.write(np.arange(N), tokens, aux[:, :, 0], aux)
+    split.write(np.arange(N), tokens, None, aux, teacher)
+    reopened = StateCache.open(str(tmp_path / "c"))
+    assert reopened.teacher_top_k == k and not (tmp_path / "c" / "train" / "final_hidden").exists()
+    for i in range(N):
+        row = reopened.split("train").read(i)
+        assert "final_hidden" not in row
+        for name, v in teacher.items():
+            assert row[name].dtype == v.dtype
+            np.testing.assert_array_equal(row[name], v[i])
+        np.testing.assert_array_equal(row["aux_hidden"], dequantize_per_token(*quantize_per_token(aux[i])))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])

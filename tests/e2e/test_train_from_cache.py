@@ -10,6 +10,11 @@ Bars (CPU):
     its store equals an uninterrupted precompute's;
   - a cache written for other data or taps is refused by precompute's rerun and by training, naming
     the field; an unfinished cache is refused by training;
+  - a top-k teacher cache with k = the draft vocab gives the online loss and gradients (1e-5; EAGLE-3
+    with the LK loss, which reads the stored full-vocab logsumexp, and DFlash), stores exactly the top k
+    of the online teacher, and trains; with k < Vd the soft CE moves by at most the bound of
+    docs/training.md (m * max(-log q), per position, checked with a 1e-6 slack) and the teacher's
+    change in L1 is exactly 2m (1e-5); a run with another draft vocabulary is refused naming the fix;
   - a cache-fed run learns (held-out loss falls) and, stopped and resumed, matches an uninterrupted
     cache-fed run at every step (1e-6), the data position included.
 """
@@ -48,11 +53,11 @@ def cache_dir(tiny_target, tmp_path_factory):
 def _batch(split: CacheSplit, rows, with_states: bool):
     got = [split.read(i) for i in rows]
     keys = ["input_ids", "loss_mask", "segment_ids", "positions"]
-    keys += ["final_hidden", "aux_hidden"] if with_states else []
+    keys += list(split.state_keys) if with_states else []
     return {k: jnp.asarray(np.stack([g[k] for g in got])) for k in keys}
 
 
-def _loss_and_grads(cfg, target, batch):
+def _loss_and_grads(cfg, target, batch, vocab=None):
     from specjax.drafts.families import family_for_type
     from specjax.drafts.vocab import DraftVocab
     from specjax.train.setup import make_draft_config, make_objective_config, resolve_aux_ids
@@ -62,7 +67,7 @@ def _loss_and_grads(cfg, target, batch):
     family = family_for_type(cfg.draft.type)
     params = family.init_params(draft_cfg, jax.random.key(0))
     V = target.config.vocab_size
-    vocab = DraftVocab.from_ids(np.arange(cfg.draft.draft_vocab_size), V)
+    vocab = vocab or DraftVocab.from_ids(np.arange(cfg.draft.draft_vocab_size), V)
     arrays = {"draft_ids": jnp.asarray(vocab.draft_ids, jnp.int32), "t2d": jnp.asarray(vocab.t2d),
               "d2t": jnp.asarray(vocab.d2t, jnp.int32)}
     compute = jnp.float32 if cfg.target.dtype == "float32" else jnp.bfloat16
@@ -206,7 +211,87 @@ def test_compile_only_lowers_the_cache_fed_step(tiny_target, tmp_path):
     D = step.target.config.hidden_size
     assert batch["aux_hidden"].shape == (8, 128, 3, D) and batch["final_hidden"].shape == (8, 128, D)
     assert len(jax.tree.leaves(step.abstract_args[1])) == 2  # embedding, lm_head
+    topk = lower_train_step(_cfg(tiny_target, tmp_path / "b", tmp_path / "c", "target.source=cache",
+                                 "precompute.teacher_top_k=16"), make_mesh(cfg)).abstract_args[3]
+    assert set(topk) == set(batch) - {"final_hidden"} | {"teacher_ids", "teacher_logits", "target_argmax", "target_lse"}
+    assert topk["teacher_ids"].shape == topk["teacher_logits"].shape == (8, 128, 16)
     online = compile_step(_cfg(tiny_target, tmp_path / "a", tmp_path / "c"))
     cached = compile_step(cfg)
     assert cached["target_param_bytes_per_device"] < online["target_param_bytes_per_device"]
     assert cached["flops_per_step"] < online["flops_per_step"]
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash"])
+def test_top_k_teacher_cache_equals_the_online_step_and_trains(tiny_target, tmp_path, draft):
+    from specjax.drafts.vocab import DraftVocab
+    from specjax.drafts.ttt import teacher_from_hidden
+    from specjax.precompute import precompute
+    from specjax.targets.loading import load_target
+    from specjax.train.cache_source import check_cache_vocab
+    from specjax.train.loop import train
+
+    extra = DFLASH if draft == "dflash" else ("train.loss=lk_lambda",)
+    cfg = _cfg(tiny_target, tmp_path / "run", tmp_path / "states", "precompute.teacher_top_k=128", *extra)
+    precompute(cfg, progress=False)
+    cache = StateCache.open(str(tmp_path / "states"))
+    assert cache.teacher_top_k == 128
+    vocab = DraftVocab.load(str(tmp_path / "states" / "draft_vocab.npz"))
+    split = cache.split("train")
+    rows = [0, 3, 5, 7]
+    full = load_target(tiny_target, dtype="float32")
+    partial = load_target(tiny_target, dtype="float32", embedding_and_head_only=True)
+    online, cached = _batch(split, rows, False), _batch(split, rows, True)
+    assert "final_hidden" not in cached and cached["teacher_ids"].shape == (4, 128, 128)
+    # the store holds the online teacher's top k (here all of it, largest first), argmax and logsumexp
+    final, _ = full.forward(full.params, online["input_ids"], aux_layer_ids=(1, 2, 3), positions=online["positions"],
+                            segment_ids=online["segment_ids"])
+    logits, argmax, lse = teacher_from_hidden(final, full.lm_head_weight(full.params), jnp.asarray(vocab.draft_ids),
+                                              8192, with_lse=True)
+    values, ids = jax.lax.top_k(logits, 128)
+    np.testing.assert_array_equal(np.asarray(cached["teacher_ids"]), np.asarray(ids))
+    np.testing.assert_allclose(np.asarray(cached["teacher_logits"]), np.asarray(values), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(cached["target_argmax"]), np.asarray(argmax))
+    np.testing.assert_allclose(np.asarray(cached["target_lse"]), np.asarray(lse), rtol=1e-6)
+
+    online_loss, online_grads = _loss_and_grads(cfg, full, online, vocab)
+    cached_loss, cached_grads = _loss_and_grads(cfg, partial, cached, vocab)
+    np.testing.assert_allclose(cached_loss, online_loss, rtol=1e-5)
+    for path, a in jax.tree_util.tree_leaves_with_path(online_grads):
+        b = dict(jax.tree_util.tree_leaves_with_path(cached_grads))[path]
+        scale = float(np.abs(np.asarray(a)).max()) + 1e-12
+        assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-5 * scale, jax.tree_util.keystr(path)
+    if draft == "dflash":
+        return
+    with pytest.raises(ValueError, match=r"another draft vocabulary.*draft\.vocab_file=.*draft_vocab\.npz"):
+        check_cache_vocab(cfg, DraftVocab.from_ids(np.arange(128), full.config.vocab_size))
+    res = train(_cfg(tiny_target, tmp_path / "run", tmp_path / "states", "precompute.teacher_top_k=128", *extra,
+                     "target.source=cache", "export.at_end=false", "train.steps=2", "train.eval_every=2"))
+    assert res.final_step == 2
+    assert all(np.isfinite(r["loss"]) for r in read_metrics(str(tmp_path / "run"), "train"))
+
+
+def test_top_k_teacher_bound(tiny_target):
+    """docs/training.md's bound, per position: the tiny target's real draft-vocab teacher p, its top-8
+    teacher p_k as the step rebuilds it (dense_logits), random draft distributions q."""
+    from specjax.drafts.teacher import dense_logits, tail_mass, top_k_of
+    from specjax.drafts.ttt import teacher_from_hidden
+    from specjax.targets.loading import load_target
+
+    target = load_target(tiny_target, dtype="float32")
+    ids = jax.random.randint(jax.random.key(1), (2, 64), 0, target.config.vocab_size)
+    final, _ = target.forward(target.params, ids, aux_layer_ids=(1,))
+    draft_ids = jnp.arange(0, target.config.vocab_size, 2)  # 160 draft tokens
+    logits, argmax, lse = teacher_from_hidden(final, target.lm_head_weight(target.params), draft_ids, 8192,
+                                              with_lse=True)
+    k = 8
+    p = jax.nn.softmax(logits, axis=-1)
+    p_k = jax.nn.softmax(dense_logits(top_k_of(logits, argmax, lse, k), draft_ids.shape[0]), axis=-1)
+    m = tail_mass(logits, k)
+    assert float(m.min()) > 1e-3  # the bound is exercised, not vacuous
+    np.testing.assert_allclose(np.asarray(jnp.abs(p - p_k).sum(-1)), np.asarray(2 * m), rtol=1e-5, atol=1e-6)
+    for seed in range(3):
+        log_q = jax.nn.log_softmax(3 * jax.random.normal(jax.random.key(seed), logits.shape), axis=-1)
+        diff = jnp.abs(-(p * log_q).sum(-1) + (p_k * log_q).sum(-1))
+        bound = m * jnp.max(-log_q, axis=-1)
+        assert bool(jnp.all(diff <= bound + 1e-6)), float(jnp.max(diff - bound))
+        assert float(jnp.max(diff / bound)) > 0.05  # and not loose by orders of magnitude
