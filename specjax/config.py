@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
-from specjax.config_fields import (CheckedSection, ConfigError, DraftSection, described, doc_problems, key_doc,
-                                   ranged)
+from specjax.config_fields import (CheckedSection, ConfigError, DraftSection, FrozenMapping, described, doc_problems,
+                                   key_doc, ranged)
 from specjax.drafts import families as draft_families
 
 
@@ -101,6 +101,10 @@ class DataConfig(CheckedSection):
     tokenizer: Optional[str] = described(None, "Tokenizer folder; null: target.path")
     chat_template: Optional[str] = described(None, "Jinja chat template, inline or the path of a file holding "
                                                    "one; null: the tokenizer's own")
+    # apply_chat_template's extra keyword arguments, given to every rendering (training data, precompute,
+    # regeneration, decode_eval, and vLLM's chat requests) so a head trains on the prompts it is served with
+    chat_template_kwargs: dict[str, Any] = described({}, "Variables for every chat-template rendering, e.g. "
+                                                         "{enable_thinking: false}")
     seq_length: int = ranged(2048, ge=2, doc="Tokens per packed training row; a longer conversation is cut or "
                                              "skipped (truncate)")
     batch_size: int = ranged(1, ge=1, doc="Packed rows per step over all devices (a multiple of parallelism "
@@ -457,6 +461,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is tuple:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "mapping of name to value"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -488,6 +494,11 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 return (value,)
             raise ConfigError(f"{source}: `{key}` must be a list of {_type_name(elem)}, got {value!r}.")
         return tuple(_coerce(v, elem, f"{key}[{i}]", source) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{source}: `{key}` must be a mapping of names to values (e.g. "
+                              f"{{enable_thinking: false}}), got {value!r}.")
+        return FrozenMapping(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, source)
     if tp is bool:
@@ -662,6 +673,8 @@ def default_config_dict() -> dict:
 def _plain(x):
     if isinstance(x, tuple):
         return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
     return x
 
 

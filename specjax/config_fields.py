@@ -14,6 +14,7 @@ import it without an import circle.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -27,8 +28,27 @@ class ConfigError(ValueError):
 DOC_MAX_CHARS = 120
 
 
+class FrozenMapping(dict):
+    """A mapping a config section holds (a config is frozen and hashable: jitted code closes over it):
+    read-only, hashed by its JSON form."""
+
+    def __hash__(self):
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a config mapping is read-only; build a new config (dataclasses.replace) instead")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __reduce__(self):
+        return (FrozenMapping, (dict(self),))
+
+
 def described(default: Any, doc: str) -> Any:
-    """A field with its one-line description (`doc`), shown by `--help` and in docs/config.md."""
+    """A field with its one-line description (`doc`), shown by `--help` and in docs/config.md. A dict
+    default becomes a FrozenMapping."""
+    if isinstance(default, dict):
+        return field(default=FrozenMapping(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 

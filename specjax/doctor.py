@@ -142,7 +142,7 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int, targ
     from specjax.train.setup import resolve_path
 
     try:  # jinja2 importable, the template compiles and renders a probe conversation
-        check_chat_template(tok, cfg.data.chat_template, TemplateLimits.of(cfg.data))
+        check_chat_template(tok, cfg.data.chat_template, TemplateLimits.of(cfg.data), cfg.data.chat_template_kwargs)
         rep.ok("chat template", template_source(tok, cfg.data.chat_template))
     except ValueError as e:
         rep.fail("chat template", str(e))
@@ -157,7 +157,8 @@ def _check_tokenizer_and_data(rep: Report, cfg, target_config, n_rows: int, targ
                                 truncate=cfg.data.truncate, chat_template=cfg.data.chat_template,
                                 mask_reasoning_content=cfg.data.mask_reasoning_content,
                                 mask_generation_prompt=cfg.data.mask_generation_prompt,
-                                row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data))
+                                row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data),
+                                template_variables=cfg.data.chat_template_kwargs)
     except (ValueError, FileNotFoundError) as e:
         rep.fail("data sample", str(e))
         return

@@ -145,12 +145,15 @@ def regenerate(
     decode_attention: str = "auto",
     row_limits=None,
     template_limits=None,
+    template_variables=None,
 ) -> Summary:
     """Run the stage; see the module docstring. Unset sampling values come from the target's
     generation_config.json (jax back end), else greedy with 512 new tokens. ``row_limits`` (a
     `specjax.data.sources.RowLimits`) make the input's oversized rows counted skips;
     ``template_limits`` (a `specjax.data.chat.TemplateLimits`) bound each rendering of the chat
-    template (jax back end). Both default to the config defaults."""
+    template (jax back end). Both default to the config defaults. ``template_variables``
+    (`data.chat_template_kwargs`) go to every rendering: the jax back end's, and the openai back end's
+    server as the request's ``chat_template_kwargs`` (unless ``extra_body`` sets that key itself)."""
     t0 = time.time()
     if backend not in ("jax", "openai"):
         raise RegenerateError(f"unknown back end {backend!r}: use jax or openai")
@@ -163,6 +166,9 @@ def regenerate(
         raise RegenerateError(f"segment_steps must be positive, got {segment_steps}")
     if limit is not None and limit <= 0:
         raise RegenerateError(f"limit must be positive, got {limit}")
+    template_variables = dict(template_variables or {})
+    if backend == "openai" and template_variables and "chat_template_kwargs" not in (extra_body or {}):
+        extra_body = {**(extra_body or {}), "chat_template_kwargs": template_variables}
     key = os.environ.get(api_key_env) if backend == "openai" else None
     redactor = Redactor(key, urllib.parse.urlsplit(endpoint).password if endpoint else None)
     log.addFilter(redactor)
@@ -228,6 +234,7 @@ def _run(*, t0, redactor, key, **a) -> Summary:
         "shard_size": int(a["shard_size"]),
         "keep_reasoning": bool(a["keep_reasoning"]),
         "extra_body": dict(a["extra_body"] or {}) if backend == "openai" else None,
+        "chat_template_kwargs": a["template_variables"] if backend == "jax" else None,
         # information only
         "endpoint": public_endpoint(a["endpoint"]) if backend == "openai" and a["endpoint"] else None,
         "api_key_env": a["api_key_env"] if backend == "openai" else None,
@@ -363,7 +370,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
     from specjax.data.chat import ChatTemplateUnusable, check_chat_template
 
     try:  # before the target is loaded: a missing jinja2 is not a row's problem
-        check_chat_template(tok, a["chat_template"], a["template_limits"])
+        check_chat_template(tok, a["chat_template"], a["template_limits"], a["template_variables"])
     except ChatTemplateUnusable as e:
         raise RegenerateError(str(e)) from e
     target = load_target(a["target"], dtype=a["dtype"], decode_attention_implementation=a["decode_attention"])
@@ -376,7 +383,7 @@ def _make_backend(a: dict, *, temperature: float, top_p: float, max_new: int, re
         max_prompt_tokens=a["max_prompt_tokens"], batch_size=a["batch_size"], seed=a["seed"],
         segment_steps=a["segment_steps"],
         keep_reasoning=a["keep_reasoning"], generate_fn=a["generate_fn"], long_prompts=a["long_prompts"],
-        template_limits=a["template_limits"],
+        template_limits=a["template_limits"], template_variables=a["template_variables"],
     )
 
 
@@ -407,6 +414,7 @@ def run_from_config(cfg) -> str:
         long_prompts=r.long_prompts, concurrency=r.concurrency, timeout_s=r.timeout_s, max_retries=r.max_retries, shard_size=r.shard_size,
         keep_reasoning=r.keep_reasoning, resume=True, turns=r.turns, decode_attention=cfg.kernels.decode_attention,
         row_limits=RowLimits.of(cfg.data), template_limits=TemplateLimits.of(cfg.data),
+        template_variables=cfg.data.chat_template_kwargs,
     )
     return summary.out_dir
 

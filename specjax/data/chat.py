@@ -40,7 +40,7 @@ import time
 import types
 from collections.abc import Mapping
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -137,19 +137,24 @@ class ChatTemplateLimitExceeded(ChatTemplateUnusable):
 
 class ChatTemplateText(str):
     """A chat template's text (a plain ``str`` for every use) that also carries where it came from
-    (``source``, for messages, see `template_source`) and the ``limits`` it renders under. Made by
-    `resolve_chat_template`; pickles with both, so worker processes report and bound the same."""
+    (``source``, for messages, see `template_source`), the ``limits`` it renders under and the
+    ``variables`` every rendering gets (`data.chat_template_kwargs`, e.g. ``enable_thinking``; a
+    rendering's own keyword arguments win). Made by `resolve_chat_template`; pickles with all three, so
+    worker processes render, report and bound the same."""
 
     source: str
     limits: TemplateLimits
+    variables: dict
 
-    def __new__(cls, text: str, source: str, limits: TemplateLimits | None = None) -> "ChatTemplateText":
+    def __new__(cls, text: str, source: str, limits: TemplateLimits | None = None,
+                variables: Mapping[str, Any] | None = None) -> "ChatTemplateText":
         obj = super().__new__(cls, text)
         obj.source, obj.limits = source, TemplateLimits(*(limits or TemplateLimits()))
+        obj.variables = dict(variables or {})
         return obj
 
     def __reduce__(self):
-        return (ChatTemplateText, (str(self), self.source, tuple(self.limits)))
+        return (ChatTemplateText, (str(self), self.source, tuple(self.limits), self.variables))
 
 
 class _LimitHit(Exception):
@@ -678,7 +683,8 @@ def render_chat(tokenizer, template: str, messages: list[dict], add_generation_p
     """``messages`` rendered with ``template`` as transformers' ``apply_chat_template(...,
     tokenize=False)`` renders them -- the same environment options, globals, tojson filter and
     variables (the tokenizer's ``special_tokens_map``, ``tools`` and ``documents`` (None unless given in
-    ``kwargs``), ``add_generation_prompt``, the other ``kwargs``) -- under the template's limits
+    ``kwargs``), ``add_generation_prompt``, the template's `ChatTemplateText.variables` as
+    ``apply_chat_template``'s extra keyword arguments, the other ``kwargs``) -- under the template's limits
     (`ChatTemplateText.limits`, else `TemplateLimits()`). Raises ChatTemplateLimitExceeded when the
     rendering runs past a limit, ChatTemplateUnusable when the template cannot be rendered at all
     (see there); any other exception is the row's and propagates unchanged."""
@@ -687,7 +693,8 @@ def render_chat(tokenizer, template: str, messages: list[dict], add_generation_p
     try:
         compiled = _compiled(str(template))
         tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-        variables = _plain({**(getattr(tokenizer, "special_tokens_map", None) or {}), **kwargs})
+        variables = _plain({**(getattr(tokenizer, "special_tokens_map", None) or {}),
+                            **(getattr(template, "variables", None) or {}), **kwargs})
         text = compiled.render(messages=_template_messages(messages), tools=_plain(tools),
                                documents=_plain(documents), add_generation_prompt=add_generation_prompt, **variables)
     except _LimitHit as hit:
@@ -708,9 +715,10 @@ def render_chat(tokenizer, template: str, messages: list[dict], add_generation_p
 _PROBE = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]
 
 
-def check_chat_template(tokenizer=None, template: str | None = None, limits: TemplateLimits | None = None) -> None:
+def check_chat_template(tokenizer=None, template: str | None = None, limits: TemplateLimits | None = None,
+                        variables: Mapping[str, Any] | None = None) -> None:
     """Before any expensive stage: jinja2 importable, and (with a tokenizer) the template renders a
-    two-turn probe conversation within ``limits`` (default `TemplateLimits()`). Raises
+    two-turn probe conversation within ``limits`` (default `TemplateLimits()`) with ``variables``. Raises
     ChatTemplateUnusable naming the cause and the fix (ChatTemplateLimitExceeded for a limit). A
     template that rejects the probe for a row-like reason (e.g. it requires a system turn) passes:
     rows are judged one by one later."""
@@ -720,7 +728,7 @@ def check_chat_template(tokenizer=None, template: str | None = None, limits: Tem
         raise ChatTemplateUnusable(f"cannot import jinja2 ({e}). Fix: {_JINJA_FIX}.") from None
     if tokenizer is None:
         return
-    tmpl = resolve_chat_template(tokenizer, template, limits)
+    tmpl = resolve_chat_template(tokenizer, template, limits, variables)
     try:
         render_chat(tokenizer, tmpl, _PROBE, add_generation_prompt=False)
     except ChatTemplateLimitExceeded:
@@ -762,27 +770,29 @@ class Example:
         return int(self.input_ids.shape[0])
 
 
-def resolve_chat_template(tokenizer, chat_template: str | None = None,
-                          limits: TemplateLimits | None = None) -> ChatTemplateText:
+def resolve_chat_template(tokenizer, chat_template: str | None = None, limits: TemplateLimits | None = None,
+                          variables: Mapping[str, Any] | None = None) -> ChatTemplateText:
     """The template to use: an explicit string (or path to a file holding one), else the
-    tokenizer's own, as a `ChatTemplateText` naming its source and rendering under ``limits``
-    (default: those ``chat_template`` already carries, else `TemplateLimits()`). No template at all
-    is a configuration error, not a bad row."""
+    tokenizer's own, as a `ChatTemplateText` naming its source, rendering under ``limits`` and with
+    ``variables`` (each default: what ``chat_template`` already carries, else `TemplateLimits()` / none).
+    No template at all is a configuration error, not a bad row."""
     if isinstance(chat_template, ChatTemplateText):
-        if limits is None or TemplateLimits(*limits) == chat_template.limits:
+        same_limits = limits is None or TemplateLimits(*limits) == chat_template.limits
+        if same_limits and (variables is None or dict(variables) == chat_template.variables):
             return chat_template
-        return ChatTemplateText(chat_template, chat_template.source, limits)
+        return ChatTemplateText(chat_template, chat_template.source, chat_template.limits if limits is None else limits,
+                                chat_template.variables if variables is None else variables)
     if chat_template:
         if "{" not in chat_template and os.path.isfile(chat_template):
             with open(chat_template, encoding="utf-8") as f:
-                return ChatTemplateText(f.read(), template_source(tokenizer, chat_template), limits)
-        return ChatTemplateText(chat_template, template_source(tokenizer, chat_template), limits)
+                return ChatTemplateText(f.read(), template_source(tokenizer, chat_template), limits, variables)
+        return ChatTemplateText(chat_template, template_source(tokenizer, chat_template), limits, variables)
     tmpl = getattr(tokenizer, "chat_template", None)
     if isinstance(tmpl, dict):  # some tokenizers carry several named templates
         tmpl = tmpl.get("default") or next(iter(tmpl.values()), None)
     if not tmpl:
         raise ValueError(f"the tokenizer has no chat template; {CHAT_TEMPLATE_HINT}")
-    return ChatTemplateText(tmpl, template_source(tokenizer), limits)
+    return ChatTemplateText(tmpl, template_source(tokenizer), limits, variables)
 
 
 _render = render_chat

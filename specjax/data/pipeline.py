@@ -104,6 +104,7 @@ def prepare_examples(
     inline_s: float | None = None,
     row_limits: RowLimits | None = None,
     template_limits: TemplateLimits | None = None,
+    template_variables: dict | None = None,
 ) -> Prepared:
     """Read, template, tokenize and split. Bad rows are counted in ``skipped`` and listed in
     ``skips``, never raised; a missing file, a tokenizer without a chat template, or no usable
@@ -121,12 +122,14 @@ def prepare_examples(
     row a counted skip (see `specjax.data.sources`); ``template_limits`` (`data.template_time_limit_s`,
     `data.max_template_chars`) bound every rendering of the chat template: a rendering past one raises
     ChatTemplateLimitExceeded, naming the template, the limit and the first row it happened on (see
-    `specjax.data.chat`). Both default to the config defaults."""
+    `specjax.data.chat`). Both default to the config defaults. ``template_variables``
+    (`data.chat_template_kwargs`) are given to every rendering."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_rows is not None and max_rows <= 0:
         raise ValueError(f"max_rows must be positive or None, got {max_rows}")
-    template = resolve_chat_template(tokenizer, chat_template, template_limits)  # fail before reading anything
+    # fail before reading anything
+    template = resolve_chat_template(tokenizer, chat_template, template_limits, template_variables)
 
     train: list[Example] = []
     val: list[Example] = []

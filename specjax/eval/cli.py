@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                          "default is TF32, which breaks near-ties differently in verification and greedy steps), "
                          "default, high, highest")
     ap.add_argument("--chat-template", default=None, help="Jinja template (string or file) if the tokenizer has none")
+    ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help="variables for the chat template, as the run's data.chat_template_kwargs, e.g. "
+                         "'{\"enable_thinking\": false}'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="prompts run once untimed first to compile (default 1)")
     ap.add_argument("--device-loop", action="store_true",
@@ -121,10 +124,27 @@ def _check_args(a) -> Optional[str]:
         return "--max-mismatches must be >= 0"
     if a.budget_s is not None and not a.budget_s > 0:
         return "--budget-s must be > 0 (seconds)"
+    if a.chat_template_kwargs is not None:
+        try:
+            _template_kwargs(a)
+        except ValueError as e:
+            return str(e)
     for flag, path in (("--target", a.target), ("--draft", a.draft)):
         if not os.path.isfile(os.path.join(path, "config.json")):
             return f"{flag} {path}: no config.json there; give the model folder"
     return None
+
+
+def _template_kwargs(a) -> Optional[dict]:
+    if a.chat_template_kwargs is None:
+        return None
+    try:
+        kwargs = json.loads(a.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs is not JSON ({e}); give e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object of variables, got {a.chat_template_kwargs}")
+    return kwargs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -152,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not prompts:
             raise ValueError(f"--prompts {args.prompts}: no prompts loaded")
         tokenizer = AutoTokenizer.from_pretrained(args.target)
-        template = resolve_chat_template(tokenizer, args.chat_template)
+        template = resolve_chat_template(tokenizer, args.chat_template, variables=_template_kwargs(args))
         target = load_target(args.target, dtype=args.dtype)
         draft = load_draft(args.draft)  # SpecDecoder checks that it fits the target
         decoder = SpecDecoder(target, draft, num_spec_tokens=args.num_spec_tokens, mode=args.mode,

@@ -82,6 +82,7 @@ class JaxBackend:
         long_prompts: str = "skip",
         segment_steps: int = 16,
         template_limits=None,
+        template_variables=None,
     ):
         if max_new_tokens <= 0:
             raise RegenerateError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -98,7 +99,7 @@ class JaxBackend:
         self.tokenizer = tokenizer
         try:
             # every prompt is rendered under template_limits (a TemplateLimits; default: its defaults)
-            self.template = resolve_chat_template(tokenizer, chat_template, template_limits)
+            self.template = resolve_chat_template(tokenizer, chat_template, template_limits, template_variables)
         except ValueError as e:
             raise RegenerateError(str(e)) from None
         self.eos_ids = tuple(int(i) for i in eos_ids)

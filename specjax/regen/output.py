@@ -40,13 +40,14 @@ COMPARED_KEYS = (
     "input", "limit", "backend", "model", "temperature", "top_p", "seed", "max_new_tokens",
     "max_prompt_tokens", "long_prompts", "shard_size", "keep_reasoning", "extra_body", "turns",
     "max_row_bytes", "max_row_depth",  # which rows are skipped, so which conversations each shard holds
+    "chat_template_kwargs",  # the prompts the jax back end renders
 )
 # Compared keys that runs before them did not have (they read every row whatever its size): not compared
 # when the old manifest lacks them.
 _UNRECORDED_BEFORE = ("max_row_bytes", "max_row_depth")
 # Compared keys added after the first manifests were written: (value those runs behaved as, the back end
 # it applies to, None = any).
-_LATER_KEYS = {"long_prompts": ("skip", "jax"), "turns": ("last", None)}
+_LATER_KEYS = {"long_prompts": ("skip", "jax"), "turns": ("last", None), "chat_template_kwargs": ({}, "jax")}
 
 
 def _old_value(old: dict, k: str):

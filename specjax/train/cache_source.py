@@ -56,7 +56,7 @@ def cache_fields(cfg, prepared, tokenizer, aux_layer_ids: Sequence[int]) -> dict
     split), the row length, the taps and the target's dtype."""
     tok_dir = cfg.data.tokenizer or cfg.target.path
     tok = [os.path.join(tok_dir, f) for f in tokenizer_files(tok_dir)] if os.path.isdir(tok_dir) else []
-    template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+    template = resolve_chat_template(tokenizer, cfg.data.chat_template)  # its kwargs: a field of their own
     return {
         "target": target_fingerprint(cfg.target.path),
         "target.dtype": cfg.target.dtype,
@@ -67,6 +67,7 @@ def cache_fields(cfg, prepared, tokenizer, aux_layer_ids: Sequence[int]) -> dict
         "data.seq_length": int(cfg.data.seq_length),
         "data.mask_reasoning_content": cfg.data.mask_reasoning_content,
         "data.mask_generation_prompt": cfg.data.mask_generation_prompt,
+        "data.chat_template_kwargs": dict(sorted(cfg.data.chat_template_kwargs.items())),
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
         "precompute.teacher_top_k": int(cfg.precompute.teacher_top_k),
     }

@@ -98,7 +98,8 @@ class JaxDecodeEval:
         self.cfg, self.target, self.tokenizer, self.draft_cfg, self.vocab = de, target, tokenizer, draft_cfg, vocab
         self.mesh = mesh
         self.prompts = _load_prompts(de)
-        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
+        self.template = resolve_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data),
+                                              cfg.data.chat_template_kwargs)
         self.eos = eos_token_ids(cfg.target.path, tokenizer)
 
     def due(self, step: int, total_steps: int, final: bool) -> bool:
@@ -175,8 +176,10 @@ class VllmDecodeEval:
             model = list_models(ep)[0]
             jobs = core.jobs_from_prompts(self.prompts)
             for name in dict.fromkeys(j.dataset for j in jobs):
+                kwargs = self.run_cfg.data.chat_template_kwargs  # vLLM renders the chat: give it the same variables
                 res = core.run_level(ep, model, [j for j in jobs if j.dataset == name], 1,
-                                     max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature)
+                                     max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                                     extra_body={"chat_template_kwargs": dict(kwargs)} if kwargs else None)
                 s = core.summarize_level(res)
                 acc = s["acceptance"]
                 if not acc or acc.get("tau") is None:

@@ -192,7 +192,8 @@ def checked_tokenizer(cfg: Config, tokenizer, target):
     checked now, before the data pass; either way it must fit the target's vocabulary."""
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg)
-        check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
+        check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data),
+                            cfg.data.chat_template_kwargs)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the target's vocab_size is "
@@ -258,7 +259,7 @@ def prepare_training_examples(cfg: Config, tokenizer, out_dir: str):
             max_rows=max_rows, truncate=d.truncate, chat_template=d.chat_template,
             mask_reasoning_content=d.mask_reasoning_content, mask_generation_prompt=d.mask_generation_prompt,
             skip_report_dir=report_dir, workers=d.prepare_processes(),
-            row_limits=RowLimits.of(d), template_limits=TemplateLimits.of(d),
+            row_limits=RowLimits.of(d), template_limits=TemplateLimits.of(d), template_variables=d.chat_template_kwargs,
         )
 
     if not d.val_files:

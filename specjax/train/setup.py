@@ -105,7 +105,7 @@ def preflight(cfg: Config):
             not tokenizer_files(tok_path) and (cfg.target.build_demo or cfg.target.gguf))):
         return None  # the target stage reports a missing folder; a demo build / GGUF conversion writes it
     tokenizer = build_tokenizer(cfg)
-    check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data))
+    check_chat_template(tokenizer, cfg.data.chat_template, TemplateLimits.of(cfg.data), cfg.data.chat_template_kwargs)
     return tokenizer
 
 
