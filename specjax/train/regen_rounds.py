@@ -23,8 +23,9 @@ specjax.regen.output with a manifest of the settings), so a restore re-tokenizes
 generating again, and a round redone after a kill that came before its checkpoint reuses its shard.
 
 Held-out prompts never enter training: only the rows behind the training examples are read back as
-prompts, and a training prompt whose turns equal a validation row's (a duplicate across the split)
-is left out, counted in the log.
+prompts (one extra pass over the data files at start; the prompts' text then stays in memory beside
+the token ids), and a training prompt whose turns equal a validation row's (a duplicate across the
+split) is left out, counted in the log.
 """
 from __future__ import annotations
 
