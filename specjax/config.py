@@ -332,10 +332,11 @@ class PrecomputeConfig(CheckedSection):
 class RegenerateConfig(CheckedSection):
     """Stage run by `specjax.launch` before training when enabled (see `python -m specjax.regenerate`):
     replace the assistant turns of `source` with the target's own answers, written as parquet shards
-    to `out_dir`, which `data.train_files` then points at."""
+    to `out_dir`, which `data.train_files` then points at. With every_steps, rounds during training
+    re-answer the training prompts (specjax.train.regen_rounds)."""
     SECTION: ClassVar[str] = "regenerate"
     DOC: ClassVar[str] = ("Before training, replace the source's assistant turns with the target's own answers "
-                          "(python -m specjax.regenerate).")
+                          "(python -m specjax.regenerate); with every_steps, again during training.")
     enabled: bool = described(False, "Run the regeneration stage before training (resumable: a rerun continues "
                                      "its shards)")
     # eval presets (mtbench, humaneval) are refused: their prompts would leak into the training data
@@ -377,6 +378,12 @@ class RegenerateConfig(CheckedSection):
     # a conversation that outgrows max_prompt_tokens is written as several rows (its finished windows)
     turns: Literal["last", "all"] = described("last", "last: answer each conversation's final turn; all: every "
                                                       "turn in order, after the target's own answers")
+    # on-policy rounds during training (specjax.train.regen_rounds): independent of `enabled`, which runs
+    # once before training; the sampling and backend keys above apply to both
+    every_steps: int = ranged(0, ge=0, doc="Every N training steps the target re-answers slice_size training "
+                                           "prompts, replacing their examples; 0: off")
+    slice_size: int = ranged(256, ge=0, doc="every_steps: training prompts re-answered per round (in order, "
+                                            "wrapping); >= 1 when every_steps > 0")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ TENSORBOARD_DIR = "tensorboard"  # TensorBoard event files (when tensorboardX is
 CHECKPOINTS_DIR = "checkpoints"  # orbax checkpoints, one folder per saved step
 EXPORT_DIR = "export"  # the head exported at the end of training, unless export.out_dir names another folder
 REGENERATED_DIR = "regenerated"  # the regeneration stage's shards, unless regenerate.out_dir names another folder
+REGEN_ROUNDS_DIR = "regen_rounds"  # regenerate.every_steps: each round's answers, shard-NNNNNN.parquet for round N
 DECODE_EVAL_DIR = "decode_eval"  # decode_eval's heads and inference-server logs, one of each per evaluated step
 
 # --- inside decode_eval/ ----------------------------------------------------------------------

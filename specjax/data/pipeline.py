@@ -387,12 +387,18 @@ def _packed_rows(
     num_packing_bins: int = 8,
     groups: Sequence[int] | None = None,
     weights: Sequence[float] | None = None,
+    pool=None,
 ) -> grain.IterDataset:
     """Unbatched packed rows of this host's shard ([T] per feature). With `weights`, example i belongs
     to group `groups[i]` (its data.train_files entry): each group is shuffled and repeated on its own
-    and the groups are mixed in proportion to `weights` (grain's MapDataset.mix), endlessly."""
+    and the groups are mixed in proportion to `weights` (grain's MapDataset.mix), endlessly. With
+    `pool` (a `specjax.train.regen_rounds.RegenPool`), the k-th drawn (index, example) goes through
+    `pool.current(k, item)`, which may give the index's regenerated example instead."""
     if shard_count <= 0 or not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}")
+    if pool is not None and shard_count != 1:
+        raise ValueError("a regeneration pool replaces examples by their index in the whole training list; "
+                         f"it needs one global iterator (shard_count=1), got shard_count={shard_count}")
     local = list(examples[shard_index::shard_count])
     if not local:
         raise ValueError(
@@ -403,7 +409,7 @@ def _packed_rows(
         ds = grain.MapDataset.source(list(enumerate(local)))
         # shuffle before repeat: grain folds the epoch number into the seed, so every epoch gets a
         # different but reproducible order.
-        ds = ds.shuffle(seed=int(seed) % 2**32).repeat(num_epochs).map(_features)
+        ds = ds.shuffle(seed=int(seed) % 2**32).repeat(num_epochs)
     else:
         local_groups = list(groups[shard_index::shard_count])
         parts = []
@@ -413,7 +419,10 @@ def _packed_rows(
                 raise ValueError(f"data.train_files entry {g} has no training example on host shard "
                                  f"{shard_index}/{shard_count}, so it cannot get weight {weights[g]}")
             parts.append(grain.MapDataset.source(members).shuffle(seed=(int(seed) + g) % 2**32).repeat(None))
-        ds = grain.MapDataset.mix(parts, [float(w) for w in weights]).map(_features)
+        ds = grain.MapDataset.mix(parts, [float(w) for w in weights])
+    if pool is not None:
+        ds = ds.map_with_index(pool.current)
+    ds = ds.map(_features)
     # Everything is already in memory; reader threads would only add GIL contention.
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -436,9 +445,10 @@ def make_train_iterator(
     num_packing_bins: int | None = None,
     groups: Sequence[int] | None = None,
     weights: Sequence[float] | None = None,
+    pool=None,
 ):
     """Endless iterator of packed [batch_size, seq_length] numpy batches for this host (`groups` /
-    `weights`: data.train_file_weights, see `_packed_rows`).
+    `weights`: data.train_file_weights, `pool`: regenerate.every_steps, see `_packed_rows`).
 
     This host reads ``examples[shard_index::shard_count]`` (disjoint across hosts, together all).
     The returned grain iterator has get_state()/set_state() (a small dict of ints) for exact
@@ -446,7 +456,7 @@ def make_train_iterator(
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     bins = batch_size if num_packing_bins is None else int(num_packing_bins)
-    ds = _packed_rows(examples, seq_length, seed, shard_index, shard_count, None, bins, groups, weights)
+    ds = _packed_rows(examples, seq_length, seed, shard_index, shard_count, None, bins, groups, weights, pool)
     return iter(ds.batch(batch_size, drop_remainder=True))
 
 

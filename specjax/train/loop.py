@@ -2,7 +2,7 @@
 
 `train(cfg)` builds the run (`build_run`: lock, preflight, target, tokenizer, data, vocab, run
 set-up, restore), then trains: each step is followed by the hooks whose `every` says the step is
-theirs (log, progress, stop, validate, decode_eval, checkpoint, in that order); then the final
+theirs (log, progress, stop, validate, decode_eval, regenerate, checkpoint, in that order); then the final
 validation, decode_eval and checkpoint, the export and the run report (specjax.report). SIGTERM/SIGINT
 ask the run to checkpoint and stop (specjax.train.signals).
 
@@ -218,6 +218,9 @@ class _Trainer:
         if self.decode_eval is not None:
             hooks.append(Hook("decode_eval", lambda s: self.decode_eval.due(s, steps, final=False),
                               lambda lp: self._decode_eval(lp.step), resumable=True))
+        if self.run.regen is not None:  # before the checkpoint of the same step, which then holds the round
+            hooks.append(Hook("regenerate", every(cfg.regenerate.every_steps, steps),
+                              lambda lp: self._regen_round(lp.step), resumable=True))
         hooks.append(Hook("checkpoint", every(cfg.checkpoint.every_steps, steps),
                           lambda lp: self._checkpoint(lp.step), settle=True))
         return hooks
@@ -228,6 +231,9 @@ class _Trainer:
         dt = time.time() - lp.t_since
         m["tokens_per_s"] = lp.tokens_since / max(dt, 1e-9)
         m["lr"] = float(self.run.setup.schedule(lp.step - 1))
+        if self.run.regen is not None:
+            m["regen_rounds"] = self.run.regen.rounds_done
+            m["regen_examples"] = self.run.regen.examples_replaced
         lp.tokens_since, lp.t_since = 0, time.time()
         self.writer.write(lp.step, "train", m)
         if not lp.result.first_metrics:
@@ -260,6 +266,12 @@ class _Trainer:
         self.loop.result.decode_eval[step] = short
         log.info("step %d decode_eval: %s", step,
                  ", ".join(f"{n} tau {d['tau']:.3f} [{d['tau_lo']:.3f}, {d['tau_hi']:.3f}]" for n, d in short.items()))
+
+    def _regen_round(self, step: int) -> None:
+        t0 = time.time()
+        res = self.run.regen.run_round(step)
+        self.loop.t_since += time.time() - t0  # keep generation time out of the training tokens/s
+        self.writer.write(step, "regen", res.metrics())
 
     def _checkpoint(self, step: int, due_not_run: tuple = ()) -> None:
         _save(self.mngr, step, self.loop.state, self.data_iter, self.loop.result, self.run.identity, due_not_run)

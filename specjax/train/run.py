@@ -6,7 +6,8 @@ disk, its chat template) -> the target folder (the demo build, the GGUF conversi
 against the target's config.json (taps, draft vocab size, draft config) -> the
 regeneration stage (regenerate.enabled) -> the target, its weights on the mesh -> the tokenizer
 (preflight's, or loaded now when the target build wrote it) -> the data (training examples, eval
-batches, the data iterator) -> the draft vocabulary -> the run set-up (specjax.train.setup: draft
+batches, the data iterator) -> the draft vocabulary -> the regeneration rounds (regenerate.every_steps:
+the training prompts, <run>/regen_rounds; specjax.train.regen_rounds) -> the run set-up (specjax.train.setup: draft
 config, objective, optimizer, step functions) and the initial state -> restore (the latest
 checkpoint and data position) -> run_meta.json and decode_eval.
 
@@ -51,6 +52,8 @@ from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, r
 from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, check_cache_vocab,
                                         describe, make_cache_iterator, open_checked_cache)
 from specjax.train.decode_eval import make_decode_eval
+from specjax.train.regen_rounds import (RegenPool, RegenStream, check_regen_settings, check_regen_steps,
+                                        make_regen_rounds)
 from specjax.train.setup import (
     RunSetup, build_run_setup, build_tokenizer, build_vocab, check_batch_fits, check_draft_fits_target, check_writable,
     load_prepared_target, make_mesh, preflight, prepare_target_folder, resolve_aux_ids, resolve_path,
@@ -98,6 +101,7 @@ class Run:
     decode_eval: Any  # JaxDecodeEval / VllmDecodeEval (specjax.train.decode_eval), or None when off
     held: contextlib.ExitStack  # the run-folder lock
     resume_meta: dict = field(default_factory=dict)  # the restored checkpoint's meta ({} when starting fresh)
+    regen: Any = None  # specjax.train.regen_rounds.RegenRounds when regenerate.every_steps, else None
 
     def close(self) -> None:
         self.held.close()
@@ -122,6 +126,7 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         prepare_target_folder(cfg)
         check_draft_fits_target(cfg)  # the taps, the draft vocab, the draft config: before any data pass
         check_cache_settings(cfg)
+        check_regen_settings(cfg, jax.process_count())
         with stop.paused() if stop is not None else contextlib.nullcontext():
             cfg = run_regenerate_stage(cfg)
         mesh = make_mesh(cfg)
@@ -129,11 +134,17 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         tokenizer = checked_tokenizer(cfg, tokenizer, target)
         data = _prepare_data(cfg, tokenizer, out_dir, target)
         cfg = resolve_steps(cfg, data.train)
+        check_regen_steps(cfg)
 
         vocab = build_vocab(cfg, data.train, target.config.vocab_size, out_dir)
         if cfg.target.source == "cache":
             check_cache_vocab(cfg, vocab)
         identity = run_identity(cfg, data.train, vocab)
+        # before the restore, which reads the applied rounds back through it
+        regen = make_regen_rounds(cfg, data, target=target, tokenizer=tokenizer, out_dir=out_dir,
+                                  data_sha256=identity["data_sha256"],
+                                  files=tuple(resolve_path(p) for p in cfg.data.train_files),
+                                  val_files=tuple(resolve_path(p) for p in cfg.data.val_files))
         check_batch_fits(cfg, mesh)
         setup = build_run_setup(cfg, target, mesh)
         draft_params = setup.init_draft_params(vocab)
@@ -153,7 +164,7 @@ def build_run(cfg: Config, stop: Optional[StopSignal] = None) -> Run:
         return Run(cfg=cfg, out_dir=out_dir, t_start=t_start, mesh=mesh, target=target, tokenizer=tokenizer,
                    data=data, vocab=vocab, identity=identity, setup=setup, target_params=target_params,
                    vocab_arrays=vocab_arrays, state=state, start_step=start_step, mngr=mngr,
-                   decode_eval=decode_eval, held=held.pop_all(), resume_meta=resume.meta)
+                   decode_eval=decode_eval, held=held.pop_all(), resume_meta=resume.meta, regen=regen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,11 +232,13 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
         return RunData(prepared=prepared,
                        val_batches=cache_val_batches(cache, d.batch_size, cfg.train.eval_batches, state_dtype),
                        iterator=make_cache_iterator(cache, d.batch_size, d.shuffle_seed, state_dtype))
+    pool = RegenPool() if cfg.regenerate.every_steps else None
+    iterator = make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed, pool=pool,
+                                   **_file_mixture(d, prepared.train))
     return RunData(
         prepared=prepared,
         val_batches=make_eval_batches(prepared.val, d.seq_length, d.batch_size)[: cfg.train.eval_batches],
-        iterator=make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed,
-                                     **_file_mixture(d, prepared.train)))
+        iterator=iterator if pool is None else RegenStream(iterator, pool))
 
 
 def _file_mixture(d, examples) -> dict:
@@ -330,6 +343,8 @@ def _write_run_meta(cfg: Config, setup: RunSetup, target, out_dir: str, resumed_
 _RESUME_MAY_CHANGE = ("run.output_dir", "run.name", "train.stop_at_step", "train.progress", "train.log_every",
                       "train.eval_every", "train.eval_batches", "train.max_consecutive_skips", "checkpoint.",
                       "export.", "parallelism.", "kernels.", "decode_eval.", "regenerate.")
+# ... except these, which decide what a run trains on after its first round (and the form of its data position)
+_RESUME_MUST_MATCH = ("regenerate.every_steps", "regenerate.slice_size")
 
 
 def config_differences(saved: dict, now: dict) -> list[str]:
@@ -341,7 +356,8 @@ def config_differences(saved: dict, now: dict) -> list[str]:
         a, b, d = saved.get(section) or {}, now.get(section) or {}, defaults.get(section) or {}
         for key in sorted(set(a) | set(b)):
             name = f"{section}.{key}"
-            if any(name == p or (p.endswith(".") and name.startswith(p)) for p in _RESUME_MAY_CHANGE):
+            if name not in _RESUME_MUST_MATCH and any(
+                    name == p or (p.endswith(".") and name.startswith(p)) for p in _RESUME_MAY_CHANGE):
                 continue
             old, new = a.get(key, d.get(key)), b.get(key, d.get(key))
             if old != new:
