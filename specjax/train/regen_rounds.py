@@ -242,7 +242,7 @@ class RegenRounds:
         self.target, self.tokenizer = target, tokenizer
         self.dir = os.path.join(out_dir, REGEN_ROUNDS_DIR)
         d = cfg.data
-        self.template = resolve_chat_template(tokenizer, d.chat_template, TemplateLimits.of(d))
+        self.template = resolve_chat_template(tokenizer, d.chat_template, TemplateLimits.of(d), d.chat_template_kwargs)
         if not prompts:
             raise ValueError("regenerate.every_steps: no training example has a prompt to re-answer (see the log "
                              "line above for why). Fix: regenerate.every_steps=0, or training data with user turns")
@@ -261,7 +261,8 @@ class RegenRounds:
             "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed, "max_new_tokens": r.max_new_tokens,
             "max_prompt_tokens": r.max_prompt_tokens if jax_backend else None,
             "long_prompts": r.long_prompts if jax_backend else None, "shard_size": r.slice_size,
-            "keep_reasoning": r.keep_reasoning, "extra_body": None, "turns": r.turns,
+            "keep_reasoning": r.keep_reasoning, "extra_body": None if jax_backend else self._extra_body(),
+            "chat_template_kwargs": dict(self.cfg.data.chat_template_kwargs) if jax_backend else None, "turns": r.turns,
             "max_row_bytes": self.cfg.data.max_row_bytes, "max_row_depth": self.cfg.data.max_row_depth,
             "columns": ["messages", "source_index"],
         }
@@ -303,13 +304,18 @@ class RegenRounds:
         return res
 
     # ---- answering -----------------------------------------------------------------------------
+    def _extra_body(self) -> dict:
+        """The openai back end's extra request fields: the template's variables, as the server takes them."""
+        kwargs = self.cfg.data.chat_template_kwargs
+        return {"chat_template_kwargs": dict(kwargs)} if kwargs else {}
+
     def _backend(self, round_no: int, redactor: Redactor):
         r = self.cfg.regenerate
         if r.backend == "openai":
             from specjax.regen.client import ChatClient, OpenAIBackend
 
             client = ChatClient(r.endpoint, r.model, api_key_env=r.api_key_env, timeout_s=r.timeout_s,
-                                max_retries=r.max_retries, redactor=redactor)
+                                max_retries=r.max_retries, redactor=redactor, extra_body=self._extra_body())
             return OpenAIBackend(client, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                  keep_reasoning=r.keep_reasoning, concurrency=r.concurrency)
         from specjax.regen.jax_backend import JaxBackend, eos_token_ids
