@@ -318,6 +318,11 @@ class PrecomputeConfig(CheckedSection):
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = described(
         "bfloat16", "Stored dtype of the states (float8_e4m3fn: one scale per token and state)")
     rows_per_shard: int = ranged(64, ge=1, doc="Packed rows per shard file of each array")
+    # vllm: the states from a vLLM engine (specjax.data.vllm_states), same cache and fields as jax's
+    backend: Literal["jax", "vllm"] = described(
+        "jax", "What computes the states: the JAX target, or a vLLM engine (extract_hidden_states) in a subprocess")
+    vllm_python: Optional[str] = described(None, "backend vllm: python of an environment with vLLM; null: "
+                                                 "$SPECJAX_VLLM_PYTHON, else this python")
 
 
 @dataclass(frozen=True)
