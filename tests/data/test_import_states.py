@@ -33,7 +33,8 @@ def _cfg(target, cache, *extra):
     return load_config(None, [
         f"target.path={target}", "target.dtype=float32", f"target.cache_dir={cache}",
         "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=24", f"data.seq_length={T}",
-        "data.batch_size=4", "data.val_fraction=0.1", "precompute.dtype=float32", "precompute.rows_per_shard=4",
+        "data.batch_size=8", "data.val_fraction=0.1", "precompute.dtype=float32", "precompute.rows_per_shard=4",
+        "draft.draft_vocab_size=128",
         *extra])
 
 
