@@ -326,6 +326,11 @@ class PrecomputeConfig(CheckedSection):
     # logsumexp: 8k + 8 bytes a token in place of the final hidden's D values (docs/training.md states the bound)
     teacher_top_k: int = ranged(0, ge=0, doc="0: store the final hidden state (the exact teacher); k: the teacher's "
                                              "top k draft-vocab logits instead")
+    # vllm: the states from a vLLM engine (specjax.data.vllm_states), same cache and fields as jax's
+    backend: Literal["jax", "vllm"] = described(
+        "jax", "What computes the states: the JAX target, or a vLLM engine (extract_hidden_states) in a subprocess")
+    vllm_python: Optional[str] = described(None, "backend vllm: python of an environment with vLLM; null: "
+                                                 "$SPECJAX_VLLM_PYTHON, else this python")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ train/val split as training; the examples first-fit packed in order into data.se
 writes per row its tapped states, final hidden state and token arrays to target.cache_dir
 (specjax.data.state_cache: tensorstore zarr3, precompute.dtype, precompute.rows_per_shard rows per
 shard file). Training with target.source=cache then runs the same step without the target's forward
-and loads only its embedding and lm_head.
+and loads only its embedding and lm_head. precompute.backend=vllm computes the same states with a
+vLLM engine in a subprocess (precompute.vllm_python; specjax.data.vllm_states) into the same cache.
 
 Before it starts it prints the bytes per token and the total. Resumable: a killed precompute rerun
 with the same config writes only the rows not yet written (no row twice, none lost); a rerun with
@@ -31,6 +32,7 @@ from specjax import checkpoint as ckpt
 from specjax import mesh as meshlib
 from specjax.config import Config, ConfigError, load_config
 from specjax.data.state_cache import StateCache, manifest_differences, state_bytes_per_token
+from specjax.data.vllm_states import precompute_vllm
 from specjax.train.cache_source import cache_fields, packed_rows
 from specjax.train.run import checked_tokenizer, prepare_training_examples
 from specjax.drafts.teacher import TOPK_STATE_KEYS, tail_mass, top_k_of
@@ -56,6 +58,11 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
     if jax.process_count() > 1:
         raise ValueError("python -m specjax.precompute runs in one process (its writes are not split across hosts "
                          "yet); run it on one host")
+    if cfg.precompute.backend == "vllm":  # the states from a vLLM engine: specjax.data.vllm_states
+        if cfg.precompute.teacher_top_k:
+            raise ValueError("precompute.backend=vllm stores the final hidden state (vLLM gives no draft-vocab "
+                             "logits); Fix: precompute.teacher_top_k=0, or precompute.backend=jax for a top-k teacher")
+        return precompute_vllm(cfg, progress=progress)
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, source="online"))  # the whole target
     tokenizer = preflight(cfg)
     prepare_target_folder(cfg)

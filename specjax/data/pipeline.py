@@ -37,7 +37,7 @@ from specjax.data.sources import RowLimits, format_skip
 from specjax.run_files import SKIP_REPORT_FILE
 
 __all__ = ["Prepared", "Skip", "prepare_examples", "write_skip_report", "make_train_iterator",
-           "make_eval_batches", "split_is_val", "batches_per_epoch"]
+           "make_eval_batches", "first_fit_rows", "split_is_val", "batches_per_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -472,13 +472,9 @@ def _empty_batch(batch_size: int, seq_length: int) -> dict[str, np.ndarray]:
     return {k: np.zeros((batch_size, seq_length), np.int32) for k in BATCH_KEYS}
 
 
-def make_eval_batches(
-    examples: Sequence[Example], seq_length: int, batch_size: int
-) -> list[dict[str, np.ndarray]]:
-    """Every example exactly once, first-fit packed in the given order, padded to whole batches
-    (padding rows are all segment 0). Same input -> same batches."""
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+def first_fit_rows(examples: Sequence[Example], seq_length: int) -> list[list[int]]:
+    """The example indices of each packed row, first-fit in the given order (make_eval_batches'
+    rows; a row's segments 1, 2, ... are its indices in this order)."""
     _check_lengths(examples, seq_length)
     free = np.zeros(0, dtype=np.int64)  # free cells per row
     rows: list[list[int]] = []
@@ -493,7 +489,17 @@ def make_eval_batches(
             free = np.append(free, seq_length)
         rows[r].append(i)
         free[r] -= n
+    return rows
 
+
+def make_eval_batches(
+    examples: Sequence[Example], seq_length: int, batch_size: int
+) -> list[dict[str, np.ndarray]]:
+    """Every example exactly once, first-fit packed in the given order, padded to whole batches
+    (padding rows are all segment 0). Same input -> same batches."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    rows = first_fit_rows(examples, seq_length)
     batches = []
     for b0 in range(0, len(rows), batch_size):
         batch = _empty_batch(batch_size, seq_length)

@@ -6,11 +6,19 @@ iterator) and the validation batches (`cache_val_batches`).
 The rows are the prepared examples first-fit packed in order (as the validation batches are
 packed online); training shuffles whole rows per epoch. A cache records the fields below; a run
 whose fields differ is refused with each difference named (`open_checked_cache`).
+
+A cache imported from a foreign dump (`python -m specjax.import_states`: a speculators /
+hs-connectors folder) was not made from this run's data config: its manifest has an `origin` field
+(the dump and the sha256 of its token ids and loss masks). Training from it checks only what it
+can, FOREIGN_CHECKED (the target, the tokenizer, data.seq_length and the taps), logs that the data
+fields are not checked, and takes its examples (the draft vocabulary's token counts) from the
+cache's rows instead of data.train_files (`examples_from_cache`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 
@@ -24,8 +32,14 @@ from specjax.data.state_cache import StateCache, manifest_differences
 from specjax.run_files import VOCAB_FILE
 from specjax.train.setup import tokenizer_files
 
-__all__ = ["cache_fields", "cache_val_batches", "check_cache_settings", "check_cache_vocab", "describe",
-           "make_cache_iterator", "open_checked_cache", "packed_rows", "target_fingerprint"]
+log = logging.getLogger("specjax")
+
+__all__ = ["FOREIGN_CHECKED", "cache_fields", "cache_origin", "cache_val_batches", "check_cache_settings",
+           "check_cache_vocab", "describe", "examples_from_cache", "foreign_cache_fields", "make_cache_iterator",
+           "open_checked_cache", "packed_rows", "target_fingerprint", "tokenizer_fingerprint"]
+
+# the fields a foreign (imported) cache is checked on: what this run's data config did not decide
+FOREIGN_CHECKED = ("target", "tokenizer", "data.seq_length", "aux_layer_ids", "precompute.teacher_top_k")
 
 
 def _sha_files(paths: Sequence[str]) -> str:
@@ -54,13 +68,11 @@ def cache_fields(cfg, prepared, tokenizer, aux_layer_ids: Sequence[int]) -> dict
     """What a state cache depends on: the target, the tokenizer and chat template, the prepared
     examples (their token ids and loss masks: the data files, templating, masking, truncation and
     split), the row length, the taps and the target's dtype."""
-    tok_dir = cfg.data.tokenizer or cfg.target.path
-    tok = [os.path.join(tok_dir, f) for f in tokenizer_files(tok_dir)] if os.path.isdir(tok_dir) else []
     template = resolve_chat_template(tokenizer, cfg.data.chat_template)  # its kwargs: a field of their own
     return {
         "target": target_fingerprint(cfg.target.path),
         "target.dtype": cfg.target.dtype,
-        "tokenizer": _sha_files(tok) if tok else str(tok_dir),
+        "tokenizer": tokenizer_fingerprint(cfg),
         "chat_template": hashlib.sha256(str(template).encode()).hexdigest(),
         "train_examples": ckpt.examples_sha256(prepared.train),
         "val_examples": ckpt.examples_sha256(prepared.val),
@@ -82,6 +94,51 @@ def check_cache_vocab(cfg, vocab) -> None:
             f"the state cache at {cfg.target.cache_dir} holds a top-{cache.teacher_top_k} teacher over another draft "
             f"vocabulary than this run's. Fix: draft.vocab_file={os.path.join(cfg.target.cache_dir, VOCAB_FILE)} "
             "(the one precompute wrote), with a new run.output_dir if this one has its own draft_vocab.npz")
+
+
+def tokenizer_fingerprint(cfg) -> str:
+    """sha256 of the tokenizer files (data.tokenizer, else the target folder's)."""
+    tok_dir = cfg.data.tokenizer or cfg.target.path
+    tok = [os.path.join(tok_dir, f) for f in tokenizer_files(tok_dir)] if os.path.isdir(tok_dir) else []
+    return _sha_files(tok) if tok else str(tok_dir)
+
+
+def foreign_cache_fields(cfg, aux_layer_ids: Sequence[int], origin: str) -> dict:
+    """The fields of a cache imported from a dump this run's data config did not make: FOREIGN_CHECKED
+    and the `origin`."""
+    return {"origin": origin, "target": target_fingerprint(cfg.target.path), "tokenizer": tokenizer_fingerprint(cfg),
+            "data.seq_length": int(cfg.data.seq_length), "aux_layer_ids": [int(i) for i in aux_layer_ids],
+            # an imported dump holds the final hidden; a run asking for a top-k teacher is refused by name
+            "precompute.teacher_top_k": int(cfg.precompute.teacher_top_k)}
+
+
+def cache_origin(cfg) -> str | None:
+    """The `origin` of target.cache_dir's cache (an imported dump), None for one precompute wrote."""
+    path = os.path.join(cfg.target.cache_dir or "", "manifest.json")
+    if not cfg.target.cache_dir or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("fields", {}).get("origin")
+
+
+def examples_from_cache(cache: StateCache):
+    """The examples of an imported cache, one per (row, segment), train and val (a Prepared)."""
+    from specjax.data.chat import Example
+    from specjax.data.pipeline import Prepared
+
+    out = {}
+    for split in ("train", "val"):
+        out[split] = []
+        if not cache.rows(split):
+            continue
+        arrays = cache.split(split).arrays
+        ids, mask, seg = (arrays[k].read().result() for k in ("input_ids", "loss_mask", "segment_ids"))
+        for r in range(ids.shape[0]):
+            for s in range(1, int(seg[r].max()) + 1):
+                at = seg[r] == s
+                out[split].append(Example(ids[r][at].astype(np.int32), mask[r][at].astype(np.int32),
+                                          source=cache.path, row=len(out[split]) + 1))
+    return Prepared(train=out["train"], val=out["val"], skipped={}, n_rows=len(out["train"]) + len(out["val"]))
 
 
 def packed_rows(examples, seq_length: int) -> list[dict]:
@@ -118,7 +175,15 @@ def open_checked_cache(cfg, fields: dict) -> StateCache:
         raise ValueError("target.source=cache needs target.cache_dir: the folder `python -m specjax.precompute "
                          "--config <this config>` wrote")
     cache = StateCache.open(cfg.target.cache_dir)
-    diffs = manifest_differences(cache.fields, fields)
+    origin = cache.fields.get("origin")
+    if origin is not None:  # imported: only what this run can know about the dump is compared
+        diffs = manifest_differences({k: cache.fields.get(k) for k in FOREIGN_CHECKED},
+                                     {k: fields.get(k) for k in FOREIGN_CHECKED})
+        if not diffs:
+            log.info("state cache %s was imported (%s): checked %s; its examples, chat template, loss masks and "
+                     "split are the dump's, not data.*'s", cfg.target.cache_dir, origin, list(FOREIGN_CHECKED))
+    else:
+        diffs = manifest_differences(cache.fields, fields)
     if diffs:
         raise ValueError(
             f"the state cache at {cfg.target.cache_dir} was written for other settings or data:\n  "

@@ -49,8 +49,9 @@ from specjax.data.datasets import resolve_data_paths
 from specjax.data.pipeline import Prepared, batches_per_epoch, write_skip_report
 from specjax.data.sources import RowLimits
 from specjax.run_files import VOCAB_FILE, checkpoints_dir, run_meta_kept_path, run_meta_path, vocab_path
-from specjax.train.cache_source import (cache_fields, cache_val_batches, check_cache_settings, check_cache_vocab,
-                                        describe, make_cache_iterator, open_checked_cache)
+from specjax.train.cache_source import (cache_fields, cache_origin, cache_val_batches, check_cache_settings,
+                                        check_cache_vocab, describe, examples_from_cache, foreign_cache_fields,
+                                        make_cache_iterator, open_checked_cache)
 from specjax.train.decode_eval import make_decode_eval
 from specjax.train.regen_rounds import (RegenPool, RegenStream, check_regen_settings, check_regen_steps,
                                         make_regen_rounds)
@@ -216,7 +217,9 @@ def checked_tokenizer(cfg: Config, tokenizer, target):
 def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
     """data.*: the training files -> examples (every skipped row, file:line and reason, in
     <out_dir>/skipped_rows.jsonl), the validation batches and the training iterator; with
-    target.source=cache the batches are the state cache's rows (checked against these examples)."""
+    target.source=cache the batches are the state cache's rows (checked against these examples; a cache
+    imported from a foreign dump is checked on cache_source.FOREIGN_CHECKED only, and its rows are the
+    examples: data.train_files is not read)."""
     d = cfg.data
     if d.train_file_weights and len(d.train_file_weights) != len(d.train_files):
         raise ValueError(f"data.train_file_weights has {len(d.train_file_weights)} weights for "
@@ -224,9 +227,16 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
     if any(w <= 0 for w in d.train_file_weights):
         raise ValueError(f"data.train_file_weights {list(d.train_file_weights)}: every weight must be > 0 "
                          "(leave an entry out of data.train_files to drop it)")
-    prepared = prepare_training_examples(cfg, tokenizer, out_dir)
+    origin = cache_origin(cfg) if cfg.target.source == "cache" else None
+    if origin is not None:  # an imported dump: its examples are the cache's rows, not data.train_files'
+        aux_ids = resolve_aux_ids(cfg, target)
+        cache = open_checked_cache(cfg, foreign_cache_fields(cfg, aux_ids, origin))
+        prepared = examples_from_cache(cache)
+    else:
+        prepared = prepare_training_examples(cfg, tokenizer, out_dir)
     if cfg.target.source == "cache":
-        cache = open_checked_cache(cfg, cache_fields(cfg, prepared, tokenizer, resolve_aux_ids(cfg, target)))
+        if origin is None:
+            cache = open_checked_cache(cfg, cache_fields(cfg, prepared, tokenizer, resolve_aux_ids(cfg, target)))
         log.info("data: %s", describe(cache))
         state_dtype = np.float32 if cfg.target.dtype == "float32" else ml_dtypes.bfloat16
         return RunData(prepared=prepared,
