@@ -27,7 +27,7 @@ from specjax.drafts import weights
 from specjax_converters.eagle3_validate import ARCHITECTURE, check_head
 from specjax_converters.head_files import Finding, manifest_extra, target_config_sha256, write_head_folder
 from specjax_converters.head_formats import written_head_check
-from specjax_converters.head_rules import ExportValidationError, errors
+from specjax_converters.head_rules import EMBED_KEY, ExportValidationError, errors
 from specjax_converters.target_facts import target_text_config, target_virtual_depth
 
 __all__ = [
@@ -84,10 +84,14 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 def eagle3_state_dict(draft_params: Mapping, cfg, vocab, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """File-named numpy tensors, one per weight of the EAGLE-3 table (specjax.drafts.weights) for
     `cfg`: kernels transposed to HF [out, in], norm scales as they are, cast to `dtype`; plus d2t
-    (int64; only for a reduced draft vocab) and t2d (bool) from `vocab`."""
+    (int64; only for a reduced draft vocab) and t2d (bool) from `vocab`; a trained embedding
+    (draft.train_embedding: param embed_tokens.embedding [V, H]) as embed_tokens.weight, which vLLM
+    loads as the draft's own when it differs from the target's."""
     np_dtype = _np_dtype(normalize_dtype(dtype))
     leaves = weights.entries(weights.EAGLE3_WEIGHTS, cfg)
-    have, want = set(_flatten(draft_params)), {".".join(e.path) for e in leaves}
+    own_embedding = getattr(cfg, "train_embedding", False)
+    have = set(_flatten(draft_params)) - ({weights.EAGLE3_EMBED_PARAM} if own_embedding else set())
+    want = {".".join(e.path) for e in leaves}
     if have != want:
         raise ValueError(f"draft params {sorted(have - want)} are not in the EAGLE-3 weight table and "
                          f"{sorted(want - have)} are missing for this draft config (fc_norm={getattr(cfg, 'fc_norm', False)}); "
@@ -99,6 +103,9 @@ def eagle3_state_dict(draft_params: Mapping, cfg, vocab, dtype: str = "bfloat16"
         if e.row.transpose:
             arr = arr.T
         out[e.file_name] = np.ascontiguousarray(arr.astype(np_dtype))
+    if own_embedding:
+        table = np.asarray(weights.leaf(draft_params, tuple(weights.EAGLE3_EMBED_PARAM.split("."))), dtype=np.float32)
+        out[EMBED_KEY] = np.ascontiguousarray(table.astype(np_dtype))
     full_vocab = int(cfg.draft_vocab_size) == int(cfg.vocab_size)  # a DraftVocab's ids are sorted: the identity
     for name in weights.EAGLE3_VOCAB_TENSORS:
         # a full-vocab head ships no d2t: vLLM (0.32) creates draft_id_to_target_id only for a reduced

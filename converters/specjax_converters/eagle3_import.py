@@ -25,6 +25,7 @@ from specjax.aux_ids import default_aux_layer_ids
 from specjax.drafts import weights
 from specjax_converters.eagle3_validate import LEGACY_AUX_NORMS, expected_weights, flatten_head_config, key_layout
 from specjax_converters.head_files import read_head_files
+from specjax_converters.head_rules import EMBED_KEY
 from specjax_converters.target_facts import target_virtual_depth
 from specjax_converters.warm_start import params_like
 
@@ -111,8 +112,10 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
     if missing:
         _refuse(folder, missing[0], f"missing tensor(s) {missing}",
                 "the head must hold the full key set (docs/eagle3-format.md, \"Checkpoint layout\")")
+    # a specjax head trained with draft.train_embedding: its embed_tokens is its own (vLLM serves it so)
+    own_embedding = bool(((manifest or {}).get("draft_config") or {}).get("train_embedding")) and EMBED_KEY in by_new
     for n in by_new:
-        if n in _IGNORED_KEYS:
+        if n in _IGNORED_KEYS and not (own_embedding and n == EMBED_KEY):
             notes.append(f"{n} ignored (specjax uses the target's embedding / has no verifier copy)")
 
     # --- config
@@ -167,6 +170,7 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         num_layers=int(n_layers),
         parallel_drafting=cfg.get("mask_token_id") is not None,
         mask_token_id=None if cfg.get("mask_token_id") is None else int(cfg["mask_token_id"]),
+        train_embedding=own_embedding,
     )
     try:
         draft_cfg.validate()
@@ -186,6 +190,11 @@ def read_head(folder: str, *, target_config: Optional[Mapping] = None,
         dtypes.add(_ST_DTYPES[tensors.dtype(src)])
         a = tensors.array(src)
         leaves.append((e.path, np.ascontiguousarray(a.T) if e.row.transpose else a))
+    if own_embedding:
+        src = by_new[EMBED_KEY]
+        if tuple(tensors.shape(src)) != (V, H):
+            _refuse(folder, src, f"shape {tensors.shape(src)}, expected ({V}, {H})", "export [vocab_size, hidden_size]")
+        leaves.append((tuple(weights.EAGLE3_EMBED_PARAM.split(".")), tensors.array(src)))
     params = weights.nest(leaves)
     if len(dtypes) != 1:
         notes.append(f"mixed weight dtypes {sorted(dtypes)}")
@@ -253,6 +262,12 @@ def warm_start_params(folder: str, draft_cfg, vocab, init_params: Mapping) -> di
         log.warning("draft.init_from=%s: the head's RoPE/eps (%s, %s) differ from the target's (%s, %s); "
                     "training continues with the target's", folder, hc.rope, hc.rms_norm_eps, draft_cfg.rope,
                     draft_cfg.rms_norm_eps)
-    out = params_like(folder, head.params, head.vocab, vocab, init_params)
+    head_params = dict(head.params)
+    if hc.train_embedding and not draft_cfg.train_embedding:
+        raise ValueError(f"draft.init_from={folder}: the head has its own trained embedding (embed_tokens.weight) "
+                         "and this run uses the target's. Fix: draft.train_embedding=true to keep training it")
+    if draft_cfg.train_embedding and not hc.train_embedding:  # start the run's embedding from the target's
+        head_params["embed_tokens"] = init_params["embed_tokens"]
+    out = params_like(folder, head_params, head.vocab, vocab, init_params)
     log.info("warm start: draft params loaded from %s (%s layout)", folder, head.layout)
     return out

@@ -407,7 +407,8 @@ def _check_tensors(cfg, layout, tensors: HeadTensors, bad, check_finite: bool):
     check_embedding_copy(cfg, tensors, bad, shape_fix="drop embed_tokens (engines use the target's)",
                          copy_problem="a copy of the target embedding is shipped (vLLM keeps it when it differs "
                          "from the target's; SGLang replaces it)",
-                         copy_fix="drop embed_tokens.weight: engines share the target's embedding")
+                         copy_fix="drop it if it copies the target's (engines then share that); keep a trained one "
+                         "(draft.train_embedding) for vLLM")
     for k, shape in shapes.items():
         if k in tensors and tuple(tensors.shape(k)) != tuple(shape):
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {tuple(shape)}",

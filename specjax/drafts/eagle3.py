@@ -53,6 +53,9 @@ class Eagle3Config:
     # (docs/eagle3-format.md, "P-EAGLE (parallel drafting)")
     parallel_drafting: bool = False
     mask_token_id: Optional[int] = None
+    # draft.train_embedding: the draft owns a [V, H] copy of the target's token embedding (param
+    # embed_tokens.embedding, started from the target's) and trains it; exported as embed_tokens.weight
+    train_embedding: bool = False
 
     @property
     def num_aux(self) -> int:
@@ -270,7 +273,8 @@ def next_step_hidden(params: dict, cfg: Eagle3Config, h_btd: jnp.ndarray) -> jnp
 def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, intermediate_size=None,
                        num_attention_heads=None, num_key_value_heads=None, head_dim=None,
                        fc_norm: bool = False, norm_output: bool = False, num_layers: int = 1,
-                       parallel_drafting: bool = False, mask_token_id: Optional[int] = None) -> Eagle3Config:
+                       parallel_drafting: bool = False, mask_token_id: Optional[int] = None,
+                       train_embedding: bool = False) -> Eagle3Config:
     """Draft shape from the target's config; the hidden size must be the target's embedding width."""
     H = target_cfg.hidden_size
     nH = num_attention_heads or target_cfg.num_attention_heads
@@ -292,6 +296,7 @@ def config_from_target(target_cfg, *, draft_vocab_size: int, aux_layer_ids, inte
         num_layers=int(num_layers),
         parallel_drafting=bool(parallel_drafting),
         mask_token_id=None if mask_token_id is None else int(mask_token_id),
+        train_embedding=bool(train_embedding),
     )
     cfg.validate()
     return cfg

@@ -40,6 +40,9 @@ class Eagle3Section(DraftSection):
                                      "2026+ engine)")
     norm_output: bool = described(False, "EAGLE-3.1: the next draft step reads norm(h), not h (needs a 2026+ "
                                          "engine; not for p_eagle)")
+    # a [V, H] trainable copy (optimizer state included): V*H*12 bytes in fp32 + Adam, 6.3 GB for Llama-3.1-8B
+    train_embedding: bool = described(False, "Train the draft's own copy of the token embedding (started from the "
+                                             "target's; exported as embed_tokens.weight)")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class PEagleSection(Eagle3Section):
     # the token the undrafted positions read (None: the target's pad_token_id, else its EOS)
     mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the undrafted positions read; null: the "
                                                           "target's pad_token_id, else its EOS")
+
+
+def draft_embedding(draft_params, target_embedding):
+    """The table a head embeds its input tokens with: its own (draft.train_embedding), else the target's."""
+    own = draft_params.get("embed_tokens")
+    return target_embedding if own is None else own["embedding"]
 
 
 class Eagle3Family(DraftFamily):
@@ -78,13 +87,36 @@ class Eagle3Family(DraftFamily):
             fc_norm=d.fc_norm, norm_output=d.norm_output, num_layers=d.num_layers,
             parallel_drafting=self.parallel_drafting,
             mask_token_id=resolve_mask_token_id(cfg, target) if self.parallel_drafting else None,
+            train_embedding=d.train_embedding,
         )
 
     def owns(self, draft_cfg) -> bool:
         return isinstance(draft_cfg, eagle3.Eagle3Config) and draft_cfg.parallel_drafting == self.parallel_drafting
 
-    def init_params(self, draft_cfg, key, *, std: float = 0.02, lm_head_rows=None) -> dict:
-        return eagle3.init_draft_params(draft_cfg, key, std=std)
+    def init_params(self, draft_cfg, key, *, std: float = 0.02, lm_head_rows=None, embedding=None) -> dict:
+        """Random init; with train_embedding the draft's embedding is `embedding` (the target's table)
+        or, without one (abstract shapes), zeros of its shape."""
+        params = eagle3.init_draft_params(draft_cfg, key, std=std)
+        if draft_cfg.train_embedding:
+            shape = (draft_cfg.vocab_size, draft_cfg.hidden_size)
+            table = jnp.zeros(shape, jnp.float32) if embedding is None else jnp.asarray(embedding, jnp.float32)
+            if table.shape != shape:
+                raise ValueError(f"the target's embedding is {table.shape}; the draft's must be {shape}")
+            params["embed_tokens"] = {"embedding": table}
+        return params
+
+    def initial_embedding(self, target, draft_cfg):
+        """draft.train_embedding: the run's draft starts from the target's embedding."""
+        if not draft_cfg.train_embedding:
+            return None
+        table = target.embed_table(target.params)
+        return None if isinstance(table, jax.ShapeDtypeStruct) else table
+
+    def param_logical_axes(self, draft_cfg) -> dict:
+        axes = eagle3.param_logical_axes(draft_cfg)
+        if draft_cfg.train_embedding:
+            axes["embed_tokens"] = {"embedding": ("vocab", "embed")}
+        return axes
 
     def check_init_from(self, folder: str) -> None:
         """Another family's head is refused with the draft.type that reads it."""
@@ -156,13 +188,13 @@ class Eagle3Family(DraftFamily):
 
     def propose_chain(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, last_tok, key,
                       temperature, *, dcfg, k: int, sample: bool):
-        return eagle3_decoding.draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, key,
-                                           temperature, dcfg=dcfg, k=k, sample=sample)
+        return eagle3_decoding.draft_chain(dp, draft_embedding(dp, embed), d2t, dcache, pend_tok, pend_aux,
+                                           pend_count, start, key, temperature, dcfg=dcfg, k=k, sample=sample)
 
     def propose_tree(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg,
                      widths: tuple[int, ...], top_k: int):
-        return eagle3_decoding.draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start,
-                                          dcfg=dcfg, widths=widths, top_k=top_k)
+        return eagle3_decoding.draft_tree(dp, draft_embedding(dp, embed), d2t, dcache, pend_tok, pend_aux,
+                                          pend_count, start, dcfg=dcfg, widths=widths, top_k=top_k)
 
     def recognises_head(self, head_config: Mapping) -> bool:
         return format_of(head_config).name == "eagle3"
@@ -192,6 +224,10 @@ class Eagle3Family(DraftFamily):
             return ServePlan(error="\n".join([f"error: {draft_abs} fails validation; fix these before serving it:"]
                                              + [f"  {f}" for f in errs]))
         notes = caveats(config, target_config)
+        if ((manifest or {}).get("draft_config") or {}).get("train_embedding"):
+            notes.setdefault("sglang", []).append(
+                "UNSUPPORTED: SGLang replaces the head's trained embedding (embed_tokens.weight) by the target's; "
+                "vLLM serves it as the draft's own")
         header = [f"# draft  {draft_abs}  (validated{'; target config from ' + source if source else ''})"]
         header += [f"# note: {note}" for note in notes["all"]]
         hybrid = target_config is not None and is_hybrid_target(target_config)
@@ -214,8 +250,8 @@ class PEagleFamily(Eagle3Family):
 
     def propose_chain(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, last_tok, key,
                       temperature, *, dcfg, k: int, sample: bool):
-        return eagle3_decoding.draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, key,
-                                              temperature, dcfg=dcfg, k=k, sample=sample)
+        return eagle3_decoding.draft_parallel(dp, draft_embedding(dp, embed), d2t, dcache, pend_tok, pend_aux,
+                                              pend_count, start, key, temperature, dcfg=dcfg, k=k, sample=sample)
 
     def cod_key(self, ttt: TTTConfig, step):
         """The COD sampling key of train step `step` (a function of the step, so a resumed run samples

@@ -128,14 +128,22 @@ class DraftFamily:
 
         if cfg.draft.init_from:
             self.check_init_from(cfg.draft.init_from)
-        params = self.init_params(draft_cfg, jax.random.key(cfg.run.seed), std=cfg.draft.init_std,
-                                  lm_head_rows=self.initial_lm_head_rows(target, vocab))
+        from_target = {"lm_head_rows": self.initial_lm_head_rows(target, vocab)}
+        embedding = self.initial_embedding(target, draft_cfg)
+        if embedding is not None:
+            from_target["embedding"] = embedding
+        params = self.init_params(draft_cfg, jax.random.key(cfg.run.seed), std=cfg.draft.init_std, **from_target)
         if cfg.draft.init_from:
             params = self.warm_start(cfg.draft.init_from, draft_cfg, vocab, params)
         return params
 
     def initial_lm_head_rows(self, target, vocab):
         """What init_params' `lm_head_rows` gets in a run (None: a random lm_head)."""
+        return None
+
+    def initial_embedding(self, target, draft_cfg):
+        """What init_params' `embedding` gets in a run (None: the family's init_params takes no
+        `embedding`, or the target's params are abstract)."""
         return None
 
     def check_init_from(self, folder: str) -> None:

@@ -7,7 +7,7 @@ and the lm_head, every draft-vocab entry) or as a `TopKTeacher`; `dense_logits` 
 in float32), so the softmax over them is the teacher restricted to its top k and renormalised. The
 target's full-vocab argmax and logsumexp are kept exactly (the accuracy metrics and the LK losses' p).
 
-The bound (docs/training.md, "A top-k teacher"): with p the draft-vocab teacher, p_k its top-k
+The bound (docs/training.md, "A top-k teacher instead of the final hidden state"): with p the draft-vocab teacher, p_k its top-k
 renormalisation and m = 1 - sum of p's top k (the tail mass), for any draft distribution q:
 |CE(p, q) - CE(p_k, q)| <= m * max_i(-log q_i), and the gradient in the draft's logits, q - p, moves by
 p - p_k, whose L1 norm is exactly 2m.

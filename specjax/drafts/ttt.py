@@ -169,7 +169,7 @@ def ttt_loss(
     positions: jnp.ndarray,  # [B,T]
     aux_hidden: tuple,  # 3 x [B,T,tH]   (target, no gradient)
     final_hidden: jnp.ndarray,  # [B,T,tH]   target's final-norm hidden (or a cached TopKTeacher)
-    embed_table: jnp.ndarray,  # [V,H]      target's token embedding (frozen)
+    embed_table: jnp.ndarray,  # [V,H]      target's token embedding (frozen; unused with draft_params' own)
     lm_head: jnp.ndarray,  # [V,H]      target's lm_head rows
     draft_ids: jnp.ndarray,  # [Vd] int32 (sorted)
     t2d: jnp.ndarray,  # [V] bool
@@ -189,6 +189,10 @@ def ttt_loss(
     teacher_logits, target_argmax = sg(teacher[0]), teacher[1]
     target_lse = sg(teacher[2]) if needs_lse else None
     params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), draft_params)
+    # draft.train_embedding: the draft's own embedding, trained; else the target's, frozen
+    own_embedding = "embed_tokens" in params
+    embed_table = params["embed_tokens"]["embedding"] if own_embedding else embed_table
+    embed_sg = (lambda x: x) if own_embedding else sg
 
     seg = segment_ids.astype(jnp.int32)
     lmask = loss_mask.astype(jnp.float32)
@@ -197,7 +201,7 @@ def ttt_loss(
     step_masks = [shift_left(lmask, k) * ((shift_left(seg, 1 + k, fill=-1) == seg) & (seg > 0))
                   for k in range(ttt.ttt_steps)]
     if parallel:  # the depth >= 1 inputs and the COD rows (module doc)
-        mask_emb = jnp.broadcast_to(sg(embed_table[int(cfg.mask_token_id)]).astype(compute_dtype), h.shape)
+        mask_emb = jnp.broadcast_to(embed_sg(embed_table[int(cfg.mask_token_id)]).astype(compute_dtype), h.shape)
         mask_h = jnp.broadcast_to(mask_hidden_projected(params, cfg, compute_dtype), h.shape)
         keeps = cod_row_masks(cod_key, step_masks, ttt.cod_ratio, ttt.cod_ratio_min)
         trained = [m * c for m, c in zip(step_masks, keeps)]
@@ -213,7 +217,7 @@ def ttt_loss(
             if k > 0:
                 emb, h = mask_emb, mask_h
         if not parallel or k == 0:
-            emb = sg(jnp.take(embed_table, shift_left(input_ids, 1 + k), axis=0)).astype(compute_dtype)
+            emb = embed_sg(jnp.take(embed_table, shift_left(input_ids, 1 + k), axis=0)).astype(compute_dtype)
         h, kvs = draft_step(params, cfg, emb, h, positions, seg, kv_caches, attention_impl=ttt.attention_impl)
         for cache, kv in zip(kv_caches, kvs):
             cache.append(kv)

@@ -199,6 +199,10 @@ EAGLE3_FILE_LAYOUTS = {"llama": {}, "speculators": {EAGLE3_LAYER: "layers.0."}}
 # own dtype whatever the export dtype: file name -> numpy dtype ([Vd] offsets, [V] mask).
 EAGLE3_VOCAB_TENSORS = {"d2t": "int64", "t2d": "bool"}
 
+# Not a row either: the draft's own token embedding (draft.train_embedding, Eagle3Config.train_embedding),
+# [V, H] in both the param tree and the file (embed_tokens.weight); a head without it uses the target's.
+EAGLE3_EMBED_PARAM = "embed_tokens.embedding"
+
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Shape:

@@ -160,3 +160,48 @@ def test_file_weights_mix_the_training_files(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="train_file_weights mixes the training files"):
         train(_cfg(tiny_target, tmp_path / "r3", f"data.train_files=[{a},{b}]", "data.train_file_weights=[1,1]",
                    "target.source=cache", f"target.cache_dir={tmp_path / 'c'}"))
+
+
+def test_train_embedding(tiny_target, tmp_path, capsys):
+    """draft.train_embedding: the draft owns a copy of the target's embedding, started from it (so the first
+    step's loss equals a run on the target's, 1e-6) and trained (it moves; the target's does not); the
+    export ships it as embed_tokens.weight, the head reads back with it (import and warm start), decoding
+    embeds with it, and SGLang's serve command is marked unsupported (it replaces the embedding)."""
+    from specjax.drafts.eagle3_family import draft_embedding
+    from specjax.drafts.families import family_for_type
+    from specjax.serve_cmd import main as serve_main
+    from specjax.targets.loading import load_target
+    from specjax.train.loop import train
+    from specjax_converters.head_files import read_head_files
+
+    base = train(_cfg(tiny_target, tmp_path / "frozen"))
+    train(_cfg(tiny_target, tmp_path / "own", "draft.train_embedding=true", "export.at_end=true",
+               "export.dtype=float32"))
+    a = {r["step"]: r for r in read_metrics(str(tmp_path / "frozen"), "train")}
+    b = {r["step"]: r for r in read_metrics(str(tmp_path / "own"), "train")}
+    np.testing.assert_allclose(b[1]["loss"], a[1]["loss"], rtol=1e-6)  # it starts as the target's
+    assert b[3]["loss"] != a[3]["loss"]
+    target = load_target(tiny_target, dtype="float32")
+    table = np.asarray(target.embed_table(target.params))
+    export = tmp_path / "own" / "export"
+    _, tensors, manifest, _ = read_head_files(str(export))
+    assert manifest["draft_config"]["train_embedding"] is True
+    own = tensors.array("embed_tokens.weight")
+    assert own.shape == table.shape and np.abs(own - table).max() > 1e-3  # trained, from the target's
+    assert base.final_step == 3
+    family = family_for_type("eagle3")
+    head = family.load_head(str(export))
+    assert head.config.train_embedding
+    np.testing.assert_array_equal(head.params["embed_tokens"]["embedding"], tensors.array("embed_tokens.weight"))
+    assert draft_embedding(head.params, table) is head.params["embed_tokens"]["embedding"]
+    assert draft_embedding({}, table) is table
+
+    # warm start: the head's embedding is kept; a run on the target's embedding refuses the head
+    warm = train(_cfg(tiny_target, tmp_path / "warm", "draft.train_embedding=true", f"draft.init_from={export}",
+                      "train.steps=1"))
+    assert warm.final_step == 1
+    with pytest.raises(ValueError, match="draft.train_embedding=true"):
+        train(_cfg(tiny_target, tmp_path / "cold", f"draft.init_from={export}", "train.steps=1"))
+    assert serve_main(["--draft", str(export), "--target", str(tiny_target), "--engine", "sglang"]) == 0
+    out = capsys.readouterr().out
+    assert "UNSUPPORTED: SGLang replaces the head's trained embedding" in out, out
