@@ -37,8 +37,9 @@ pytestmark = engine_marks()
 KS = (3, 5)
 # A DFlash head drafts one block: specjax.serve_cmd gives vLLM num_speculative_tokens = block_size - 1
 # whatever K is asked for (the tier's DFlash and JetSpec heads have block_size 6), so they are compared
-# at K = 5 only. The two-layer head checks the layer stack, which K does not change: K = 3 only (CI time).
-HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,)}
+# at K = 5 only. The two-layer head checks the layer stack, and the head with its own trained embedding
+# (draft.train_embedding) that vLLM embeds with it; K changes neither: K = 3 only (CI time).
+HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,)}
 
 
 def head_ks(head: str) -> tuple:
@@ -79,6 +80,13 @@ class Family:
                 dec = SpecDecoder(target, draft, num_spec_tokens=k)
                 self.specjax[head, k] = [dec.generate(p, max_new_tokens=MAX_TOKENS, eos_token_ids=self.eos)
                                          for p in self.prompts]
+            if "embed_tokens" in draft.params:  # the same head on the target's embedding: what vLLM would
+                # count had it shared the target's (test_trained_embedding_is_the_one_vllm_uses)
+                shared = dataclasses.replace(draft, params={n: v for n, v in draft.params.items()
+                                                            if n != "embed_tokens"})
+                dec = SpecDecoder(target, shared, num_spec_tokens=3)
+                self.specjax[head + "@target-embedding", 3] = [
+                    dec.generate(p, max_new_tokens=MAX_TOKENS, eos_token_ids=self.eos) for p in self.prompts]
 
 
 def printed_vllm_argv(draft: str, target: str, k: int) -> list[str]:
@@ -125,7 +133,9 @@ def _llama(worker, root, target) -> Family:
                                                  num_layers=2),
              "p-eagle": M.train_llama_head(target, os.path.join(root, "run_p_eagle"), eagle31=False, p_eagle=True),
              "dflash": M.train_llama_head(target, os.path.join(root, "run_dflash"), eagle31=False, dflash=True),
-             "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True)}
+             "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True),
+             "eagle3-embed": M.train_llama_head(target, os.path.join(root, "run_embed"), eagle31=False,
+                                                train_embedding=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
 
 
@@ -219,7 +229,8 @@ def tier(engine_workdir, request):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec"), "qwen3": ("eagle3",),
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "eagle3-embed"),
+            "qwen3": ("eagle3",),
             "qwen3_moe": ("eagle3",)}
 CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}") for f, hs in FAMILIES.items() for h in hs for k in head_ks(h)]
 
@@ -260,6 +271,19 @@ def test_specjax_eval_counts_equal_vllm(tier, family, head, k):
     assert (steps, acc) == (spec["num_drafts"], spec["accepted_per_pos"])
     assert tau(steps, acc) == pytest.approx(tau(spec["num_drafts"], spec["accepted_per_pos"]), abs=1e-12)
     assert sum(acc) > 0, "the trained head had no draft accepted: the comparison says little"
+
+
+def test_trained_embedding_is_the_one_vllm_uses(tier):
+    """vLLM's counts for the head with its own trained embedding equal specjax.eval's with that embedding
+    (test_specjax_eval_counts_equal_vllm) and differ from specjax.eval's on the target's embedding: vLLM
+    did not replace it by the target's."""
+    fam: Family = tier.get("llama")
+    if fam.specjax_skip:
+        pytest.skip(fam.specjax_skip)
+    spec = fam.job.run("eagle3-embed-k3")
+    shared = fam.specjax["eagle3-embed@target-embedding", 3]
+    counts = [(r.num_steps, r.accepted_per_position) for r in shared]
+    assert counts != [(pp["num_drafts"], pp["accepted_per_pos"]) for pp in spec["per_prompt"]]
 
 
 @pytest.mark.parametrize("family,head,k", CASES)
