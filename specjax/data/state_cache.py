@@ -155,21 +155,31 @@ class CacheSplit:
             f.result()
         self.arrays["done"][rows].write(np.ones(rows.shape, np.uint8)).result()  # after the data, never before
 
+    def read_rows(self, rows, state_dtype=np.float32) -> dict[str, np.ndarray]:
+        """Rows `rows` (int [n]) stacked as `read` gives one: every array's rows requested at once."""
+        rows = np.asarray(rows, np.int64)
+        got = {k: f.result() for k, f in {k: self.arrays[k][rows].read() for k in self._names()}.items()}
+        return self._decoded(got, state_dtype)
+
+    def _names(self) -> list[str]:
+        hidden = ["aux_hidden"] if self.teacher_top_k else ["final_hidden", "aux_hidden"]
+        names = list(TOKEN_ARRAYS) + hidden + (list(TEACHER_ARRAYS) if self.teacher_top_k else [])
+        return names + ([n.replace("hidden", "scale") for n in hidden] if self.fp8 else [])
+
+    def _decoded(self, got: Mapping[str, np.ndarray], state_dtype) -> dict[str, np.ndarray]:
+        out = {k: got[k].astype(np.int32) for k in TOKEN_ARRAYS}
+        for name in ("aux_hidden",) if self.teacher_top_k else ("final_hidden", "aux_hidden"):
+            x = (dequantize_per_token(got[name], got[name.replace("hidden", "scale")]) if self.fp8 else got[name])
+            out[name] = x.astype(state_dtype)
+        for name in (TEACHER_ARRAYS if self.teacher_top_k else ()):
+            out[name] = got[name]
+        return out
+
     def read(self, row: int, state_dtype=np.float32) -> dict[str, np.ndarray]:
         """One row: the token arrays (int32 [T]), final_hidden [T, D] (a top-k cache: the teacher's
         arrays, as stored) and aux_hidden [T, A, D] in `state_dtype` (FP8 dequantized with its scales)."""
-        hidden = ["aux_hidden"] if self.teacher_top_k else ["final_hidden", "aux_hidden"]
-        names = list(TOKEN_ARRAYS) + hidden + (list(TEACHER_ARRAYS) if self.teacher_top_k else [])
-        if self.fp8:
-            names += [n.replace("hidden", "scale") for n in hidden]
-        got = {k: f.result() for k, f in {k: self.arrays[k][row].read() for k in names}.items()}
-        row_out = {k: got[k].astype(np.int32) for k in TOKEN_ARRAYS}
-        for name in hidden:
-            x = (dequantize_per_token(got[name], got[name.replace("hidden", "scale")]) if self.fp8 else got[name])
-            row_out[name] = x.astype(state_dtype)
-        for name in (TEACHER_ARRAYS if self.teacher_top_k else ()):
-            row_out[name] = got[name]
-        return row_out
+        got = {k: f.result() for k, f in {k: self.arrays[k][int(row)].read() for k in self._names()}.items()}
+        return self._decoded(got, state_dtype)
 
 
 class StateCache:

@@ -34,7 +34,7 @@ from specjax.train.setup import tokenizer_files
 
 log = logging.getLogger("specjax")
 
-__all__ = ["FOREIGN_CHECKED", "cache_fields", "cache_origin", "cache_val_batches", "check_cache_settings",
+__all__ = ["FOREIGN_CHECKED", "HostRows", "cache_fields", "cache_origin", "cache_val_batches", "check_cache_settings",
            "check_cache_vocab", "describe", "examples_from_cache", "foreign_cache_fields", "make_cache_iterator",
            "open_checked_cache", "packed_rows", "target_fingerprint", "tokenizer_fingerprint"]
 
@@ -199,27 +199,36 @@ def open_checked_cache(cfg, fields: dict) -> StateCache:
     return cache
 
 
-class _ReadRow(grain.transforms.Map):
-    def __init__(self, split, state_dtype):
+class HostRows(dict):
+    """A batch holding only this process's rows of the global batch (a cache-fed run's host reads no
+    other host's states); the loop places it as this process's part of the global array as it is."""
+
+
+class _ReadHostRows(grain.transforms.Map):
+    def __init__(self, split, state_dtype, process_index: int, process_count: int):
         self.split, self.state_dtype = split, state_dtype
+        self.index, self.count = int(process_index), int(process_count)
 
-    def map(self, row):
-        return self.split.read(int(row), self.state_dtype)
+    def map(self, rows):
+        n = len(rows) // self.count
+        return HostRows(self.split.read_rows(rows[self.index * n:(self.index + 1) * n], self.state_dtype))
 
 
-def make_cache_iterator(cache: StateCache, batch_size: int, seed: int, state_dtype, shard_index: int = 0,
-                        shard_count: int = 1):
-    """Endless iterator of [batch_size, T] batches (token arrays, final_hidden [B, T, D], aux_hidden
-    [B, T, A, D] in `state_dtype`) over the cache's training rows, reshuffled every epoch; this host
-    reads rows shard_index::shard_count. get_state() / set_state() resume it exactly."""
+def make_cache_iterator(cache: StateCache, batch_size: int, seed: int, state_dtype, process_index: int = 0,
+                        process_count: int = 1):
+    """Endless iterator of the cache's training rows, reshuffled every epoch, in global batches of
+    `batch_size` rows (the same order on every process) of which this process reads and yields its
+    own contiguous 1/process_count (a HostRows: token arrays [b, T], final_hidden [b, T, D] or the
+    top-k teacher, aux_hidden [b, T, A, D] in `state_dtype`). get_state() / set_state() resume it exactly."""
     split = cache.split("train")
-    rows = np.arange(split.rows)[shard_index::shard_count]
-    if rows.size < batch_size:
-        raise ValueError(f"the state cache holds {rows.size} training rows for this host, fewer than "
-                         f"data.batch_size={batch_size}; lower data.batch_size or add data")
-    ds = grain.MapDataset.source(rows).shuffle(seed=int(seed) % 2**32).repeat(None).map(_ReadRow(split, state_dtype))
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=2 * batch_size))
-    return iter(ds.batch(batch_size, drop_remainder=True))
+    if split.rows < batch_size:
+        raise ValueError(f"the state cache holds {split.rows} training rows, fewer than data.batch_size={batch_size}; "
+                         "lower data.batch_size or add data")
+    if batch_size % process_count:
+        raise ValueError(f"data.batch_size={batch_size} does not split over {process_count} processes")
+    ds = (grain.MapDataset.source(np.arange(split.rows)).shuffle(seed=int(seed) % 2**32).repeat(None)
+          .batch(batch_size, drop_remainder=True).map(_ReadHostRows(split, state_dtype, process_index, process_count)))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2)))
 
 
 def cache_val_batches(cache: StateCache, batch_size: int, limit: int, state_dtype) -> list[dict]:

@@ -36,6 +36,7 @@ from specjax.config import Config, config_to_dict
 from specjax.export import eval_manifest, export_from_state, train_metrics_at
 from specjax.report import write_report
 from specjax.run_files import EXPORT_DIR
+from specjax.train.cache_source import HostRows
 from specjax.train.metrics import RUN_SPLIT, MetricsWriter, Smoothed, summarize, validation_line
 from specjax.train.run import Run, build_run
 from specjax.train.signals import StopSignal
@@ -116,8 +117,11 @@ def _save(mngr, step, state, data_iter, result, identity: dict, due_not_run: tup
 
 
 def _global_batch(np_batch: dict, sharding, keys=BATCH_KEYS) -> dict:
-    """Every process holds the same global numpy batch (identical iterators); each contributes the
-    rows of its own devices, so training is the same whatever the number of processes."""
+    """Every process holds the same global numpy batch (identical iterators) and contributes the rows of
+    its own devices, so training is the same whatever the number of processes; a cache-fed run's
+    iterator yields only those rows (HostRows)."""
+    if isinstance(np_batch, HostRows):
+        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(np_batch[k])) for k in keys}
     nproc, proc = jax.process_count(), jax.process_index()
     rows = np_batch["input_ids"].shape[0] // nproc
     return {k: jax.make_array_from_process_local_data(
@@ -319,7 +323,10 @@ class _Trainer:
     def _step(self) -> None:
         lp = self.loop
         np_batch = next(self.data_iter)
-        lp.tokens_since += int(np.sum(np.asarray(np_batch["segment_ids"]) > 0))
+        tokens = int(np.sum(np.asarray(np_batch["segment_ids"]) > 0))
+        # a HostRows batch is this process's share: the others' rows are not read here (an estimate
+        # with several processes, exact with one)
+        lp.tokens_since += tokens * (jax.process_count() if isinstance(np_batch, HostRows) else 1)
         batch = _global_batch(np_batch, self.fns.batch_sharding, self.fns.batch_keys)
         lp.state, lp.metrics = self.fns.train_step(lp.state, self.run.target_params, self.run.vocab_arrays, batch)
         lp.step += 1

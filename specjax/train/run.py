@@ -241,7 +241,8 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
         state_dtype = np.float32 if cfg.target.dtype == "float32" else ml_dtypes.bfloat16
         return RunData(prepared=prepared,
                        val_batches=cache_val_batches(cache, d.batch_size, cfg.train.eval_batches, state_dtype),
-                       iterator=make_cache_iterator(cache, d.batch_size, d.shuffle_seed, state_dtype))
+                       iterator=make_cache_iterator(cache, d.batch_size, d.shuffle_seed, state_dtype,
+                                                    jax.process_index(), jax.process_count()))
     pool = RegenPool() if cfg.regenerate.every_steps else None
     iterator = make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed, pool=pool,
                                    **_file_mixture(d, prepared.train))

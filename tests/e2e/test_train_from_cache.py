@@ -295,3 +295,28 @@ def test_top_k_teacher_bound(tiny_target):
         bound = m * jnp.max(-log_q, axis=-1)
         assert bool(jnp.all(diff <= bound + 1e-6)), float(jnp.max(diff - bound))
         assert float(jnp.max(diff / bound)) > 0.05  # and not loose by orders of magnitude
+
+
+def test_each_process_reads_only_its_rows_of_the_global_batch(cache_dir, monkeypatch):
+    """With 2 processes each host's cache iterator reads only its half of each global batch (rows counted
+    at the store), the halves together are the 1-process batch, and get_state / set_state resume both."""
+    from specjax.train.cache_source import HostRows, make_cache_iterator
+
+    cache = StateCache.open(cache_dir)
+    read = []
+    real = CacheSplit.read_rows
+    monkeypatch.setattr(CacheSplit, "read_rows", lambda self, rows, *a: (read.append(len(rows)), real(self, rows, *a))[1])
+    one = make_cache_iterator(cache, 8, 3, np.float32)
+    hosts = [make_cache_iterator(cache, 8, 3, np.float32, p, 2) for p in (0, 1)]
+    for _ in range(3):
+        whole = next(one)
+        halves = [next(h) for h in hosts]
+        assert all(isinstance(b, HostRows) and b["input_ids"].shape[0] == 4 for b in halves)
+        for k in whole:
+            np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
+    assert set(read) == {8, 4}  # a host reads 4 rows a batch (prefetching ahead), the single process 8
+    state = hosts[1].get_state()
+    want = next(hosts[1])
+    again = make_cache_iterator(cache, 8, 3, np.float32, 1, 2)
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again)["input_ids"], want["input_ids"])
