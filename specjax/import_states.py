@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                         "num_layers)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. target.cache_dir=runs/cache")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # options may come between the overrides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -59,7 +59,7 @@ def _stand_in_cpu_devices(cfg, n_devices=None) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # options may come between the overrides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

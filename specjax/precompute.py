@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # options may come between the overrides
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     for noisy in ("absl", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
