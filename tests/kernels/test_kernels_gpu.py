@@ -40,7 +40,9 @@ def up(x):
 
 @pytest.mark.parametrize("impl", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("k,Hq,Hkv,D,packed", [(0, 4, 4, 64, False), (3, 8, 2, 128, True), (6, 4, 1, 64, True)])
+# D = 256: the width DeepSeek-V3's MLA attends at (the wide-head tiles)
+@pytest.mark.parametrize("k,Hq,Hkv,D,packed", [(0, 4, 4, 64, False), (3, 8, 2, 128, True), (6, 4, 1, 64, True),
+                                               (0, 4, 2, 256, True)])
 def test_ttt_attention_gpu(impl, dtype, k, Hq, Hkv, D, packed):
     B, T = 2, 300  # T not a multiple of any kernel block
     q, k0, v0, kd, vd, do = ttt_inputs(k + D, B, T, Hq, Hkv, D, k, dtype)

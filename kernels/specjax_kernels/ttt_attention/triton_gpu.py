@@ -18,6 +18,15 @@ from specjax_kernels.ttt_attention.common import Backend, f32, segment_block_bou
 FWD = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 DQ = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 DKDV = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+# Wider heads (D > 128: DeepSeek-V3's MLA attends at 256) need smaller tiles: FWD above asked an H100 for
+# 263,168 B of shared memory at D = 256 bf16 (the q tile plus 3 stages of k and v tiles; 232,448 B exist).
+# These keep every kernel's tiles at about 192 KiB there (WIDE: 2-byte inputs; WIDER: fp32, twice the bytes).
+WIDE = {"FWD": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        "DQ": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+        "DKDV": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)}
+WIDER = {"FWD": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+         "DQ": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+         "DKDV": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)}
 MULTIPLE = 128
 
 
@@ -33,8 +42,9 @@ def _meta(q, k, scale, seg_is_real):
                 IEEE=q.dtype == jnp.float32)
 
 
-def _blocks(cfg, T):
-    c = dict(cfg)
+def _blocks(kind: str, T: int, D: int, itemsize: int):
+    tiles = {"FWD": FWD, "DQ": DQ, "DKDV": DKDV} if D <= 128 else WIDE if itemsize <= 2 else WIDER
+    c = dict(tiles[kind])
     c["BLOCK_M"], c["BLOCK_N"] = min(c["BLOCK_M"], T), min(c["BLOCK_N"], T)
     return c
 
@@ -50,7 +60,7 @@ def _bounds(seg, c, has_seg):
 def fwd0(q, k, v, seg, scale, *, has_seg):
     _check(q)
     B, T, HQ, D = q.shape
-    c = _blocks(FWD, T)
+    c = _blocks("FWD", T, D, q.dtype.itemsize)
     lo, _ = _bounds(seg, c, has_seg)
     o, lse = jt.triton_call(
         q, k, v, seg, lo, kernel=K.fwd_kernel,
@@ -64,12 +74,12 @@ def bwd0(q, k, v, seg, do, lse, delta, scale, *, has_seg):
     HKV = k.shape[2]
     do = do.astype(q.dtype)
     meta = _meta(q, k, scale, has_seg)
-    c = _blocks(DQ, T)
+    c = _blocks("DQ", T, D, q.dtype.itemsize)
     lo, _ = _bounds(seg, c, has_seg)
     dq = jt.triton_call(q, k, v, seg, lo, do, lse, delta, kernel=K.dq_kernel,
                         out_shape=jax.ShapeDtypeStruct((B, T, HQ, D), f32),
                         grid=(T // c["BLOCK_M"], B * HQ), **meta, **c)
-    c = _blocks(DKDV, T)
+    c = _blocks("DKDV", T, D, q.dtype.itemsize)
     _, hi = _bounds(seg, c, has_seg)
     dk, dv = jt.triton_call(q, k, v, seg, hi, do, lse, delta, kernel=K.dkdv_kernel,
                             out_shape=[jax.ShapeDtypeStruct((B, T, HKV, D), f32)] * 2,
@@ -84,5 +94,5 @@ def backend(has_seg: bool) -> Backend:
 
 
 def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None):
-    del block_size  # tiles are fixed per kernel (FWD/DQ/DKDV above)
+    del block_size  # tiles are fixed per kernel and head width (FWD/DQ/DKDV, WIDE above)
     return ttt_attention_with(backend(segment_ids is not None), q, k0, v0, k_diag, v_diag, segment_ids, scale)
