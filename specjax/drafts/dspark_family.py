@@ -47,8 +47,9 @@ class DSparkSection(DraftSection):
     type: str = "dspark"
     mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the block's mask slots read; null: the "
                                                           "target's pad_token_id, else its EOS")
-    block_size: int = ranged(8, ge=1, doc="Slots per block: the anchor and the mask slots; block_size draft tokens "
-                                          "per step with sample_from_anchor, else block_size - 1")
+    # block_size draft tokens per step with sample_from_anchor, else block_size - 1
+    block_size: int = ranged(8, ge=1, doc="Slots per block: the anchor and the mask slots (vLLM "
+                                          "num_speculative_tokens with sample_from_anchor)")
     sample_from_anchor: bool = described(True, "Slot 0 (the anchor) drafts too, each slot predicting the token "
                                                "after its own (DSpark's convention)")
     markov_rank: int = ranged(256, ge=1, doc="Rank r of the Markov bias markov_w2 @ markov_w1 (target vocab -> r -> "
