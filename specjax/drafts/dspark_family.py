@@ -11,7 +11,8 @@ slot 0 drafts too, so one block drafts block_size tokens.
 
 Head: the folder vLLM 0.32 loads as `Qwen3DSparkModel` (specjax_converters.dspark_export, validated by
 specjax_converters.dspark_validate), served with `"method": "dspark"`. vLLM runs that method only in
-its V2 model runner (v1/worker/gpu/spec_decode/dspark), which needs Triton; serve_cmd says so.
+its V2 model runner (v1/worker/gpu/spec_decode/dspark), which needs Triton: vLLM CPU refuses it
+(VLLM_CPU_REASON); serve_cmd says so.
 run_meta.json names it with `draft_family: "dspark"`.
 """
 from __future__ import annotations
@@ -31,12 +32,12 @@ from specjax_converters.dspark_import import read_dspark_head
 from specjax_converters.head_formats import format_of
 from specjax_converters.target_facts import target_text_config
 
-# vLLM 0.32 CPU cannot run the method (see serve_plan): where its dispatch sends a dspark config
-VLLM_CPU_REASON = ("vLLM 0.32 runs method 'dspark' only in its V2 model runner (v1/worker/gpu/spec_decode/__init__.py:45, "
-                   "DSparkSpeculator), which needs Triton (config/vllm.py:735-739); the CPU build has none, so the "
-                   "CPU worker takes the V1 runner (v1/worker/cpu_worker.py:168-177), whose drafter dispatch "
-                   "(v1/worker/gpu_model_runner.py:638-642) has no DSpark proposer and hands dspark to the EAGLE "
-                   "proposer (use_eagle() includes dspark, config/speculative.py:1948)")
+# why vLLM 0.32 CPU cannot run the method (serve_plan notes it; the engine tier xfails on it)
+VLLM_CPU_REASON = ("vLLM 0.32 implements DSpark only in its V2 (GPU) model runner: config/vllm.py:2976-2979 lists "
+                   "'dspark speculative decoding' as unsupported by the V1 runner (refused at config/vllm.py:3199-3203, "
+                   "'Model Runner V1 does not support: dspark speculative decoding'); the CPU build has no Triton, so "
+                   "it runs the V1 runner (config/vllm.py:724-728), and V2 refuses to start without Triton "
+                   "(config/vllm.py:3189-3190)")
 
 
 @dataclass(frozen=True)
