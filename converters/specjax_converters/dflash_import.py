@@ -24,7 +24,7 @@ from specjax_converters.head_files import read_head_files
 from specjax_converters.warm_start import params_like
 
 __all__ = ["DFlashHead", "config_from_hf", "is_dflash_config", "is_dflash_folder", "read_dflash_head",
-           "warm_start_dflash_params"]
+           "read_dflash_tensors", "warm_start_dflash_params"]
 
 log = logging.getLogger("specjax")
 
@@ -91,8 +91,6 @@ def config_from_hf(conf: Mapping, folder: str = "<config>"):
 def read_dflash_head(folder: str) -> DFlashHead:
     """params (fp32 numpy), DFlashConfig (JetSpecConfig for a causal head) and DraftVocab of a DFlash
     head folder."""
-    from specjax.drafts.vocab import DraftVocab
-
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     conf, tensors, _, _ = read_head_files(folder)  # checked headers; a pickle-only folder is refused
     refused = speculators_dflash_error(folder, conf)
@@ -102,6 +100,15 @@ def read_dflash_head(folder: str) -> DFlashHead:
         _fail(folder, f"config.json is not a DFlash head's (architectures {conf.get('architectures')!r}, no "
               "dflash_config)", "pass a DFlash export (specjax.export of a draft.type=dflash run)")
     cfg = config_from_hf(conf, folder)
+    params, vocab = read_dflash_tensors(folder, cfg, tensors)
+    return DFlashHead(params, cfg, vocab)
+
+
+def read_dflash_tensors(folder: str, cfg, tensors) -> tuple[dict, object]:
+    """(params as fp32 numpy, DraftVocab) of the DFLASH_WEIGHTS rows of `cfg` and the vocab maps in
+    `tensors` (a head folder's HeadTensors); errors name `folder`."""
+    from specjax.drafts.vocab import DraftVocab
+
     leaves, missing = [], []
     for e in weights.entries(DFLASH_WEIGHTS, cfg):
         if e.file_name not in tensors:
@@ -132,7 +139,7 @@ def read_dflash_head(folder: str) -> DFlashHead:
     else:
         _fail(folder, f"draft_vocab_size {Vd} < vocab_size {V} but {WEIGHTS_FILE} has no d2t",
               "export the head with its draft vocab (specjax.export writes d2t/t2d)")
-    return DFlashHead(weights.nest(leaves), cfg, vocab)
+    return weights.nest(leaves), vocab
 
 
 # fields a warm start must share with the run (the param shapes, the taps fc reads, the mask token the

@@ -95,7 +95,8 @@ from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 
 __all__ = [
     "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "JetSpecConfig", "OBJECTIVES",
-    "anchor_candidates", "append_context", "attend_blocks", "block_metrics", "block_positions", "block_token_ids",
+    "anchor_candidates", "append_context", "attend_blocks", "block_metrics", "block_positions",
+    "block_slot_mask", "block_teacher_logits", "block_token_ids",
     "config_from_dict", "config_from_target", "config_to_dict", "context_kv", "context_visibility",
     "context_states", "spread_aux_layer_ids", "dflash_attention", "dflash_attention_reference",
     "dflash_loss", "draft_forward", "draft_logits", "init_context_cache", "init_draft_params",
@@ -531,6 +532,46 @@ def slot_decay(cfg: DFlashConfig, gamma: Optional[float]) -> jnp.ndarray:
     return decay * (i >= cfg.first_trained_slot)
 
 
+def block_slot_mask(cfg: DFlashConfig, anchors, anchor_valid, loss_mask):
+    """(slot_mask [B, N, S] float, gather): slot i of block n counts with loss_mask[anchor + i], a
+    valid anchor, a trained slot and a row inside the batch row; `gather(x)` takes x [B, T] at the
+    rows anchor + i (clipped into the row)."""
+    B, T = loss_mask.shape
+    slot_idx = anchors[:, :, None] + jnp.arange(cfg.block_size)  # [B, N, S] row a+i
+    in_row = slot_idx < T
+    slot_idx = jnp.minimum(slot_idx, T - 1)
+
+    def gather(x):
+        return jnp.take_along_axis(x, slot_idx.reshape(B, -1), axis=1).reshape(B, *slot_idx.shape[1:])
+
+    trained = (jnp.arange(cfg.block_size) >= cfg.first_trained_slot)[None, None, :]
+    # slots past the row end: token_ce's anchors may start a block there (SpecForge masks those slots);
+    # teacher_kl's rule keeps every block inside the row
+    return gather(loss_mask.astype(jnp.float32)) * anchor_valid[:, :, None] * trained * in_row, gather
+
+
+def block_teacher_logits(cfg: DFlashConfig, anchors, final_hidden, lm_head, draft_ids=None, logit_softcap=None):
+    """[B, N, S, Vd] fp32 teacher logits of every block slot: the target's logits (over the draft
+    vocab rows of `lm_head`, soft-capped by `logit_softcap`) at the position slot i predicts from,
+    anchor + i - 1 (anchor + i with cfg.sample_from_anchor), clipped into the row. `final_hidden` is
+    the target's final-norm hidden [B, T, H] or a TopKTeacher read from a state cache. No gradient."""
+    if final_hidden is None or lm_head is None:
+        raise ValueError("objective 'teacher_kl' needs final_hidden and lm_head (the target's) for the teacher")
+    sg = jax.lax.stop_gradient
+    B, T = (final_hidden.ids if isinstance(final_hidden, TopKTeacher) else final_hidden).shape[:2]
+    S = cfg.block_size
+    rows = lm_head if draft_ids is None else jnp.take(lm_head, draft_ids, axis=0)  # [Vd, H]
+    src = jnp.clip(anchors[:, :, None] + jnp.arange(S) - 1 + int(cfg.sample_from_anchor), 0, T - 1)
+    if isinstance(final_hidden, TopKTeacher):  # read from a state cache: its logits, soft-capped already
+        idx = src.reshape(B, -1)
+        picked = TopKTeacher(*(jnp.take_along_axis(sg(a), idx[:, :, None] if a.ndim == 3 else idx, axis=1)
+                               for a in final_hidden))
+        return dense_logits(picked, rows.shape[0]).reshape(B, *src.shape[1:], -1)
+    h_src = jnp.take_along_axis(sg(final_hidden), src.reshape(B, -1)[:, :, None], axis=1)
+    return soft_cap(jnp.einsum("bqd,vd->bqv", h_src, sg(rows).astype(h_src.dtype),
+                               preferred_element_type=jnp.float32), logit_softcap).reshape(B, *src.shape[1:], -1)
+
+
 def dflash_loss(params: dict, cfg: DFlashConfig, loss_cfg: DFlashLossConfig, *, anchors, anchor_valid, input_ids,
                 loss_mask, segment_ids, positions, aux_hidden: Sequence[jnp.ndarray], embed_table,
                 final_hidden=None, lm_head=None, draft_ids=None, compute_dtype=jnp.float32,
@@ -549,33 +590,12 @@ def dflash_loss(params: dict, cfg: DFlashConfig, loss_cfg: DFlashLossConfig, *, 
         params, cfg, aux_hidden=aux_hidden, input_ids=input_ids, positions=positions, segment_ids=segment_ids,
         anchors=anchors, embed_table=embed_table, attention=loss_cfg.attention, anchor_chunk=loss_cfg.anchor_chunk,
         compute_dtype=compute_dtype))  # [B, N, S, Vd] fp32
-    slot_idx = anchors[:, :, None] + jnp.arange(S)  # [B, N, S] row a+i
-    in_row = slot_idx < T
-    slot_idx = jnp.minimum(slot_idx, T - 1)
-    gather = lambda x: jnp.take_along_axis(x, slot_idx.reshape(B, -1), axis=1).reshape(B, *slot_idx.shape[1:])  # noqa: E731
-    trained = (jnp.arange(S) >= cfg.first_trained_slot)[None, None, :]
-    # slots past the row end: token_ce's anchors may start a block there (SpecForge masks those slots);
-    # teacher_kl's rule keeps every block inside the row
-    slot_mask = gather(loss_mask.astype(jnp.float32)) * anchor_valid[:, :, None] * trained * in_row
+    slot_mask, gather = block_slot_mask(cfg, anchors, anchor_valid, loss_mask)
     decay = slot_decay(cfg, loss_cfg.loss_decay_gamma)
     log_q = jax.nn.log_softmax(logits, axis=-1)
-    sg = jax.lax.stop_gradient
 
     if loss_cfg.objective == "teacher_kl":
-        if final_hidden is None or lm_head is None:
-            raise ValueError("objective 'teacher_kl' needs final_hidden and lm_head (the target's) for the teacher")
-        rows = lm_head if draft_ids is None else jnp.take(lm_head, draft_ids, axis=0)  # [Vd, H]
-        src = jnp.clip(anchors[:, :, None] + jnp.arange(S) - 1 + int(cfg.sample_from_anchor), 0, T - 1)
-        if isinstance(final_hidden, TopKTeacher):  # read from a state cache: its logits, soft-capped already
-            idx = src.reshape(B, -1)
-            picked = TopKTeacher(*(jnp.take_along_axis(sg(a), idx[:, :, None] if a.ndim == 3 else idx, axis=1)
-                                   for a in final_hidden))
-            teacher = dense_logits(picked, rows.shape[0]).reshape(B, *src.shape[1:], -1)
-        else:
-            h_src = jnp.take_along_axis(sg(final_hidden), src.reshape(B, -1)[:, :, None], axis=1)
-            teacher = soft_cap(jnp.einsum("bqd,vd->bqv", h_src, sg(rows).astype(h_src.dtype),
-                                          preferred_element_type=jnp.float32),
-                               logit_softcap).reshape(B, *src.shape[1:], -1)
+        teacher = block_teacher_logits(cfg, anchors, final_hidden, lm_head, draft_ids, logit_softcap)
         log_p = jax.nn.log_softmax(teacher, axis=-1)
         per_slot = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # KL(teacher || draft)
         row_loss = jnp.sum(per_slot * slot_mask * decay, axis=(1, 2)) / (jnp.sum(slot_mask, axis=(1, 2)) + _KL_DENOM_EPS)

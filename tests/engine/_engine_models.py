@@ -35,7 +35,8 @@ def build_llama_target(path) -> str:
 
 
 def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1, p_eagle: bool = False,
-                     dflash: bool = False, jetspec: bool = False, train_embedding: bool = False) -> str:
+                     dflash: bool = False, jetspec: bool = False, dspark: bool = False,
+                     train_embedding: bool = False) -> str:
     from specjax.config import load_config
     from specjax.train.loop import train
 
@@ -46,6 +47,8 @@ def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1
     extra += ["draft.type=dflash", "draft.block_size=6", "train.dflash_anchors=32"] if dflash else []
     # JetSpec: the same block, causal inside it (vLLM serves it with dflash_config.causal true)
     extra += ["draft.type=jetspec", "draft.block_size=6", "train.dflash_anchors=32"] if jetspec else []
+    # DSpark: slot 0 drafts too (sample_from_anchor), so a 5-slot block drafts 5 tokens (K = 5)
+    extra += ["draft.type=dspark", "draft.block_size=5", "draft.markov_rank=32", "train.dflash_anchors=32"] if dspark else []
     # the draft's own embedding, trained and shipped as embed_tokens.weight (vLLM keeps a distinct one)
     extra += ["draft.train_embedding=true"] if train_embedding else []
     cfg = load_config(None, [

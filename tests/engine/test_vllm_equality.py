@@ -39,7 +39,32 @@ KS = (3, 5)
 # whatever K is asked for (the tier's DFlash and JetSpec heads have block_size 6), so they are compared
 # at K = 5 only. The two-layer head checks the layer stack, and the head with its own trained embedding
 # (draft.train_embedding) that vLLM embeds with it; K changes neither: K = 3 only (CI time).
-HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,)}
+# The DSpark head (block_size 5, slot 0 drafting: 5 tokens per block) likewise at K = 5 only.
+HEAD_KS = {"dflash": (5,), "jetspec": (5,), "dspark": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,)}
+
+
+class VllmRefused(Exception):
+    """vLLM refused a head's run with the known reason ENGINE_XFAIL records for it."""
+
+
+# Heads vLLM 0.32 CPU cannot serve: head -> (vLLM's own refusal text, the reason). Their cases are
+# strict xfails raising VllmRefused only when vLLM's error is that text (another failure fails them),
+# so the day vLLM CPU serves the head they XPASS and the entry must go.
+ENGINE_XFAIL = {"dspark": (
+    "Model Runner V1 does not support: dspark speculative decoding",
+    "vLLM 0.32 implements DSpark only in its V2 (GPU) model runner: config/vllm.py:2976-2979 lists 'dspark "
+    "speculative decoding' as unsupported by the V1 runner, refused at config/vllm.py:3199-3203; the CPU build "
+    "has no Triton, so it runs the V1 runner (config/vllm.py:724-728) and V2 refuses to start without Triton "
+    "(config/vllm.py:3189-3190)")}
+
+
+def spec_run(fam, head: str, name: str) -> dict:
+    """fam.job.run(name), raising VllmRefused when vLLM refused the run with ENGINE_XFAIL's text for `head`."""
+    r = fam.job.results()[name]
+    known = ENGINE_XFAIL.get(head)
+    if known and not r["ok"] and known[0] in r["error"]:
+        raise VllmRefused(r["error"])
+    return fam.job.run(name)
 
 
 def head_ks(head: str) -> tuple:
@@ -134,6 +159,7 @@ def _llama(worker, root, target) -> Family:
              "p-eagle": M.train_llama_head(target, os.path.join(root, "run_p_eagle"), eagle31=False, p_eagle=True),
              "dflash": M.train_llama_head(target, os.path.join(root, "run_dflash"), eagle31=False, dflash=True),
              "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True),
+             "dspark": M.train_llama_head(target, os.path.join(root, "run_dspark"), eagle31=False, dspark=True),
              "eagle3-embed": M.train_llama_head(target, os.path.join(root, "run_embed"), eagle31=False,
                                                 train_embedding=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
@@ -229,10 +255,13 @@ def tier(engine_workdir, request):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "eagle3-embed"),
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "dspark", "eagle3-embed"),
             "qwen3": ("eagle3",),
             "qwen3_moe": ("eagle3",)}
-CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}") for f, hs in FAMILIES.items() for h in hs for k in head_ks(h)]
+CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}",
+                      marks=[pytest.mark.xfail(strict=True, raises=VllmRefused, reason=ENGINE_XFAIL[h][1])]
+                      if h in ENGINE_XFAIL else [])
+         for f, hs in FAMILIES.items() for h in hs for k in head_ks(h)]
 
 
 def _row(fam: Family, head: str, k: int) -> dict:
@@ -260,7 +289,7 @@ def test_specjax_eval_counts_equal_vllm(tier, family, head, k):
     ours = fam.specjax[head, k]
     steps = sum(r.num_steps for r in ours)
     acc = [sum(r.accepted_per_position[i] for r in ours) for i in range(k)]
-    base, spec = fam.job.run("base"), fam.job.run(f"{head}-k{k}")
+    base, spec = fam.job.run("base"), spec_run(fam, head, f"{head}-k{k}")
     row = _row(fam, head, k)
     row.update(sj_steps=steps, sj_acc=acc, sj_tau=round(tau(steps, acc), 4))
     _vllm_row(row, spec, base)
@@ -289,7 +318,7 @@ def test_trained_embedding_is_the_one_vllm_uses(tier):
 @pytest.mark.parametrize("family,head,k", CASES)
 def test_vllm_speculative_output_equals_non_speculative(tier, family, head, k):
     fam: Family = tier.get(family)
-    base, spec = fam.job.run("base"), fam.job.run(f"{head}-k{k}")
+    base, spec = fam.job.run("base"), spec_run(fam, head, f"{head}-k{k}")
     _vllm_row(_row(fam, head, k), spec, base)
     assert spec["num_drafts"] > 0 and len(spec["accepted_per_pos"]) == k
     assert all(len(o) > 0 for o in base["outputs"])

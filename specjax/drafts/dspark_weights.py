@@ -1,0 +1,42 @@
+"""The DSpark drafter's weights as one table (plain Python, no jax: the converters read it).
+
+DSpark's backbone is DFlash's block drafter, so its rows are DFLASH_WEIGHTS (dflash_weights.py) and
+then the two heads DSpark adds, under the names vLLM 0.32's qwen3_dspark loader (`Qwen3DSparkModel`:
+`markov_head.markov_w1` an nn.Embedding, `markov_head.markov_w2` a bias-free projection,
+`confidence_head.proj` a linear with bias) and speculators 0.9's `DSparkDraftModel` both give them:
+
+  markov_head.markov_w1.weight   [V, r]       the previous token's (target vocab) rank-r code
+  markov_head.markov_w2.weight   [Vd, r]      HF [out, in]: rank-r code -> draft-vocab logit bias
+  confidence_head.proj.weight    [1, H (+r)]  HF [out, in]: [normed hidden, prev code] -> one logit
+  confidence_head.proj.bias      [1]
+
+The confidence head exists when the config's `enable_confidence_head` is set; its input adds the
+rank-r code when `confidence_head_with_markov` is (vLLM builds it with bias=True, as speculators'
+nn.Linear has one). specjax.drafts.dspark derives init and logical axes from this table;
+specjax_converters.dspark_export / dspark_validate / dspark_import the file names and shapes.
+"""
+from __future__ import annotations
+
+from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
+from specjax.drafts.weights import VD, Dim, DraftWeight, H
+
+__all__ = ["DSPARK_HEADS", "DSPARK_VOCAB_TENSORS", "DSPARK_WEIGHTS"]
+
+RANK = Dim("r", lambda c: c.markov_rank)
+VOCAB = Dim("V", lambda c: c.vocab_size)
+CONF_IN = Dim("H(+r)", lambda c: c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0))
+ONE = Dim("1", lambda c: 1)
+
+# the rows DSpark adds to DFlash's backbone
+DSPARK_HEADS: tuple[DraftWeight, ...] = (
+    #           specjax param                        file name                        shape            logical axes              init      transpose
+    DraftWeight("markov_head.markov_w1.embedding",   "markov_head.markov_w1.weight",  (VOCAB, RANK),   ("vocab", None),          "normal", False),
+    DraftWeight("markov_head.markov_w2.kernel",      "markov_head.markov_w2.weight",  (RANK, VD),      (None, "draft_vocab"),    "normal", True),
+    DraftWeight("confidence_head.proj.kernel",       "confidence_head.proj.weight",   (CONF_IN, ONE),  (None, None),             "normal", True,
+                when="enable_confidence_head"),
+    DraftWeight("confidence_head.proj.bias",         "confidence_head.proj.bias",     (ONE,),          (None,),                  "normal", False,
+                when="enable_confidence_head"),
+)
+
+DSPARK_WEIGHTS: tuple[DraftWeight, ...] = DFLASH_WEIGHTS + DSPARK_HEADS
+DSPARK_VOCAB_TENSORS = DFLASH_VOCAB_TENSORS  # d2t / t2d, written when the draft vocab is smaller
