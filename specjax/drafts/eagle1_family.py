@@ -37,9 +37,9 @@ class Eagle1Section(DraftSection):
     type: str = "eagle"
     regression_weight: float = ranged(eagle1.PAPER_REGRESSION_WEIGHT, ge=0.0,
                                       doc="Weight of the SmoothL1 loss on the predicted next feature (EAGLE paper: 1.0)")
+    # the cross-entropy of the target's lm_head on the predicted feature against the target's distribution
     token_weight: float = ranged(eagle1.PAPER_TOKEN_WEIGHT, ge=0.0,
-                                 doc="Weight of the cross-entropy of the target's lm_head on the predicted feature "
-                                     "against the target's distribution (EAGLE paper: 0.1)")
+                                 doc="Weight of the token loss on the predicted feature (EAGLE paper: 0.1)")
     feature_noise: float = ranged(eagle1.PAPER_FEATURE_NOISE, ge=0.0,
                                   doc="Half-width of the uniform noise added to the input features in training "
                                       "(EAGLE paper: 0.1; 0 = none)")
