@@ -38,8 +38,9 @@ KS = (3, 5)
 # A DFlash head drafts one block: specjax.serve_cmd gives vLLM num_speculative_tokens = block_size - 1
 # whatever K is asked for (the tier's DFlash and JetSpec heads have block_size 6), so they are compared
 # at K = 5 only. The two-layer head checks the layer stack, and the head with its own trained embedding
-# (draft.train_embedding) that vLLM embeds with it; K changes neither: K = 3 only (CI time).
-HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,)}
+# (draft.train_embedding) that vLLM embeds with it; K changes neither: K = 3 only (CI time). The EAGLE-1 head
+# (draft.type eagle, vLLM's "eagle" method) likewise at K = 3.
+HEAD_KS = {"dflash": (5,), "jetspec": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,), "eagle1": (3,)}
 
 
 def head_ks(head: str) -> tuple:
@@ -135,7 +136,8 @@ def _llama(worker, root, target) -> Family:
              "dflash": M.train_llama_head(target, os.path.join(root, "run_dflash"), eagle31=False, dflash=True),
              "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True),
              "eagle3-embed": M.train_llama_head(target, os.path.join(root, "run_embed"), eagle31=False,
-                                                train_embedding=True)}
+                                                train_embedding=True),
+             "eagle1": M.train_llama_head(target, os.path.join(root, "run_eagle1"), eagle31=False, eagle1=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
 
 
@@ -229,7 +231,7 @@ def tier(engine_workdir, request):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "eagle3-embed"),
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "eagle3-embed", "eagle1"),
             "qwen3": ("eagle3",),
             "qwen3_moe": ("eagle3",)}
 CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}") for f, hs in FAMILIES.items() for h in hs for k in head_ks(h)]
