@@ -192,6 +192,17 @@ class DraftFamily:
         """The target layers (output-of-layer-k) whose states the draft reads while decoding."""
         raise NotImplementedError
 
+    def reads_final_hidden(self, draft_cfg) -> bool:
+        """Whether the draft reads the target's final hidden state (after the final norm, the lm_head's
+        input) while decoding: the decoder then hands the proposers that state after the decode_taps
+        ones in `pend_aux`. Default: no."""
+        return False
+
+    def decoding_params(self, draft_cfg, draft_params, target):
+        """The params the proposers receive for decoding beside `target` (a draft that uses target
+        weights besides the embedding adds them here). Default: the draft's own."""
+        return draft_params
+
     def target_hidden_size(self, draft_cfg) -> int:
         """The width of the target states the draft reads (must equal the target's hidden_size)."""
         return draft_cfg.hidden_size

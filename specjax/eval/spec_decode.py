@@ -173,6 +173,7 @@ class SpecDecoder:
             raise ValueError(f"tree_top_k must be in [1, {cfg.draft_vocab_size}], got {tree_top_k}")
 
         self.aux_ids = validate_aux_layer_ids(self.family.decode_taps(cfg), target.num_layers)
+        self.with_final = bool(self.family.reads_final_hidden(cfg))  # the final hidden after the taps
         self.target, self.draft = target, draft
         self.k = int(num_spec_tokens)
         self.mode = mode
@@ -193,7 +194,8 @@ class SpecDecoder:
         # on the device once, in the draft's compute dtype (a trainer may hand host numpy arrays; re-sent
         # every call otherwise)
         self.draft_dtype = draft_dtype
-        self.draft_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.dtype(draft_dtype)), draft.params)
+        self.draft_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.dtype(draft_dtype)),
+                                         self.family.decoding_params(cfg, draft.params, target))
         self.d2t = jnp.asarray(vocab.d2t, jnp.int32)
         self.draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
 
@@ -283,7 +285,7 @@ class SpecDecoder:
         tcache = self.target.init_cache(1, max_len)
         first, aux, tcache = prefill(params, tcache, ids, jnp.asarray([len(prompt)], jnp.int32),
                                       jax.random.fold_in(root, 0)[None], temp, aux_ids=self.aux_ids, sample=sample,
-                                      **self._tkw())
+                                      with_final=self.with_final, **self._tkw())
         first = int(first[0])
         res.target_time_s += time.perf_counter() - tt
         if first in eos:
@@ -319,11 +321,12 @@ class SpecDecoder:
                 drafts, q = self._override_chain(drafts, q, res.tokens, prompt)
                 a, bonus, pend_dev, aux, tcache = verify_chain(
                     params, tcache, last, drafts, jnp.int32(n - 1), q, self.draft_ids,
-                    jax.random.fold_in(root, 2 * step + 1), temp, aux_ids=self.aux_ids, sample=sample, **self._tkw())
+                    jax.random.fold_in(root, 2 * step + 1), temp, aux_ids=self.aux_ids, sample=sample,
+                    with_final=self.with_final, **self._tkw())
             else:
                 nodes, parents = self._override_tree(nodes, parents, res.tokens, prompt)
                 a, bonus, pend_dev, aux, tcache = verify_tree(
-                    params, tcache, last, nodes, parents, jnp.int32(n - 1), aux_ids=self.aux_ids, depth=k,
+                    params, tcache, last, nodes, parents, jnp.int32(n - 1), aux_ids=self.aux_ids, depth=k, with_final=self.with_final,
                     **self._tkw())
             a, pend_host = jax.device_get((a, pend_dev))  # the step's one device -> host read
             a = int(a)

@@ -54,7 +54,7 @@ import numpy as np
 from specjax.eval.batching import (OUT_MULTIPLE, cache_batch_axes, check_prompts, check_sampling, eos_array,
                                    prompt_bucket, round_up, scatter_rows)
 from specjax.eval.spec_decode import SpecDecoder, SpecResult
-from specjax.eval.verify import accept_chain, accept_tree, chain_chunk, prefill, tree_chunk
+from specjax.eval.verify import accept_chain, accept_tree, chain_chunk, drafter_states, prefill, tree_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,7 @@ class _Static:
     cache_len: int
     n_out: int
     draft_dtype: str = "float32"
+    with_final: bool = False  # the drafter reads the target's final hidden after the taps
 
 
 def _emit(new_k1, a, count, max_new, eos_e):
@@ -119,7 +120,8 @@ def _start(params, embed, ids_bp, lens_b, roots_b, temperature, eos_e, *, st: _S
     tcache = st.target_cls.decoder.init_cache(st.config, ids_bp.shape[0], st.cache_len, embed.dtype)
     keys = jax.vmap(lambda r: jax.random.fold_in(r, 0))(roots_b)
     first, aux, tcache = prefill(params, tcache, ids_bp, lens_b, keys, temperature, target_cls=st.target_cls,
-                                  config=st.config, aux_ids=st.aux_ids, sample=st.sample)
+                                  config=st.config, aux_ids=st.aux_ids, sample=st.sample,
+                                  with_final=st.with_final)
     state, pend_tok = jax.vmap(functools.partial(_row_init, st=st), in_axes=(0, 0, 0, None))(ids_bp, lens_b, first,
                                                                                               eos_e)
     return state, tcache, pend_tok, _per_row(aux)
@@ -182,13 +184,15 @@ def _step(shared, roots_b, temperature, eos_e, max_new, carry, *, st: _Static):
     if st.mode == "chain":
         drafts, q = proposal
         chunk, pos = jax.vmap(chain_chunk)(s["last"], drafts, start)
-        logits, aux, _, tcache = decode(tcache, chunk, pos, start)
+        logits, aux, final, tcache = decode(tcache, chunk, pos, start)
+        aux = drafter_states(aux, final, st.with_final)
         a, _, pend = jax.vmap(functools.partial(accept_chain, sample=st.sample), in_axes=(0, 0, 0, None, 0, None))(
             logits, drafts, q, draft_ids, kv, temperature)
     else:
         nodes, parents = proposal
         toks, parent, pos, mask = jax.vmap(functools.partial(tree_chunk, depth=st.k))(s["last"], nodes, parents, start)
-        logits, aux, _, tcache = decode(tcache, toks, pos, start, chunk_mask_btt=mask)
+        logits, aux, final, tcache = decode(tcache, toks, pos, start, chunk_mask_btt=mask)
+        aux = drafter_states(aux, final, st.with_final)
         a, _, path, pend = jax.vmap(functools.partial(accept_tree, depth=st.k))(logits, toks, parent)
         tcache = _commit_rows(st, tcache, start, path, a)
         aux = tuple(jnp.take_along_axis(x, path[:, :, None], axis=1) for x in aux)
@@ -363,7 +367,7 @@ class SpecLoop:
         # as SpecDecoder._setup: > bucket, and room for the last verification chunk
         cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
         return _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
-                       dec.widths, dec.top_k, dec.family, sample, cache_len, n_out, dec.draft_dtype)
+                       dec.widths, dec.top_k, dec.family, sample, cache_len, n_out, dec.draft_dtype, dec.with_final)
 
     def _stream(self, prompts, slots, max_new, temperature, eos_arr, seed, n_out, sample) -> list[SpecResult]:
         dec = self.dec

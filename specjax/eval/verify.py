@@ -51,23 +51,31 @@ def speculative_sample(p_tv: jax.Array, q_kv: jax.Array, drafts_k: jax.Array, ke
     return a, tok.astype(jnp.int32)
 
 
+def drafter_states(aux, final, with_final: bool) -> tuple:
+    """What a target call hands the drafter: the aux taps, then the final hidden state (after the
+    final norm) when the draft family reads it (DraftFamily.reads_final_hidden)."""
+    return tuple(aux) + ((final,) if with_final else ())
+
+
 def sample_first(logits_v, key, temperature, sample):
     if not sample:
         return jnp.argmax(logits_v).astype(jnp.int32)
     return jax.random.categorical(key, logits_v / temperature).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
-def prefill(params, cache, ids_bt, lens_b, keys_b, temperature, *, target_cls, config, aux_ids, sample):
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample", "with_final"),
+                   donate_argnames=("cache",))
+def prefill(params, cache, ids_bt, lens_b, keys_b, temperature, *, target_cls, config, aux_ids, sample,
+            with_final=False):
     """Prefill of B padded prompts from slot 0 in one target call: (each row's first token [B], drawn
     with its own key, aux [B,T,D], cache). SpecDecoder passes one row; SpecLoop a batch."""
     b, t = ids_bt.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, aux, _, cache = target_cls.decoder.decode_chunk(
+    logits, aux, final, cache = target_cls.decoder.decode_chunk(
         params, config, cache, ids_bt, pos, jnp.zeros((b,), jnp.int32), aux_layer_ids=aux_ids,
         logits_index=(lens_b - 1)[:, None])
     first = jax.vmap(lambda lg, key: sample_first(lg, key, temperature, sample))(logits[:, 0], keys_b)
-    return first, aux, cache
+    return first, drafter_states(aux, final, with_final), cache
 
 
 @functools.partial(jax.jit, static_argnames=("target_cls", "config"), donate_argnames=("cache",))
@@ -96,14 +104,15 @@ def accept_chain(logits_tv, drafts_k, q_kvd, draft_ids, key, temperature, *, sam
     return a, bonus, pending_rows(drafts_k, a, bonus)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "sample", "with_final"),
+                   donate_argnames=("cache",))
 def verify_chain(params, cache, last_tok, drafts, start, q_kvd, draft_ids, key, temperature, *,
-                  target_cls, config, aux_ids, sample):
+                  target_cls, config, aux_ids, sample, with_final=False):
     chunk, pos = chain_chunk(last_tok, drafts, start)
-    logits, aux, _, cache = target_cls.decoder.decode_chunk(
+    logits, aux, final, cache = target_cls.decoder.decode_chunk(
         params, config, cache, chunk[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids)
     a, bonus, pending = accept_chain(logits[0], drafts, q_kvd, draft_ids, key, temperature, sample=sample)
-    return a, bonus, pending, aux, cache
+    return a, bonus, pending, drafter_states(aux, final, with_final), cache
 
 
 def pending_rows(path_toks_k, a, bonus):
@@ -156,15 +165,17 @@ def accept_tree(logits_tv, toks, parent, depth: int):
     return a, bonus, path, pending_rows(toks[path[1:]], a, bonus)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth"), donate_argnames=("cache",))
-def verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth):
+@functools.partial(jax.jit, static_argnames=("target_cls", "config", "aux_ids", "depth", "with_final"),
+                   donate_argnames=("cache",))
+def verify_tree(params, cache, last_tok, node_toks, node_parents, start, *, target_cls, config, aux_ids, depth,
+                with_final=False):
     toks, parent, pos, mask = tree_chunk(last_tok, node_toks, node_parents, start, depth)
-    logits, aux, _, cache = target_cls.decoder.decode_chunk(
+    logits, aux, final, cache = target_cls.decoder.decode_chunk(
         params, config, cache, toks[None], pos[None], jnp.reshape(start, (1,)), aux_layer_ids=aux_ids,
         chunk_mask_btt=mask[None])
     a, bonus, path, pending = accept_tree(logits[0], toks, parent, depth)
     # Move the accepted nodes' K/V to the slots of a linear sequence (start+i); other slots are stale
     # (targets.base.commit_tree_path; a recurrent target also re-labels its per-node states).
     cache = target_cls.commit_path_fn(cache, start, path, a)
-    aux_path = tuple(jnp.take(x, path, axis=1) for x in aux)
+    aux_path = tuple(jnp.take(x, path, axis=1) for x in drafter_states(aux, final, with_final))
     return a, bonus, pending, aux_path, cache

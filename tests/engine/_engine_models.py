@@ -36,7 +36,7 @@ def build_llama_target(path) -> str:
 
 def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1, p_eagle: bool = False,
                      dflash: bool = False, jetspec: bool = False, dspark: bool = False,
-                     train_embedding: bool = False) -> str:
+                     train_embedding: bool = False, eagle1: bool = False) -> str:
     from specjax.config import load_config
     from specjax.train.loop import train
 
@@ -51,6 +51,11 @@ def train_llama_head(target: str, out_dir, *, eagle31: bool, num_layers: int = 1
     extra += ["draft.type=dspark", "draft.block_size=5", "draft.markov_rank=32", "train.dflash_anchors=32"] if dspark else []
     # the draft's own embedding, trained and shipped as embed_tokens.weight (vLLM keeps a distinct one)
     extra += ["draft.train_embedding=true"] if train_embedding else []
+    # EAGLE-1 (vLLM "eagle"): the whole target vocab, and a faster rate (feature regression learns slowly)
+    if eagle1:
+        with open(os.path.join(target, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        extra += ["draft.type=eagle", f"draft.draft_vocab_size={vocab}", "optim.lr=2e-2"]
     cfg = load_config(None, [
         f"target.path={target}", "target.dtype=float32", f"run.output_dir={out_dir}",
         "data.train_files=[pkg://specjax/assets/demo_chat.jsonl]", "data.max_rows=400", "data.seq_length=128",

@@ -39,8 +39,10 @@ KS = (3, 5)
 # whatever K is asked for (the tier's DFlash and JetSpec heads have block_size 6), so they are compared
 # at K = 5 only. The two-layer head checks the layer stack, and the head with its own trained embedding
 # (draft.train_embedding) that vLLM embeds with it; K changes neither: K = 3 only (CI time).
-# The DSpark head (block_size 5, slot 0 drafting: 5 tokens per block) likewise at K = 5 only.
-HEAD_KS = {"dflash": (5,), "jetspec": (5,), "dspark": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,)}
+# The DSpark head (block_size 5, slot 0 drafting: 5 tokens per block) likewise at K = 5 only; the EAGLE-1
+# head (draft.type eagle, vLLM's "eagle" method) at K = 3.
+HEAD_KS = {"dflash": (5,), "jetspec": (5,), "dspark": (5,), "eagle3-2layer": (3,), "eagle3-embed": (3,),
+           "eagle1": (3,)}
 
 
 class VllmRefused(Exception):
@@ -161,7 +163,8 @@ def _llama(worker, root, target) -> Family:
              "jetspec": M.train_llama_head(target, os.path.join(root, "run_jetspec"), eagle31=False, jetspec=True),
              "dspark": M.train_llama_head(target, os.path.join(root, "run_dspark"), eagle31=False, dspark=True),
              "eagle3-embed": M.train_llama_head(target, os.path.join(root, "run_embed"), eagle31=False,
-                                                train_embedding=True)}
+                                                train_embedding=True),
+             "eagle1": M.train_llama_head(target, os.path.join(root, "run_eagle1"), eagle31=False, eagle1=True)}
     return _family(worker, "llama", target, heads, M.llama_prompts(target, N_PROMPTS))
 
 
@@ -255,7 +258,8 @@ def tier(engine_workdir, request):
         worker.stop()
 
 
-FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "dspark", "eagle3-embed"),
+FAMILIES = {"llama": ("eagle3", "eagle3.1", "eagle3-2layer", "p-eagle", "dflash", "jetspec", "dspark", "eagle3-embed",
+                      "eagle1"),
             "qwen3": ("eagle3",),
             "qwen3_moe": ("eagle3",)}
 CASES = [pytest.param(f, h, k, id=f"{f}-{h}-k{k}",
