@@ -199,3 +199,22 @@ def test_ttt_fwd0_offset_pallas_gpu(dtype):
                                                                                        jnp.int32(shard * 256 // bs))
         tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
         assert float(jnp.abs(o_p - o_x).max()) < tol and float(jnp.abs(l_p - l_x).max()) < tol, shard
+
+
+@pytest.mark.parametrize("impl", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ttt_attention_sinks_gpu(impl, dtype):
+    """Attention sinks (gpt-oss) merged with the kernels' logsumexp: forward and dq/dk/dv/dsinks."""
+    B, T, Hq, Hkv, D = 2, 300, 8, 2, 64
+    q, k0, v0, _, _, do = ttt_inputs(11, B, T, Hq, Hkv, D, 0, dtype)
+    seg = jnp.asarray(np.repeat([[1, 2, 3, 0]], B, 0).repeat([90, 120, 80, 10], 1), jnp.int32)
+    sinks = 3.0 * jax.random.normal(jax.random.key(4), (Hq,), jnp.float32)
+
+    def f(impl, q, k, v, s):
+        return ttt_attention(q, k, v, None, None, seg, implementation=impl, sinks=s)
+
+    out, vjp = jax.vjp(jax.jit(lambda *a: f(impl, *a)), q, k0, v0, sinks)
+    ref, ref_vjp = jax.vjp(jax.jit(lambda *a: f("reference", *a)), *map(up, (q, k0, v0)), sinks)
+    assert rel(out, ref) < TOL[dtype]
+    for name, g, r in zip(["dq", "dk0", "dv0", "dsinks"], vjp(do), ref_vjp(up(do))):
+        assert rel(g, r) < TOL[dtype], name

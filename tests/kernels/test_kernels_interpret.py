@@ -39,3 +39,35 @@ def test_pallas_interpret_matches_reference(impl, k, packed):
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     for g, r, name in zip(grads, rgrads, ["dq", "dk0", "dv0", "dk_diag", "dv_diag"]):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_attention_sinks_match_the_reference_and_the_plain_path(impl):
+    """Attention sinks (gpt-oss: one more logit per head in the softmax denominator, no value): the kernels
+    merge them with their logsumexp. Forward, dq/dk/dv and the sinks' own gradient against the reference
+    (its sink is a softmax column), and the reference against the target's plain path (specjax.targets
+    attention's `_attend`, the sink in its denominator), f32, 2e-5. The sinks are large enough (+-3) to
+    take a visible share of the mass: dropping them moves the output by O(1e-1)."""
+    from specjax.targets.layers.attention import SegmentCausalMask, dot_product_attention
+
+    args, cot = _inputs(0, seed=3)
+    q, k0, v0 = args[:3]
+    sinks = 3.0 * jax.random.normal(jax.random.key(9), (q.shape[2],))
+
+    def run(impl, block):
+        f = lambda q, k, v, s: ttt_attention(q, k, v, None, None, SEG, implementation=impl, block_size=block,
+                                             sinks=s)
+        out, vjp = jax.vjp(f, q, k0, v0, sinks)
+        return out, vjp(cot)
+
+    out, grads = jax.jit(lambda: run(impl, 16))()
+    ref, rgrads = jax.jit(lambda: run("reference", None))()
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    for g, r, name in zip(grads, rgrads, ["dq", "dk0", "dv0", "dsinks"]):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5, err_msg=name)
+    plain = dot_product_attention(q, k0, v0, SegmentCausalMask(SEG), scale=q.shape[-1] ** -0.5,
+                                  implementation="plain", sinks=sinks)
+    valid = np.asarray(SEG > 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(valid, ref, 0), np.where(valid, plain, 0), rtol=2e-5, atol=2e-5)
+    no_sink = ttt_attention(q, k0, v0, None, None, SEG, implementation="reference")
+    assert float(jnp.max(jnp.abs(no_sink - ref))) > 1e-1

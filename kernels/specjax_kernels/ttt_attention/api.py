@@ -20,8 +20,8 @@ from specjax_kernels.selection import Unavailable, select, target_platform
 def _reference():
     from specjax_kernels.ttt_attention.reference import ttt_attention as fn
 
-    def call(q, k0, v0, kd, vd, seg, scale, block_size=None):
-        return fn(q, k0, v0, kd, vd, seg, scale)
+    def call(q, k0, v0, kd, vd, seg, scale, block_size=None, sinks=None):
+        return fn(q, k0, v0, kd, vd, seg, scale, sinks)
     return call
 
 
@@ -65,9 +65,12 @@ PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["triton", "pallas_gpu", "xla"
 
 
 def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, *, scale=None,
-                  implementation: Optional[str] = None, block_size: Optional[int] = None):
+                  implementation: Optional[str] = None, block_size: Optional[int] = None, sinks=None):
     """q [B,T,Hq,D] (step k), k0/v0 [B,T,Hkv,D] (step 0), k_diag/v_diag [k,B,T,Hkv,D] (steps 1..k) or None,
     segment_ids [B,T] or None -> [B,T,Hq,D] in q's dtype. `block_size` overrides the tile along T
-    (the kernels' default otherwise; the reference ignores it)."""
+    (the kernels' default otherwise; the reference ignores it). `sinks` [Hq]: attention sinks (gpt-oss),
+    one more logit per head in every row's softmax denominator, with no value."""
     _, fn = select("ttt_attention", IMPLEMENTATIONS, PREFERENCE, implementation)
-    return fn(q, k0, v0, k_diag, v_diag, segment_ids, scale, block_size=block_size)
+    if sinks is None:
+        return fn(q, k0, v0, k_diag, v_diag, segment_ids, scale, block_size=block_size)
+    return fn(q, k0, v0, k_diag, v_diag, segment_ids, scale, block_size=block_size, sinks=sinks)

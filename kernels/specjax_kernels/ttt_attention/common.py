@@ -105,6 +105,15 @@ def _diag_scores(q, kd, scale):
     return jnp.einsum("btkgd,nbtkd->nbtkg", qg, kd, preferred_element_type=accum_dtype(q)) * scale
 
 
+def merge_sinks(out, lse, sinks):
+    """`out` [B,T,Hq,D] / `lse` [B,T,Hq] (f32) with one more logit per head, `sinks` [Hq], that has no
+    value: the softmax's mass on the keys shrinks by exp(lse - lse'), lse' = logaddexp(lse, sink)."""
+    if sinks is None:
+        return out, lse
+    new = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, None, :])
+    return out * jnp.exp(lse - new)[..., None], new
+
+
 def merge_diagonal(q, kd, vd, o0, lse0, scale):
     """Block 0's output o0 and lse0 merged with the diagonal keys kd / vd [n,B,T,Hkv,D] (the forward
     merge of the module docstring): (out f32 [B,T,Hq,D], lse f32 [B,T,Hq])."""
@@ -158,20 +167,22 @@ def _block0_bwd(be: Backend, q, k0, v0, seg, do, lse, delta, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7))
-def _ttt(be, q, k0, v0, kd, vd, seg, scale):
-    out, _ = _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale)
+def _ttt(be, q, k0, v0, kd, vd, seg, scale, sinks):
+    out, _ = _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale, sinks)
     return out
 
 
-def _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale):
+def _ttt_fwd(be, q, k0, v0, kd, vd, seg, scale, sinks):
     o0, lse0 = _block0_fwd(be, q, k0, v0, seg, scale)
-    out, lse = merge_diagonal(q, kd, vd, o0, lse0, scale)
+    out, lse = merge_sinks(*merge_diagonal(q, kd, vd, o0, lse0, scale), sinks)
     out = out.astype(q.dtype)
-    return out, (q, k0, v0, kd, vd, seg, out, lse)
+    return out, (q, k0, v0, kd, vd, seg, out, lse, sinks)
 
 
 def _ttt_bwd(be, scale, res, do):
-    q, k0, v0, kd, vd, seg, out, lse = res
+    # With sinks the final lse holds them, so the keys' probabilities exp(s - lse) and the usual
+    # dS = P (dP - delta) are exact; a sink has no value, so its own gradient is -sum(p_sink * delta).
+    q, k0, v0, kd, vd, seg, out, lse, sinks = res
     # delta uses the output as returned (rounded to q.dtype), like FlashAttention-2
     acc = accum_dtype(q)
     delta = jnp.sum(do.astype(acc) * out.astype(acc), axis=-1)
@@ -183,17 +194,24 @@ def _ttt_bwd(be, scale, res, do):
     else:
         dkd = None if kd is None else jnp.zeros_like(kd)
         dvd = None if vd is None else jnp.zeros_like(vd)
-    return dq.astype(q.dtype), dk0.astype(k0.dtype), dv0.astype(v0.dtype), dkd, dvd, None
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(lse.dtype)[None, None, :] - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(sinks.dtype)
+    return dq.astype(q.dtype), dk0.astype(k0.dtype), dv0.astype(v0.dtype), dkd, dvd, None, dsinks
 
 
 _ttt.defvjp(_ttt_fwd, _ttt_bwd)
 
 
-def ttt_attention_with(be: Backend, q, k0, v0, kd=None, vd=None, seg=None, scale=None):
-    """The full TTT attention (block 0 by `be`, diagonal merged here) with its custom VJP."""
+def ttt_attention_with(be: Backend, q, k0, v0, kd=None, vd=None, seg=None, scale=None, sinks=None):
+    """The full TTT attention (block 0 by `be`, diagonal merged here) with its custom VJP. `sinks`
+    [Hq] (gpt-oss): one more logit per head in every row's softmax denominator, with no value."""
     check_inputs(q, k0, v0, kd, vd, seg)
-    B, T, _, D = q.shape
+    B, T, Hq, D = q.shape
     scale = float(D**-0.5 if scale is None else scale)
     if seg is None:
         seg = jnp.zeros((B, T), jnp.int32)
-    return _ttt(be, q, k0, v0, kd, vd, seg.astype(jnp.int32), scale)
+    if sinks is not None and jnp.shape(sinks) != (Hq,):
+        raise ValueError(f"sinks must be [Hq] = [{Hq}], got {jnp.shape(sinks)}")
+    return _ttt(be, q, k0, v0, kd, vd, seg.astype(jnp.int32), scale, sinks)

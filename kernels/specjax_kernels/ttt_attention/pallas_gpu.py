@@ -247,7 +247,7 @@ def _pow2(n):
     return n >= 16 and not n & (n - 1)
 
 
-def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None,
+def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None, sinks=None,
                   interpret=False):
     D = q.shape[-1]
     # fp32 at D = 256 asked an H100 for 344,832 B of shared memory with 64-row tiles (232,448 B exist)
@@ -256,4 +256,4 @@ def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=N
         raise ValueError(f"pallas_gpu ttt_attention needs head_dim and block_size powers of two >= 16, got "
                          f"{D} and {block}; use implementation='xla'.")
     return ttt_attention_with(backend(block, segment_ids is not None, interpret), q, k0, v0, k_diag, v_diag,
-                              segment_ids, scale)
+                              segment_ids, scale, sinks)

@@ -251,7 +251,7 @@ def backend(block: int, has_seg: bool, interpret: bool | None) -> Backend:
     return Backend("pallas_tpu", functools.partial(split_fwd0, **kw), functools.partial(split_bwd0, **kw), block)
 
 
-def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None,
+def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None, sinks=None,
                   interpret: bool | None = None):
     """interpret: True = Pallas's TPU interpreter, False = the Mosaic kernels, None = decided by the platform
     lowered for (Mosaic for a TPU, Pallas's interpreter elsewhere). A block that is not legal on a TPU
@@ -260,4 +260,4 @@ def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=N
     interpret = resolve_interpret(interpret, block % 128 == 0,
                                   f"pallas_tpu ttt_attention block_size must be a multiple of 128 on TPU, got {block}.")
     return ttt_attention_with(backend(block, segment_ids is not None, interpret), q, k0, v0, k_diag, v_diag,
-                              segment_ids, scale)
+                              segment_ids, scale, sinks)

@@ -21,6 +21,7 @@ def ttt_attention(
     v_diag_nbtkd: Optional[jnp.ndarray] = None,
     segment_ids_bt: Optional[jnp.ndarray] = None,  # [B, T]; attention stays within a segment
     scale: Optional[float] = None,
+    sinks_h: Optional[jnp.ndarray] = None,  # [Hq] one more logit per head with no value (gpt-oss)
 ) -> jnp.ndarray:
     B, T, Hq, D = q_btnd.shape
     Hkv = k0_btkd.shape[2]
@@ -39,8 +40,14 @@ def ttt_attention(
     if k_diag_nbtkd is not None and k_diag_nbtkd.shape[0] > 0:
         sd = jnp.einsum("btkgd,nbtkd->bkgtn", q, k_diag_nbtkd.astype(f32)) * scale
         scores = jnp.concatenate([s0, sd], axis=-1)
-    w = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    w = w / jnp.sum(w, axis=-1, keepdims=True)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    denom = jnp.sum(jnp.exp(scores - m), axis=-1, keepdims=True)
+    if sinks_h is not None:
+        sink = sinks_h.astype(f32).reshape(1, Hkv, G, 1, 1)
+        m_all = jnp.maximum(m, sink)
+        denom = denom * jnp.exp(m - m_all) + jnp.exp(sink - m_all)
+        m = m_all
+    w = jnp.exp(scores - m) / denom
     out = jnp.einsum("bkgts,bskd->btkgd", w[..., :T], v0_btkd.astype(f32))
     if scores.shape[-1] > T:
         out = out + jnp.einsum("bkgtn,nbtkd->btkgd", w[..., T:], v_diag_nbtkd.astype(f32))

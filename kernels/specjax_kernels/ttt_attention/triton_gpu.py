@@ -93,6 +93,8 @@ def backend(has_seg: bool) -> Backend:
                    MULTIPLE)
 
 
-def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None):
+def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None,
+                  sinks=None):
     del block_size  # tiles are fixed per kernel and head width (FWD/DQ/DKDV, WIDE above)
-    return ttt_attention_with(backend(segment_ids is not None), q, k0, v0, k_diag, v_diag, segment_ids, scale)
+    return ttt_attention_with(backend(segment_ids is not None), q, k0, v0, k_diag, v_diag, segment_ids, scale,
+                              sinks)

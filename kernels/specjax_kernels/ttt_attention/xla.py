@@ -150,7 +150,8 @@ def backend(block: int = DEFAULT_BLOCK) -> Backend:
     return Backend("xla", functools.partial(fwd0, block=block), functools.partial(bwd0, block=block), block)
 
 
-def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None):
+def ttt_attention(q, k0, v0, k_diag=None, v_diag=None, segment_ids=None, scale=None, *, block_size=None,
+                  sinks=None):
     T = q.shape[1]
     block = min(block_size or DEFAULT_BLOCK, T)
-    return ttt_attention_with(backend(block), q, k0, v0, k_diag, v_diag, segment_ids, scale)
+    return ttt_attention_with(backend(block), q, k0, v0, k_diag, v_diag, segment_ids, scale, sinks)

@@ -305,9 +305,8 @@ def dot_product_attention(
     plain path below (exact reference; the HF parity tests run it). "plain" forces the plain path;
     any ttt_attention implementation name forces that kernel.
 
-    ``sinks`` [N] (gpt-oss): a per-head logit added to every softmax denominator. The kernels have no
-    sink input, so attention with sinks takes the plain path (logged); they could take one from their
-    log-sum-exp (o * sigmoid(lse - sink)) once they return it."""
+    ``sinks`` [N] (gpt-oss): a per-head logit added to every softmax denominator, with no value: the
+    plain path puts it in its softmax, the kernels merge it with their log-sum-exp."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     if n % kv:
@@ -328,14 +327,15 @@ def dot_product_attention(
     def plain():
         return _grouped(q_btnh, k_bskh, v_bskh, (seg, seg, 0, window), scale, q_block, sinks)
 
-    if implementation == "plain" or k_bskh.shape[1] != t or sinks is not None:
-        record_choice("target_attention", "plain" + (" (attention sinks; the kernels have none)" if sinks is not None
-                                                     else "" if window is None else " (sliding window)"))
+    if implementation == "plain" or k_bskh.shape[1] != t:
+        record_choice("target_attention", "plain" + ("" if window is None else " (sliding window)"))
         return plain()
 
     def kernel():
-        # step 0 of the TTT attention is exactly segment-causal GQA self-attention
-        return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, seg, scale=scale, implementation=implementation)
+        # step 0 of the TTT attention is exactly segment-causal GQA self-attention (sinks: one more
+        # logit per head in the kernels' softmax, merged from their logsumexp)
+        return ttt_attention(q_btnh, k_bskh, v_bskh, None, None, seg, scale=scale, implementation=implementation,
+                             sinks=sinks)
 
     if window is None or (isinstance(window, (int, np.integer)) and window >= t):  # a window >= T hides nothing
         record_choice("target_attention", "ttt_attention kernel")
