@@ -122,9 +122,9 @@ class DFlashFamily(DraftFamily):
         return out
 
     def owns(self, draft_cfg) -> bool:
-        """A draft config of the family's class with its attention inside the block (a subclass with
-        another one is its own family's)."""
-        return isinstance(draft_cfg, self.config_class) and draft_cfg.causal == self.config_class.causal
+        """A draft config of exactly the family's class: a subclass (JetSpec's causal block, DFlash 2's
+        convolutions and selector) is its own family's."""
+        return type(draft_cfg) is self.config_class
 
     def init_params(self, draft_cfg, key, *, std: float = 0.02, lm_head_rows=None) -> dict:
         """Random init; the lm_head starts as `lm_head_rows` (the target's rows of the draft vocab)
