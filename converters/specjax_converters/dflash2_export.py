@@ -21,14 +21,15 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax.drafts.dflash2_weights import DFLASH2_WEIGHTS
-from specjax_converters.dflash2_validate import ARCHITECTURE, MODEL_TYPE, check_dflash2_head, is_dflash2_config
+from specjax_converters.dflash2_validate import DFLASH2_LAYOUT, MODEL_TYPE, SpeculatorsLayout, check_speculators_head
 from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, manifest_extra, read_head_files,
                                            write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
 
-__all__ = ["DFlash2Head", "dflash2_hf_config", "dflash2_state_dict", "export_dflash2", "read_dflash2_head"]
+__all__ = ["DFlash2Head", "dflash2_hf_config", "dflash2_state_dict", "export_dflash2", "export_speculators_head",
+           "read_dflash2_head", "read_speculators_head", "speculators_hf_config", "speculators_state_dict"]
 
 FORMAT = "specjax-dflash2"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose DFlash2SpeculatorConfig this layout follows
@@ -63,22 +64,41 @@ def _np_dtype(name: str):
 
 def dflash2_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """File-named numpy tensors, one per DFLASH2_WEIGHTS row for `cfg` (kernels transposed)."""
+    return speculators_state_dict(params, cfg, DFLASH2_WEIGHTS, None, dtype)
+
+
+def speculators_state_dict(params: Mapping, cfg, table, vocab=None, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """File-named numpy tensors of `table`'s rows for `cfg` (kernels transposed to HF [out, in]), plus
+    d2t (int64 offsets) / t2d (bool) from `vocab` when the draft vocab is smaller than the target's."""
     np_dtype = _np_dtype(_dtype(dtype))
     out = {}
-    for e in weights.entries(DFLASH2_WEIGHTS, cfg):
+    for e in weights.entries(table, cfg):
         try:
             arr = np.asarray(weights.leaf(params, e.path), np.float32)
         except KeyError:
-            _fail(".".join(e.path), "missing from the params", "export the tree dflash2.init_draft_params builds")
+            _fail(".".join(e.path), "missing from the params", "export the tree the family's init_draft_params builds")
         if arr.shape != e.shape:
-            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape}", "check the DFlash2Config of the params")
+            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape}", "check the draft config of the params")
         out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    if int(cfg.draft_vocab_size) < int(cfg.vocab_size):
+        if vocab is None:
+            _fail("vocab", f"draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but no vocab maps "
+                  "were given", "pass the run's DraftVocab")
+        out["d2t"] = np.asarray(vocab.d2t).astype(np.int64)
+        out["t2d"] = np.asarray(vocab.t2d).astype(bool)
     return out
 
 
 def dflash2_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16",
                       verifier: Optional[str] = None) -> dict:
     """config.json in speculators' DFlash2SpeculatorConfig layout (see dflash2_validate)."""
+    return speculators_hf_config(cfg, target_hf_config, DFLASH2_LAYOUT, dtype, verifier)
+
+
+def speculators_hf_config(cfg, target_hf_config: Mapping, layout: SpeculatorsLayout, dtype: str = "bfloat16",
+                          verifier: Optional[str] = None) -> dict:
+    """config.json of `layout` (speculators' DFlash-variant config: the DFlash fields, then the
+    layout's own fields from the draft config of the same names)."""
     cfg.validate()
     tc = target_text_config(target_hf_config)
     for key in ("hidden_size", "vocab_size"):
@@ -101,11 +121,11 @@ def dflash2_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16",
     layer.update({k: tc[k] for k in _TOKEN_FIELDS if tc.get(k) is not None})
     verifier_arch = list(target_hf_config.get("architectures") or [])
     return {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": MODEL_TYPE,
+        "architectures": [layout.architecture],
+        "speculators_model_type": layout.model_type,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": MODEL_TYPE,
+            "algorithm": layout.model_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(cfg.num_draft_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -119,15 +139,12 @@ def dflash2_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16",
         "mask_token_id": int(cfg.mask_token_id),
         "sliding_window_non_causal": True,
         "sample_from_anchor": bool(cfg.sample_from_anchor),
-        "conv_kernel_size": int(cfg.conv_kernel_size),
-        "conv_group_size": int(cfg.conv_group_size),
-        "selector_rank": int(cfg.selector_rank),
-        "selector_top_k": int(cfg.selector_top_k),
+        **{k: int(getattr(cfg, k)) for k in layout.own_fields},
         "dtype": _dtype(dtype),
     }
 
 
-def _replaceable(path: str) -> bool:
+def _replaceable(path: str, model_type: str = MODEL_TYPE) -> bool:
     if not os.path.isdir(path):
         return False
     names = set(os.listdir(path))
@@ -137,13 +154,13 @@ def _replaceable(path: str) -> bool:
         return False
     try:
         with open(os.path.join(path, CONFIG_FILE)) as f:
-            return is_dflash2_config(json.load(f))
+            return json.load(f).get("speculators_model_type") == model_type
     except (OSError, ValueError):
         return False
 
 
 def _refuse(out_dir: str):
-    _fail("out_dir", f"{out_dir} exists and is not an earlier DFlash 2 export",
+    _fail("out_dir", f"{out_dir} exists and is not an earlier export of the same method",
           "choose an empty or new folder (the export will not overwrite other files)")
 
 
@@ -151,30 +168,41 @@ def export_dflash2(params: Mapping, cfg, target_hf_config: Mapping, out_dir, *, 
                    extra_manifest: Optional[Mapping] = None, verifier: Optional[str] = None) -> str:
     """Validate, then write the folder atomically; returns its absolute path. `verifier` is
     speculators_config.verifier.name_or_path (the target's path or hub id; None when unknown)."""
+    return export_speculators_head(params, cfg, target_hf_config, out_dir, DFLASH2_LAYOUT, dtype=dtype,
+                                   extra_manifest=extra_manifest, verifier=verifier)
+
+
+def export_speculators_head(params: Mapping, cfg, target_hf_config: Mapping, out_dir, layout: SpeculatorsLayout, *,
+                            vocab=None, dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None,
+                            verifier: Optional[str] = None) -> str:
+    """export_dflash2 for any layout (`vocab`: the DraftVocab of a reduced draft vocab)."""
     dtype = _dtype(dtype)
-    extra = manifest_extra(extra_manifest, "DFlash 2 export")
-    tensors = dflash2_state_dict(params, cfg, dtype)
-    config = dflash2_hf_config(cfg, target_hf_config, dtype, verifier)
+    extra = manifest_extra(extra_manifest, f"{layout.display} export")
+    tensors = speculators_state_dict(params, cfg, layout.table, vocab, dtype)
+    config = speculators_hf_config(cfg, target_hf_config, layout, dtype, verifier)
     ids = [int(i) for i in cfg.aux_layer_ids]
-    findings = check_dflash2_head(config, tensors, target_config=target_hf_config, training_layer_ids=ids)
+    findings = check_speculators_head(config, tensors, layout, target_config=target_hf_config, training_layer_ids=ids)
     if errors(findings):
-        raise ExportValidationError(findings, "DFlash 2 export")
+        raise ExportValidationError(findings, f"{layout.display} export")
     return write_head_folder(
-        out_dir, tensors, config, replaceable=_replaceable, refuse_existing=_refuse,
-        check_written=written_head_check(target_hf_config, ids, "DFlash 2 export"), format=FORMAT, variant=MODEL_TYPE,
-        dtype=dtype, draft_config=dataclasses.asdict(cfg), target_config=target_hf_config, warnings=findings,
-        extra=extra)
+        out_dir, tensors, config, replaceable=lambda path: _replaceable(path, layout.model_type),
+        refuse_existing=_refuse, check_written=written_head_check(target_hf_config, ids, f"{layout.display} export"),
+        format=f"specjax-{layout.model_type}", variant=layout.model_type, dtype=dtype,
+        draft_config=dataclasses.asdict(cfg), target_config=target_hf_config, warnings=findings, extra=extra)
 
 
-def config_from_speculators(conf: Mapping, draft_config: Optional[Mapping] = None):
-    """The DFlash2Config of a speculators DFlash 2 config.json; `draft_config` (a specjax manifest's)
-    supplies what the layout does not record (the target's depth)."""
-    from specjax.drafts.dflash2 import DFlash2Config
+def config_from_speculators(conf: Mapping, draft_config: Optional[Mapping] = None, layout: SpeculatorsLayout = None,
+                            config_class=None):
+    """The draft config (`config_class`, default DFlash2Config) of a speculators-layout config.json;
+    `draft_config` (a specjax manifest's) supplies what the layout does not record (the target's depth)."""
     from specjax.layers.rope import rope_spec_from_hf
 
+    if config_class is None:
+        from specjax.drafts.dflash2 import DFlash2Config as config_class
+    layout = layout or DFLASH2_LAYOUT
     tl = conf["transformer_layer_config"]
     saved = dict(draft_config or {})
-    cfg = DFlash2Config(
+    cfg = config_class(
         hidden_size=int(tl["hidden_size"]), num_layers=int(tl["num_hidden_layers"]),
         num_attention_heads=int(tl["num_attention_heads"]), num_key_value_heads=int(tl["num_key_value_heads"]),
         head_dim=int(tl["head_dim"]), intermediate_size=int(tl["intermediate_size"]),
@@ -184,35 +212,43 @@ def config_from_speculators(conf: Mapping, draft_config: Optional[Mapping] = Non
         rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)), rope=rope_spec_from_hf(tl),
         max_position_embeddings=int(tl.get("max_position_embeddings", 2048)),
         num_target_layers=saved.get("num_target_layers"), sample_from_anchor=bool(conf.get("sample_from_anchor")),
-        hidden_act=tl.get("hidden_act", "silu"), conv_kernel_size=int(conf["conv_kernel_size"]),
-        conv_group_size=int(conf["conv_group_size"]), selector_rank=int(conf["selector_rank"]),
-        selector_top_k=int(conf["selector_top_k"]))
+        hidden_act=tl.get("hidden_act", "silu"), **{k: int(conf[k]) for k in layout.own_fields})
     cfg.validate()
     return cfg
 
 
 def read_dflash2_head(folder: str) -> DFlash2Head:
     """params (fp32 numpy), DFlash2Config and the identity DraftVocab of a DFlash 2 head folder."""
+    return read_speculators_head(folder, DFLASH2_LAYOUT)
+
+
+def read_speculators_head(folder: str, layout: SpeculatorsLayout, config_class=None) -> DFlash2Head:
+    """(params as fp32 numpy, draft config, DraftVocab) of a head folder of `layout`."""
     from specjax.drafts.vocab import DraftVocab
 
     folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     conf, tensors, manifest, _ = read_head_files(folder)
-    if not is_dflash2_config(conf):
-        raise ValueError(f"{folder}: config.json is not a DFlash 2 head's (speculators_model_type "
-                         f"{conf.get('speculators_model_type')!r}). Fix: pass a DFlash 2 export (specjax.export of a "
-                         "draft.type=dflash2 run)")
-    findings = [f for f in check_dflash2_head(conf, tensors, check_finite=False) if f.level == "error"]
+    if conf.get("speculators_model_type") != layout.model_type:
+        raise ValueError(f"{folder}: config.json is not a {layout.display} head's (speculators_model_type "
+                         f"{conf.get('speculators_model_type')!r}). Fix: pass a {layout.display} export "
+                         f"(specjax.export of a draft.type={layout.model_type} run)")
+    findings = [f for f in check_speculators_head(conf, tensors, layout, check_finite=False) if f.level == "error"]
     if findings:
         raise ValueError(f"{folder}: " + "; ".join(str(f) for f in findings))
     try:
-        cfg = config_from_speculators(conf, (manifest or {}).get("draft_config"))
+        cfg = config_from_speculators(conf, (manifest or {}).get("draft_config"), layout, config_class)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{folder}: config.json: {e}. Fix: export the head with specjax.export") from None
     leaves = []
-    for e in weights.entries(DFLASH2_WEIGHTS, cfg):
+    for e in weights.entries(layout.table, cfg):
         if e.file_name not in tensors:
             raise ValueError(f"{folder}: {WEIGHTS_FILE} lacks {e.file_name} (speculators and vLLM rebuild lm_head "
                              "from the target; specjax reads the head's own). Fix: export the head with specjax.export")
         arr = np.asarray(tensors.array(e.file_name), np.float32)
         leaves.append((e.path, np.ascontiguousarray(arr.T) if e.row.transpose else arr))
-    return DFlash2Head(weights.nest(leaves), cfg, DraftVocab.identity(cfg.vocab_size))
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        d2t = np.asarray(tensors.array("d2t"), np.int64)
+        vocab = DraftVocab.from_ids(np.arange(cfg.draft_vocab_size, dtype=np.int64) + d2t, cfg.vocab_size)
+    else:
+        vocab = DraftVocab.identity(cfg.vocab_size)
+    return DFlash2Head(weights.nest(leaves), cfg, vocab)

@@ -24,23 +24,39 @@ No jax at import.
 """
 from __future__ import annotations
 
+import dataclasses
 import types
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from specjax.drafts import weights
 from specjax.drafts.dflash2_weights import DFLASH2_WEIGHTS
 from specjax_converters.head_files import Finding, HeadTensors
-from specjax_converters.head_rules import HeadFormat, check_embedding_copy, check_weight_dtypes, same_value
+from specjax_converters.head_rules import (HeadFormat, check_embedding_copy, check_vocab_maps, check_weight_dtypes,
+                                           same_value)
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config, target_virtual_depth
 
-__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "MODEL_TYPE", "check_dflash2_head", "dflash2_shape", "expected_weights",
-           "is_dflash2_config"]
+__all__ = ["ARCHITECTURE", "DFLASH2_LAYOUT", "HEAD_FORMAT", "MODEL_TYPE", "SpeculatorsLayout", "check_dflash2_head",
+           "check_speculators_head", "expected_weights", "is_dflash2_config", "layout_shape"]
 
 ARCHITECTURE = "DFlash2DraftModel"
 MODEL_TYPE = "dflash2"  # speculators_model_type
-_LAYER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "intermediate_size", "vocab_size")
-_OWN_FIELDS = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+LAYER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatorsLayout:
+    """One speculators DFlash-variant layout (DFlash 2 here; XPress in xpress_validate): its
+    speculators_model_type and architecture, its own positive-int config fields (written as the
+    weight table reads them), the weight table, its own field rules `check_fields(config, V, H, bad)`,
+    and whether the draft vocab must be the full vocab."""
+    model_type: str
+    architecture: str
+    display: str
+    own_fields: tuple[str, ...]
+    table: tuple
+    check_fields: Callable[[Mapping, Optional[int], Optional[int], Callable], None]
+    full_vocab: bool
 
 
 def is_dflash2_config(conf: Mapping) -> bool:
@@ -52,8 +68,8 @@ def _pos_int(v) -> Optional[int]:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
 
 
-def dflash2_shape(config: Mapping):
-    """The weight table's view of a DFlash 2 config.json (attributes DFLASH2_WEIGHTS reads)."""
+def layout_shape(config: Mapping, layout: SpeculatorsLayout):
+    """The weight table's view of a speculators-layout config.json (the attributes its rows read)."""
     tl = config["transformer_layer_config"]
     return types.SimpleNamespace(
         hidden_size=int(tl["hidden_size"]), num_layers=int(tl["num_hidden_layers"]),
@@ -61,47 +77,56 @@ def dflash2_shape(config: Mapping):
         head_dim=int(tl["head_dim"]), intermediate_size=int(tl["intermediate_size"]),
         vocab_size=int(tl["vocab_size"]), draft_vocab_size=int(config.get("draft_vocab_size") or tl["vocab_size"]),
         aux_layer_ids=tuple(int(i) - 1 for i in config.get("aux_hidden_state_layer_ids") or ()),
-        conv_kernel_size=int(config["conv_kernel_size"]), conv_group_size=int(config["conv_group_size"]),
-        selector_rank=int(config["selector_rank"]))
+        **{k: int(config[k]) for k in layout.own_fields})
 
 
-def expected_weights(config: Mapping) -> dict[str, weights.Entry]:
-    return {e.file_name: e for e in weights.entries(DFLASH2_WEIGHTS, dflash2_shape(config))}
+def expected_weights(config: Mapping, layout: Optional[SpeculatorsLayout] = None) -> dict[str, weights.Entry]:
+    layout = layout or DFLASH2_LAYOUT
+    return {e.file_name: e for e in weights.entries(layout.table, layout_shape(config, layout))}
 
 
 def check_dflash2_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any], *,
                        target_config: Optional[Mapping] = None, training_layer_ids: Optional[Sequence[int]] = None,
                        check_finite: bool = True) -> list[Finding]:
-    """All findings for one DFlash 2 head. `target_config` enables the rules against the target;
+    """All findings for one DFlash 2 head (check_speculators_head with DFLASH2_LAYOUT)."""
+    return check_speculators_head(config, tensors, DFLASH2_LAYOUT, target_config=target_config,
+                                  training_layer_ids=training_layer_ids, check_finite=check_finite)
+
+
+def check_speculators_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any], layout: SpeculatorsLayout, *,
+                           target_config: Optional[Mapping] = None, training_layer_ids: Optional[Sequence[int]] = None,
+                           check_finite: bool = True) -> list[Finding]:
+    """All findings for one head of `layout`. `target_config` enables the rules against the target;
     `training_layer_ids` (output-of-layer-k, a specjax manifest's) the rule that the taps are the
     ones the head was trained on."""
     if not isinstance(tensors, HeadTensors):
         tensors = HeadTensors.from_arrays(tensors)
     out: list[Finding] = []
+    mt = layout.model_type
 
     def bad(rule, field, problem, fix, level="error"):
         out.append(Finding(rule, field, problem, fix, level))
 
-    if config.get("speculators_model_type") != MODEL_TYPE:
-        bad("dflash2.model_type", "speculators_model_type", f"{config.get('speculators_model_type')!r}, not "
-            f"{MODEL_TYPE!r} (speculators and vLLM pick the DFlash 2 reader by it)",
-            f'write "speculators_model_type": "{MODEL_TYPE}"')
-    if config.get("architectures") != [ARCHITECTURE]:
-        bad("dflash2.architectures", "architectures", f"{config.get('architectures')!r}, not [{ARCHITECTURE!r}]",
-            f'write "architectures": ["{ARCHITECTURE}"]')
+    if config.get("speculators_model_type") != mt:
+        bad(f"{mt}.model_type", "speculators_model_type", f"{config.get('speculators_model_type')!r}, not "
+            f"{mt!r} (speculators and vLLM pick the {layout.display} reader by it)",
+            f'write "speculators_model_type": "{mt}"')
+    if config.get("architectures") != [layout.architecture]:
+        bad(f"{mt}.architectures", "architectures", f"{config.get('architectures')!r}, not [{layout.architecture!r}]",
+            f'write "architectures": ["{layout.architecture}"]')
     tl = config.get("transformer_layer_config")
     if not isinstance(tl, Mapping):
-        bad("dflash2.layer_config", "transformer_layer_config", f"{tl!r}: absent or not an object (the draft "
+        bad(f"{mt}.layer_config", "transformer_layer_config", f"{tl!r}: absent or not an object (the draft "
             "layers' Qwen3 config)", "write the draft's Qwen3 config there (specjax.export writes it)")
         return out
     shape_ok = True
-    for key in _LAYER_FIELDS:
+    for key in LAYER_FIELDS:
         if _pos_int(tl.get(key)) is None:
             shape_ok = False
             bad("config.required", f"transformer_layer_config.{key}", f"{tl.get(key)!r}: must be a positive integer "
                 "(transformers' Qwen3Config would fill in its own default)", f'write "{key}" (the draft\'s value)')
     if tl.get("model_type", "qwen3") != "qwen3":
-        bad("dflash2.layer_config", "transformer_layer_config.model_type", f"{tl.get('model_type')!r}: the draft "
+        bad(f"{mt}.layer_config", "transformer_layer_config.model_type", f"{tl.get('model_type')!r}: the draft "
             "layers are Qwen3 layers (q_norm / k_norm)", 'write "model_type": "qwen3"')
     if tl.get("hidden_act", "silu") != "silu":
         bad("config.hidden_act", "transformer_layer_config.hidden_act", f"{tl.get('hidden_act')!r}: the MLP is "
@@ -111,40 +136,62 @@ def check_dflash2_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any]
             "this head does not have", 'write "attention_bias": false')
     layer_types = tl.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        bad("dflash2.layer_types", "transformer_layer_config.layer_types", f"{layer_types!r}: sliding-window "
+        bad(f"{mt}.layer_types", "transformer_layer_config.layer_types", f"{layer_types!r}: sliding-window "
             "layers are not what specjax trained (full attention)", 'write "full_attention" for every layer')
     if rope_dict(tl) is None:
         bad("config.rope", "transformer_layer_config.rope_parameters", "absent: Qwen3Config then uses theta "
             "10000, whatever the head was trained with", "write the target's rope_parameters", "warning")
     V = _pos_int(tl.get("vocab_size"))
     H = _pos_int(tl.get("hidden_size"))
-    for key in _OWN_FIELDS:
-        if _pos_int(config.get(key)) is None:
+    for key in ("block_size", *layout.own_fields):
+        if _pos_int(config.get(key)) is None and not (key == "num_jacobi_passes" and config.get(key) == 0):
             shape_ok = False
-            bad("dflash2.fields", key, f"{config.get(key)!r}: must be a positive integer",
+            bad(f"{mt}.fields", key, f"{config.get(key)!r}: must be a positive integer",
                 f'write "{key}" (the value the head was trained with)')
     if shape_ok:
-        _check_fields(config, V, H, training_layer_ids, bad)
-    ids = _check_taps(config, training_layer_ids, bad)
-    _check_proposal(config, bad)
+        _check_common_fields(config, V, H, layout, bad)
+        layout.check_fields(config, V, H, bad)
+    ids = _check_taps(config, training_layer_ids, mt, bad)
+    _check_proposal(config, mt, bad)
     if not shape_ok:
         return out
-    _check_tensors(config, tensors, bad, check_finite)
+    _check_tensors(config, tensors, layout, bad, check_finite)
     if target_config is not None:
-        _check_target(config, ids, target_config, bad)
+        _check_target(config, ids, target_config, mt, bad)
     return out
 
 
-def _check_fields(config, V, H, training_layer_ids, bad):
+def _check_common_fields(config, V, H, layout, bad):
+    mt = layout.model_type
     Vd = config.get("draft_vocab_size")
-    if Vd != V:
-        bad("dflash2.vocab", "draft_vocab_size", f"{Vd!r} != vocab_size {V}: speculators' DFlash2DraftModel refuses "
-            "a reduced draft vocab (the selector's codebooks are indexed by target ids)",
+    if layout.full_vocab and Vd != V:
+        bad(f"{mt}.vocab", "draft_vocab_size", f"{Vd!r} != vocab_size {V}: speculators' {layout.architecture} "
+            "refuses a reduced draft vocab (the selector's codebooks are indexed by target ids)",
             f'write "draft_vocab_size": {V} (train with draft.draft_vocab_size = the target vocab)')
-    bs, taps, group = config["block_size"], config["conv_kernel_size"], config["conv_group_size"]
+    elif not (_pos_int(Vd) is not None and V is not None and Vd <= V):
+        bad(f"{mt}.vocab", "draft_vocab_size", f"{Vd!r} is not in [1, vocab_size={V}]",
+            'write "draft_vocab_size": <rows of lm_head.weight>')
+    bs = config["block_size"]
     if bs < 2 - int(bool(config.get("sample_from_anchor"))):
-        bad("dflash2.block_size", "block_size", f"{bs}: a block needs the anchor plus a drafted slot",
+        bad(f"{mt}.block_size", "block_size", f"{bs}: a block needs the anchor plus a drafted slot",
             "write the block size the head was trained with (>= 2)")
+    mask = config.get("mask_token_id")
+    if not (isinstance(mask, int) and not isinstance(mask, bool) and V is not None and 0 <= mask < V):
+        bad(f"{mt}.mask_token_id", "mask_token_id", f"{mask!r} is not a token id in [0, {V})",
+            "write the token the head embeds in its mask slots (draft.mask_token_id)")
+    if config.get("sample_from_anchor"):
+        bad(f"{mt}.sample_from_anchor", "sample_from_anchor", "true (slot 0 drafts too): vLLM's DFlash drafters "
+            "build the block as the bonus token + mask slots", "serve it with specjax.eval, or train with "
+            "draft.sample_from_anchor=false for vLLM", "warning")
+    tH = config.get("target_hidden_size")
+    if tH is not None and H is not None and tH != H:
+        bad(f"{mt}.target_hidden_size", "target_hidden_size", f"{tH} != hidden_size {H}: the draft has the "
+            "target's width", f'write "target_hidden_size": {H}')
+
+
+def check_dflash2_fields(config, V, H, bad):
+    """DFlash 2's own fields: the convolution and the selector."""
+    bs, taps, group = config["block_size"], config["conv_kernel_size"], config["conv_group_size"]
     if taps > bs:
         bad("dflash2.conv", "conv_kernel_size", f"{taps} > block_size {bs} (speculators refuses it)",
             f"use conv_kernel_size <= {bs}")
@@ -154,67 +201,55 @@ def _check_fields(config, V, H, training_layer_ids, bad):
     if V is not None and config["selector_top_k"] > V:
         bad("dflash2.selector", "selector_top_k", f"{config['selector_top_k']} > vocab_size {V}",
             f"use selector_top_k <= {V}")
-    mask = config.get("mask_token_id")
-    if not (isinstance(mask, int) and not isinstance(mask, bool) and V is not None and 0 <= mask < V):
-        bad("dflash2.mask_token_id", "mask_token_id", f"{mask!r} is not a token id in [0, {V})",
-            "write the token the head embeds in its mask slots (draft.mask_token_id)")
-    if config.get("sample_from_anchor"):
-        bad("dflash2.sample_from_anchor", "sample_from_anchor", "true (slot 0 drafts too): vLLM's DFlash drafters "
-            "build the block as the bonus token + mask slots", "serve it with specjax.eval, or train with "
-            "draft.sample_from_anchor=false for vLLM", "warning")
-    tH = config.get("target_hidden_size")
-    if tH is not None and H is not None and tH != H:
-        bad("dflash2.target_hidden_size", "target_hidden_size", f"{tH} != hidden_size {H}: the draft has the "
-            "target's width", f'write "target_hidden_size": {H}')
 
 
-def _check_taps(config, training_layer_ids, bad) -> Optional[list[int]]:
+def _check_taps(config, training_layer_ids, mt, bad) -> Optional[list[int]]:
     raw = config.get("aux_hidden_state_layer_ids")
     ok = isinstance(raw, list) and raw and all(isinstance(i, int) and not isinstance(i, bool) for i in raw)
     if not ok or raw[0] < 1 or any(b <= a for a, b in zip(raw, raw[1:])):
-        bad("dflash2.aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", f"{raw!r}: must be strictly "
+        bad(f"{mt}.aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", f"{raw!r}: must be strictly "
             "increasing ids >= 1 (speculators' convention: output-of-layer-k + 1)",
             "write [k + 1 for each tapped layer k] (target.aux_layer_ids + 1)")
         return None
     ids = [i - 1 for i in raw]
     if training_layer_ids is not None and [int(i) for i in training_layer_ids] != ids:
-        bad("dflash2.training", "aux_hidden_state_layer_ids", f"{raw} (output-of-layer {ids}) differ from the taps "
+        bad(f"{mt}.training", "aux_hidden_state_layer_ids", f"{raw} (output-of-layer {ids}) differ from the taps "
             f"the head was trained on ({list(training_layer_ids)}, specjax_manifest.json's draft_config)",
             "export from the run's own draft config (re-export instead of editing config.json)")
     return ids
 
 
-def _check_proposal(config, bad):
+def _check_proposal(config, mt, bad):
     spec = config.get("speculators_config")
     try:
         method = spec["proposal_methods"][0]
         tokens = method["speculative_tokens"]
         _ = spec["verifier"]["name_or_path"]
     except (KeyError, IndexError, TypeError):
-        bad("dflash2.speculators_config", "speculators_config", "absent or without proposal_methods[0]."
+        bad(f"{mt}.speculators_config", "speculators_config", "absent or without proposal_methods[0]."
             "speculative_tokens and verifier.name_or_path (vLLM's speculators reader requires them)",
-            'write {"algorithm": "dflash2", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": '
+            f'write {{"algorithm": "{mt}", "proposal_methods": [{{"proposal_type": "greedy", "speculative_tokens": '
             'block_size - 1}], "default_proposal_method": "greedy", "verifier": {"name_or_path": ..., '
             '"architectures": [...]}}')
         return
-    if spec.get("algorithm") != MODEL_TYPE:
-        bad("dflash2.speculators_config", "speculators_config.algorithm", f"{spec.get('algorithm')!r}, not "
-            f"{MODEL_TYPE!r}", f'write "algorithm": "{MODEL_TYPE}"')
+    if spec.get("algorithm") != mt:
+        bad(f"{mt}.speculators_config", "speculators_config.algorithm", f"{spec.get('algorithm')!r}, not "
+            f"{mt!r}", f'write "algorithm": "{mt}"')
     bs = config.get("block_size")
     if _pos_int(bs) is not None:
         drafted = bs - (0 if config.get("sample_from_anchor") else 1)
         if tokens != drafted:
-            bad("dflash2.speculative_tokens", "speculators_config.proposal_methods[0].speculative_tokens",
+            bad(f"{mt}.speculative_tokens", "speculators_config.proposal_methods[0].speculative_tokens",
                 f"{tokens!r}, but a block of {bs} drafts {drafted} (vLLM sizes the block and its convolution "
                 "from it)", f'write "speculative_tokens": {drafted}')
 
 
-def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
-    expected = expected_weights(config)
+def _check_tensors(config, tensors: HeadTensors, layout: SpeculatorsLayout, bad, check_finite: bool):
+    expected = expected_weights(config, layout)
     prefixed = [k for k in tensors.names if k.startswith(("model.", "draft_model."))]
     if prefixed:
         bad("keys.prefix", prefixed[0], f"{len(prefixed)} key(s) carry a model./draft_model. prefix",
-            "save the head's own keys (fc.weight, layers.*, candidate_selector.*, ...)")
+            "save the head's own keys (fc.weight, layers.*, ...)")
     for k in expected:
         if k not in tensors:
             if k == "lm_head.weight":
@@ -223,14 +258,18 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
                     "warning")
                 continue
             bad("keys.missing", k, "missing from the weights (the readers would run it uninitialised)",
-                "export every tensor of DFLASH2_WEIGHTS (specjax.drafts.dflash2_weights)")
-    for k in tensors.names:
-        if k in expected or k == "embed_tokens.weight" or k in prefixed:
-            continue
-        why = ("a full-vocab DFlash 2 head has no vocab maps" if k in ("d2t", "t2d")
-               else "not part of a DFlash 2 head (speculators' strict load refuses it)")
-        bad("keys.unknown", k, why, "remove it from the export")
+                f"export every tensor of the {layout.display} weight table")
     tl = config["transformer_layer_config"]
+    V, Vd = int(tl["vocab_size"]), int(config.get("draft_vocab_size") or tl["vocab_size"])
+    maps = ("d2t", "t2d") if Vd < V else ()
+    for k in tensors.names:
+        if k in expected or k in maps or k == "embed_tokens.weight" or k in prefixed:
+            continue
+        why = (f"a full-vocab {layout.display} head has no vocab maps" if k in ("d2t", "t2d")
+               else f"not part of a {layout.display} head (speculators' strict load refuses it)")
+        bad("keys.unknown", k, why, "remove it from the export")
+    if maps:
+        check_vocab_maps({"vocab_size": V, "draft_vocab_size": Vd}, tensors, bad)
     check_embedding_copy(tl, tensors, bad, shape_fix="drop embed_tokens (the readers use the target's)",
                          copy_problem="a copy of the embedding is shipped (speculators replaces it with the "
                          "verifier's; specjax trains with the target's)", copy_fix="drop embed_tokens.weight")
@@ -242,7 +281,7 @@ def _check_tensors(config, tensors: HeadTensors, bad, check_finite: bool):
                         {k: e.file_shape for k, e in expected.items()})
 
 
-def _check_target(config, ids, target_config, bad):
+def _check_target(config, ids, target_config, mt, bad):
     tc = target_text_config(target_config)
     tl = config["transformer_layer_config"]
     for key in ("hidden_size", "vocab_size"):
@@ -255,13 +294,19 @@ def _check_target(config, ids, target_config, bad):
         except ValueError:
             depth = None
         if depth is not None and ids[-1] >= depth:
-            bad("dflash2.aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", f"output-of-layer ids {ids} "
+            bad(f"{mt}.aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids", f"output-of-layer ids {ids} "
                 f"reach past the target's depth {depth}", f"use ids in [1, {depth}] (speculators' k + 1)")
     mine = rope_dict(tl)
     if mine is not None and not any(same_value(mine, t) for t in target_rope_dicts(tc)
                                     or [{"rope_type": "default", "rope_theta": 10000.0}]):
         bad("target.rope", "transformer_layer_config.rope_parameters", f"draft RoPE {mine} is not the target's",
             "copy the target's rope_parameters into the draft config")
+
+
+DFLASH2_LAYOUT = SpeculatorsLayout(
+    model_type=MODEL_TYPE, architecture=ARCHITECTURE, display="DFlash 2",
+    own_fields=("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"), table=DFLASH2_WEIGHTS,
+    check_fields=check_dflash2_fields, full_vocab=True)
 
 
 def _check_folder(config: Mapping, tensors: HeadTensors, *, target_config: Optional[Mapping],

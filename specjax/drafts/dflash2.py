@@ -62,7 +62,7 @@ from specjax.layers.norms import rms_norm
 __all__ = ["DFLASH2_WEIGHTS", "DFlash2Config", "DFlash2LossConfig", "block_forward", "candidate_scores",
            "config_from_dict", "config_to_dict", "conv_finish", "conv_prepare", "dflash2_loss", "draft_block",
            "draft_forward", "final_states", "grouped_conv", "init_draft_params", "param_logical_axes",
-           "predecessor_ids", "propose_block", "training_candidates", "walk_candidates"]
+           "predecessor_ids", "propose_block", "teacher_logits", "training_candidates", "walk_candidates"]
 
 KL_DENOM_EPS = 1e-5  # speculators' loss_function adds this to the per-row mask count (both terms)
 
@@ -285,7 +285,7 @@ class DFlash2LossConfig:
                              "Fix: use a non-negative weight (0 trains the unary head only).")
 
 
-def _teacher(final_hidden, lm_head, src, logit_softcap):
+def teacher_logits(final_hidden, lm_head, src, logit_softcap):
     """The target's logits at rows src [B, N, S] (dense final hidden x lm_head, or a TopKTeacher)."""
     sg = jax.lax.stop_gradient
     B = src.shape[0]
@@ -323,7 +323,7 @@ def dflash2_loss(params: dict, cfg: DFlash2Config, loss_cfg: DFlash2LossConfig, 
     count = jnp.sum(slot_mask, axis=(1, 2)) + KL_DENOM_EPS
 
     src = jnp.clip(anchors[:, :, None] + jnp.arange(S) - 1 + int(cfg.sample_from_anchor), 0, T - 1)
-    teacher = _teacher(final_hidden, lm_head, src, logit_softcap)
+    teacher = teacher_logits(final_hidden, lm_head, src, logit_softcap)
     log_p, log_q = jax.nn.log_softmax(teacher, axis=-1), jax.nn.log_softmax(logits, axis=-1)
     kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
     unary = jnp.mean(jnp.sum(kl * slot_mask * decay, axis=(1, 2)) / count)
