@@ -185,7 +185,7 @@ class DFlash2Family(DFlashFamily):
         k = head.config.num_draft_tokens
         header = (f"# draft  {draft_abs}  (DFlash 2 block drafter with a candidate selector, block_size "
                   f"{head.config.block_size}: {k} draft tokens per step; --num-spec-tokens does not apply)",)
-        note = ("# vLLM runs DFlash 2 heads (DFlash2DraftModel) with its V2 model runner only (GPU, Triton): vLLM "
+        note = ("vLLM runs DFlash 2 heads (DFlash2DraftModel) with its V2 model runner only (GPU, Triton): vLLM "
                 "0.32 refuses them on the V1 runner and the CPU backend",)
         return ServePlan(header=header, num_spec_tokens=k, notes={"vllm": note},
                          not_printed={"sglang": "not printed: specjax prints SGLang commands for EAGLE-3 heads only"})
