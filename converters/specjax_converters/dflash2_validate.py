@@ -77,7 +77,7 @@ def layout_shape(config: Mapping, layout: SpeculatorsLayout):
         head_dim=int(tl["head_dim"]), intermediate_size=int(tl["intermediate_size"]),
         vocab_size=int(tl["vocab_size"]), draft_vocab_size=int(config.get("draft_vocab_size") or tl["vocab_size"]),
         aux_layer_ids=tuple(int(i) - 1 for i in config.get("aux_hidden_state_layer_ids") or ()),
-        **{k: int(config[k]) for k in layout.own_fields})
+        block_size=int(config["block_size"]), **{k: int(config[k]) for k in layout.own_fields})
 
 
 def expected_weights(config: Mapping, layout: Optional[SpeculatorsLayout] = None) -> dict[str, weights.Entry]:

@@ -5,7 +5,8 @@ here (or registered by any imported module) is found by every lookup; nothing el
 Registration order is lookup order: EAGLE-3 first (the family of a run_meta.json without
 `draft_family` and of any head folder no other family recognises), then P-EAGLE, then DFlash, then
 JetSpec (DFlash with causal attention inside the block), then DFlash 2 (DFlash with dynamic
-convolutions and a candidate selector), then XPress (DFlash with a causal refiner run for K Jacobi passes).
+convolutions and a candidate selector), then XPress (DFlash with a causal refiner run for K Jacobi
+passes).
 """
 from __future__ import annotations
 

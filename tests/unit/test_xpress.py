@@ -202,3 +202,108 @@ def test_speculators_comparison_can_fail():
     for name in ("refiner_head.mix_l", "refiner_head.token_embed.weight"):
         errs, _, _ = compare(cfg, vocab, batch, anchors, valid, perturb=name)
         assert errs["loss"] > TOL, name
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) decoding
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_and_draft(tmp_path_factory):
+    from eval._models import build_target
+    from specjax.targets.loading import load_target
+
+    path = build_target(tmp_path_factory.mktemp("xpress"), "LlamaForCausalLM", False, seed=1)
+    target = load_target(path, dtype="float32")
+    tv = target.config.vocab_size
+    base = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=3, num_layers=1, block_size=4,
+                                     aux_layer_ids=(0, 2))
+    cfg = X.as_xpress(base, xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=2)
+    vocab = DraftVocab.from_ids(np.arange(0, tv, 2), tv)
+    params = make_params(cfg, seed=3)
+    params["lm_head"]["kernel"] = jnp.asarray(target.lm_head_weight(target.params), jnp.float32)[vocab.draft_ids].T
+    return path, target, cfg, params, vocab
+
+
+def test_proposer_runs_the_jacobi_passes_of_the_training_forward(target_and_draft):
+    _, _, cfg, params, vocab = target_and_draft
+    rng = np.random.default_rng(4)
+    T, anchor = 20, 11
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32)
+    aux = [jnp.asarray(rng.standard_normal((1, T, cfg.hidden_size)), jnp.float32) for _ in cfg.aux_layer_ids]
+    embed = jnp.asarray(rng.standard_normal((cfg.vocab_size, cfg.hidden_size)), jnp.float32)
+    pend_tok = ids[:, 1:anchor + 1]  # pend_tok[i]: the token at position i + 1 (the last one is the anchor)
+    d2t = jnp.asarray(vocab.d2t, jnp.int32)
+    cache = X.init_decode_cache(cfg, 32)
+    tokens, _, _ = X.draft_block(params, embed, d2t, cache, pend_tok, [a[:, :anchor] for a in aux], jnp.int32(anchor),
+                                 jnp.int32(0), ids[0, anchor], jax.random.key(0), jnp.float32(1.0), dcfg=cfg,
+                                 k=cfg.num_draft_tokens, sample=False)
+    h = dflash.draft_forward(params, cfg, aux_hidden=aux, input_ids=ids, positions=jnp.arange(T)[None],
+                             segment_ids=jnp.ones((1, T), jnp.int32), anchors=jnp.asarray([[anchor]]),
+                             embed_table=embed)
+    hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
+    base = hn @ params["lm_head"]["kernel"]
+    draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
+    pred = draft_ids[jnp.argmax(base, -1)][0, 0]  # [S]
+    ref = params["refiner_head"]
+    for _ in range(cfg.num_jacobi_passes):  # by hand: slot 0 reads x[a-1], slot k the previous pass's token k-1
+        prev = jnp.concatenate([ids[0, anchor - 1:anchor], ids[0, anchor:anchor + 1], pred[1:-1]])
+        pred = draft_ids[jnp.argmax(base[0, 0] + X.block_bias(ref, prev, X.hidden_cache(ref, hn[0, 0])), -1)]
+    assert np.asarray(tokens).tolist() == np.asarray(pred[1:]).tolist()
+
+
+def test_lossless_speculative_decoding(target_and_draft):
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import Draft, SpecDecoder
+
+    _, target, cfg, params, vocab = target_and_draft
+    prompt, n = [5, 17, 3, 9, 11, 2, 40], 13
+    want = generate(target, [prompt], max_new_tokens=n)[0]
+    res = SpecDecoder(target, Draft(params, cfg, vocab), num_spec_tokens=cfg.num_draft_tokens).generate(
+        prompt, max_new_tokens=n)
+    assert res.tokens == want[:n] and sum(res.accept_lengths) == n - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) the family and the head
+# ---------------------------------------------------------------------------------------------
+def test_family_and_head(target_and_draft, tmp_path):
+    from specjax import serve_cmd
+    from specjax.config import ConfigError, load_config
+    from specjax.drafts.families import draft_config_from_meta, family_for_folder, family_for_type, family_of
+    from specjax.drafts.xpress_family import XPRESS
+    from specjax_converters.head_formats import errors, validate_folder
+
+    path, target, cfg, params, vocab = target_and_draft
+    assert family_for_type("xpress") is XPRESS and family_of(cfg) is XPRESS
+    meta = json.loads(json.dumps(XPRESS.run_meta(cfg)))
+    assert meta["draft_family"] == "xpress" and draft_config_from_meta(meta) == cfg
+    run = load_config(None, ["draft.type=xpress", "draft.block_size=4", "draft.num_jacobi_passes=0",
+                             "draft.consistency_weight=0.5", "train.dflash_anchors=8"])
+    loss_cfg = XPRESS.make_objective(run, cfg).loss
+    assert loss_cfg.consistency_weight == 0.5 and loss_cfg.ce_weight == 0.1 and loss_cfg.tv_weight == 0.9
+    with pytest.raises(ConfigError, match=r"`draft.xpress_rank` is not a key of draft.type=dflash2"):
+        load_config(None, ["draft.type=dflash2", "draft.xpress_rank=8"])
+
+    hf = json.load(open(os.path.join(path, "config.json")))
+    out = XPRESS.export(jax.device_get(params), cfg, vocab, hf, tmp_path / "head", dtype="float32",
+                        extra_manifest={"target_path": path})
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert conf["speculators_model_type"] == "xpress" and conf["num_jacobi_passes"] == 2
+    findings, info = validate_folder(out, target=path)
+    assert info["layout"] == "xpress" and not errors(findings), [str(f) for f in findings]
+    assert family_for_folder(out) is XPRESS
+    head_params, head_cfg, head_vocab = XPRESS.load_head(out)
+    assert head_cfg == cfg and np.array_equal(head_vocab.draft_ids, vocab.draft_ids)
+    flat = jax.tree_util.tree_leaves_with_path
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), (_, b) in zip(flat(head_params), flat(params)))
+    code, text = serve_cmd.build(out, path, engine="vllm")
+    assert code == 0 and "vLLM 0.32 has no XPress model" in text and "--speculative" not in text, text
+
+    sp = import_speculators_xpress()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = sp.Model.from_pretrained(out)
+    assert type(model.config) is sp.Config and model.config.num_jacobi_passes == 2
+    loaded = {k: v.numpy() for k, v in model.state_dict().items()}
+    for k, v in speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32").items():
+        assert np.array_equal(loaded[k], v), k
