@@ -17,10 +17,10 @@ convolutions as the identity (base_kernel[:, 0] = 1, the rest and the projection
 """
 from __future__ import annotations
 
-from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS, NUM_LAYERS
+from specjax.drafts.dflash_weights import DFLASH_WEIGHTS, NUM_LAYERS
 from specjax.drafts.weights import Dim, DraftWeight, H
 
-__all__ = ["CONVS", "DFLASH2_VOCAB_TENSORS", "DFLASH2_WEIGHTS", "EXTRA_WEIGHTS"]
+__all__ = ["CONVS", "DFLASH2_WEIGHTS", "EXTRA_WEIGHTS"]
 
 CONVS = ("attention_conv", "mlp_conv")  # around the attention sublayer, around the MLP
 SIDES = Dim("2", lambda c: 2)  # input side, output side
@@ -47,4 +47,3 @@ EXTRA_WEIGHTS: tuple[DraftWeight, ...] = tuple(
 )
 
 DFLASH2_WEIGHTS: tuple[DraftWeight, ...] = DFLASH_WEIGHTS + EXTRA_WEIGHTS
-DFLASH2_VOCAB_TENSORS = DFLASH_VOCAB_TENSORS  # never written: a DFlash 2 head has the full vocab
