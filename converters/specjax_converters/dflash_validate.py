@@ -54,7 +54,7 @@ _REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "
                     "intermediate_size", "vocab_size")
 # what transformers' Qwen3Config (which parses the draft's config in vLLM) uses when a key is absent
 _QWEN3_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128}
-_SPECULATORS_DFLASH = ("dflash", "dflash2")
+_SPECULATORS_DFLASH = ("dflash",)  # "dflash2" heads are read by dflash2_validate
 
 
 def is_dflash_config(conf: Mapping) -> bool:

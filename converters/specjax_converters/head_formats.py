@@ -3,11 +3,12 @@ folder with its format's rules.
 
 `FORMATS` lists each format's `HeadFormat` (specjax_converters.head_rules), most specific first: a
 DSpark drafter (dspark_validate: architectures ["Qwen3DSparkModel"]), a DFlash block drafter
-(dflash_validate), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]) and
-EAGLE-3 (eagle3_validate: EAGLE-3 / EAGLE-3.1 / P-EAGLE,
+(dflash_validate), a DFlash 2 and an XPress head (dflash2_validate / xpress_validate: speculators'
+layouts), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]) and EAGLE-3
+(eagle3_validate: EAGLE-3 / EAGLE-3.1 / P-EAGLE,
 the Llama-EAGLE3 and speculators layouts), which takes every folder no earlier format recognises.
 `format_of(config)` is the format of a config.json; `written_head_check` is every exporter's check of
-the folder it wrote. This module imports both validators; neither
+the folder it wrote. This module imports the validators; none
 imports it, so there is no import circle. No jax at import.
 """
 from __future__ import annotations
@@ -16,13 +17,15 @@ import os
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from specjax.hf_config_checks import check_config_fields, read_config_json
-from specjax_converters import dflash_validate, dspark_validate, eagle1_validate, eagle3_validate
+from specjax_converters import (dflash2_validate, dflash_validate, dspark_validate, eagle1_validate, eagle3_validate,
+                                xpress_validate)
 from specjax_converters.head_files import CONFIG_FILE, MANIFEST_FILE, Finding, read_head_files
 from specjax_converters.head_rules import ExportValidationError, HeadFormat, errors
 
 __all__ = ["FORMATS", "errors", "format_of", "validate_folder", "written_head_check"]
 
 FORMATS: tuple[HeadFormat, ...] = (dspark_validate.HEAD_FORMAT, dflash_validate.HEAD_FORMAT,
+                                   dflash2_validate.HEAD_FORMAT, xpress_validate.HEAD_FORMAT,
                                    eagle1_validate.HEAD_FORMAT, eagle3_validate.HEAD_FORMAT)
 
 

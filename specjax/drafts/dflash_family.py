@@ -122,8 +122,9 @@ class DFlashFamily(DraftFamily):
         return out
 
     def owns(self, draft_cfg) -> bool:
-        """A draft config of exactly the family's class (JetSpec's and DSpark's configs subclass
-        DFlashConfig and are their own families')."""
+        """A draft config of exactly the family's class: a subclass (JetSpec's causal block, DSpark's
+        Markov and confidence heads, DFlash 2's convolutions and selector, XPress's refiner) is its own
+        family's."""
         return type(draft_cfg) is self.config_class
 
     def init_params(self, draft_cfg, key, *, std: float = 0.02, lm_head_rows=None) -> dict:

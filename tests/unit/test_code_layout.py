@@ -28,7 +28,8 @@ FAMILY_BRANCH = re.compile(
     r"|[\"'](dflash|eagle3|p_eagle|jetspec)[\"']\s*[!=]=|\bblock_drafter\b"
     r"|\bif\b[^\n]*\bparallel_drafting\b")
 # where a family's own code lives: its draft modules and its head format's converters
-FAMILY_HOMES = ("specjax/drafts/", "converters/specjax_converters/eagle3_", "converters/specjax_converters/dflash_")
+FAMILY_HOMES = ("specjax/drafts/", "converters/specjax_converters/eagle3_", "converters/specjax_converters/dflash_",
+                "converters/specjax_converters/dflash2_")
 
 
 def modules() -> dict[str, str]:

@@ -72,11 +72,11 @@ def test_unknown_names_list_the_known_ones():
 
 @pytest.mark.parametrize("overrides,match", [
     (["draft.block_size=8"], r"`draft.block_size` is not a key of draft.type=eagle3 \(EAGLE-3\); it belongs to "
-                             r"draft.type=dflash or draft.type=jetspec or draft.type=dspark. Fix: remove it or set draft.type=dflash"),
+                             r"draft.type=dflash or draft.type=jetspec or draft.type=dspark or draft.type=dflash2 or "
+                             r"draft.type=xpress. Fix: remove it or set draft.type=dflash"),
     (["draft.mask_token_id=3"], r"`draft.mask_token_id` is not a key of draft.type=eagle3 \(EAGLE-3\); it belongs to "
-                                r"draft.type=p_eagle or draft.type=dflash or draft.type=jetspec or draft.type=dspark. Fix: remove "
-                                    r"it or set "
-                                r"draft.type=p_eagle"),
+                                r"draft.type=p_eagle or draft.type=dflash or draft.type=jetspec or draft.type=dspark or "
+                                r"draft.type=dflash2 or draft.type=xpress. Fix: remove it or set draft.type=p_eagle"),
     (["draft.type=dflash", "draft.fc_norm=true"], r"`draft.fc_norm` is not a key of draft.type=dflash \(DFlash\); "
                                                   r"it belongs to draft.type=eagle3 or draft.type=p_eagle"),
     (["draft.type=p_eagle", "draft.sample_from_anchor=true"], r"`draft.sample_from_anchor` is not a key of "

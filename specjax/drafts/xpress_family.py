@@ -1,0 +1,168 @@
+"""The XPress family (draft.type xpress), registered with specjax.drafts.family: DFlash's block drafter
+plus a causal refiner head whose per-slot logit bias reads each slot's previous token, resolved at
+decoding time by num_jacobi_passes parallel passes (specjax.drafts.xpress, after speculators 0.9's
+XPressDraftModel).
+
+From DFlash's family it keeps the taps, the mask token, the anchors keyed by the step, the frozen
+lm_head (the target's rows of the draft vocab) and chain decoding of block_size - 1 tokens; it
+changes the config class, the section (draft.xpress_* and the objective's weights), the objective
+(fixed: speculators' teacher-forced + Jacobi-consistency + base-anchor compound ce/tv loss), the
+decoding step (the Jacobi passes) and the head format: speculators' XPress layout
+(specjax_converters.xpress_validate). vLLM 0.32 has no XPress model, so serve_cmd prints no engine
+command for it; specjax.eval decodes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Optional
+
+import jax
+
+from specjax.config_fields import DraftSection, described, ranged
+from specjax.drafts import dflash, xpress
+from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, anchor_key
+from specjax.drafts.family import ServePlan, read_head_config, register, target_states
+from specjax.targets.layers.attention import cache_size_for
+from specjax_converters.dflash2_export import export_speculators_head, read_speculators_head
+from specjax_converters.head_formats import format_of
+from specjax_converters.warm_start import params_like
+from specjax_converters.xpress_validate import XPRESS_LAYOUT
+
+FIT_FIELDS = ("hidden_size", "vocab_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "mask_token_id", "aux_layer_ids", "block_size", "xpress_rank", "xpress_mlp_ratio")
+NO_ENGINE = "not printed: vLLM 0.32 has no XPress model (its speculators reader knows no \"xpress\"); decode with specjax.eval"
+
+
+@dataclass(frozen=True)
+class XPressSection(DraftSection):
+    """draft.* keys of draft.type=xpress."""
+    DOC: ClassVar[str] = ("XPress: DFlash's block drafter plus a causal refiner head (a logit bias from each slot's "
+                          "previous token) resolved by Jacobi passes.")
+    type: str = "xpress"
+    mask_token_id: Optional[int] = ranged(None, ge=0, doc="Token the block's mask slots read; null: the "
+                                                          "target's pad_token_id, else its EOS")
+    block_size: int = ranged(16, ge=2, doc="Slots per block: the anchor and block_size - 1 drafted slots")
+    sample_from_anchor: bool = described(False, "Train slot 0 (the anchor) to draft too, so a block drafts "
+                                                "block_size tokens")
+    xpress_rank: int = ranged(256, ge=1, doc="Width r of the refiner (embedding, projections, mixer, MLP)")
+    xpress_mlp_ratio: int = ranged(2, ge=1, doc="The refiner MLP's hidden width as a multiple of r")
+    num_jacobi_passes: int = ranged(6, ge=0, doc="Refiner passes when drafting (0: plain DFlash drafts)")
+    consistency_passes: int = ranged(3, ge=0, doc="Jacobi rounds trained per step (each re-reads the previous "
+                                                  "round's argmax)")
+    consistency_weight: float = ranged(0.3, ge=0.0, doc="Weight of the mean loss of the Jacobi rounds")
+    base_anchor_weight: float = ranged(0.6, ge=0.0, doc="Weight of the loss of the backbone's own logits")
+    loss_ce_weight: float = ranged(0.1, ge=0.0, doc="Weight of the CE against the target's argmax in each loss term")
+    loss_tv_weight: float = ranged(0.9, ge=0.0, doc="Weight of the total variation to the target in each loss term")
+
+
+class XPressFamily(DFlashFamily):
+    draft_type = meta_name = "xpress"
+    display_name = export_name = "XPress"
+    head_name = "XPress head (a block drafter with a causal refiner)"
+    section_class = XPressSection
+    draft_module = xpress
+    config_class = xpress.XPressConfig
+    train_keys = ("dflash_anchors", "dflash_decay_gamma")
+    objective_note = "its objective is set by the draft.consistency_* / base_anchor_weight / loss_*_weight keys"
+
+    def make_draft_config(self, cfg, target, aux_ids) -> xpress.XPressConfig:
+        d = cfg.draft
+        out = xpress.as_xpress(super().make_draft_config(cfg, target, aux_ids), xpress_rank=d.xpress_rank,
+                               xpress_mlp_ratio=d.xpress_mlp_ratio, num_jacobi_passes=d.num_jacobi_passes)
+        try:
+            out.validate()
+        except ValueError as e:
+            raise ValueError(f"draft.type=xpress: {e} (the draft.* key of the same name sets it)") from None
+        return out
+
+    def init_params(self, draft_cfg, key, *, std: float = 0.02, lm_head_rows=None) -> dict:
+        return xpress.init_draft_params(draft_cfg, key, std=std, lm_head_rows=lm_head_rows)
+
+    def check_init_from(self, folder: str) -> None:
+        config = read_head_config(folder)
+        if config is None or format_of(config).name != "xpress":
+            raise ValueError(f"draft.init_from={folder}: not an XPress head (config.json without "
+                             "speculators_model_type \"xpress\"). Fix: point draft.init_from at an XPress export")
+
+    def warm_start(self, folder: str, draft_cfg, vocab, init_params: Mapping) -> dict:
+        head = self.load_head(folder)
+        diff = [f for f in FIT_FIELDS if getattr(head.config, f) != getattr(draft_cfg, f)]
+        if diff:
+            lines = "; ".join(f"{f}: head {getattr(head.config, f)} vs run {getattr(draft_cfg, f)}" for f in diff)
+            raise ValueError(f"draft.init_from={folder}: the XPress head does not fit this run's draft: {lines}. Fix: "
+                             "set the draft.* / target.aux_layer_ids keys to the head's values")
+        return params_like(folder, head.params, head.vocab, vocab, init_params)
+
+    def make_objective(self, cfg, draft_cfg) -> DFlashObjective:
+        t, d = cfg.train, cfg.draft
+        loss = xpress.XPressLossConfig(num_anchors=t.dflash_anchors, loss_decay_gamma=t.dflash_decay_gamma or None,
+                                       ce_weight=d.loss_ce_weight, tv_weight=d.loss_tv_weight,
+                                       consistency_weight=d.consistency_weight,
+                                       consistency_passes=d.consistency_passes,
+                                       base_anchor_weight=d.base_anchor_weight)
+        loss.validate(draft_cfg)
+        return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
+
+    def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
+        tap_ids = tuple(draft_cfg.aux_layer_ids)
+        loss_cfg = objective.loss
+
+        def loss_fn(draft_params, target_params, vocab, batch, step=None):
+            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
+            candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
+            anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
+            params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
+            loss, m = xpress.xpress_loss(
+                params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid, input_ids=batch["input_ids"],
+                loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"], positions=batch["positions"],
+                aux_hidden=aux, embed_table=target.embed_table(target_params), final_hidden=final_hidden,
+                lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
+                compute_dtype=compute_dtype, logit_softcap=target.logit_softcap)
+            first = draft_cfg.first_trained_slot
+            metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
+                       "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"],
+                       "tf_loss": m["tf_loss"], "consistency_loss": m["consistency_loss"],
+                       "base_loss": m["base_loss"], "tf_acc": m["tf_acc"]}
+            return loss, metrics
+
+        return loss_fn
+
+    def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",
+               extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
+        if variant not in (None, self.draft_type):
+            raise ValueError(f"--variant {variant!r} is an EAGLE-3 choice; an XPress run exports as XPress (drop "
+                             "--variant)")
+        verifier = (extra_manifest or {}).get("target_path")
+        return export_speculators_head(params, draft_cfg, target_hf_config, out_dir, XPRESS_LAYOUT, vocab=vocab,
+                                       dtype=dtype, extra_manifest=extra_manifest,
+                                       verifier=verifier if isinstance(verifier, str) else None)
+
+    def recognises_head(self, head_config: Mapping) -> bool:
+        return format_of(head_config).name == "xpress"
+
+    def load_head(self, folder: str):
+        return read_speculators_head(folder, XPRESS_LAYOUT, xpress.XPressConfig)
+
+    def init_decode_cache(self, draft_cfg, max_len: int, dtype):
+        return xpress.init_decode_cache(draft_cfg, cache_size_for(max_len))
+
+    def propose_chain(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, last_tok, key,
+                      temperature, *, dcfg, k: int, sample: bool):
+        return xpress.draft_block(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, last_tok, key,
+                                  temperature, dcfg=dcfg, k=k, sample=sample)
+
+    def vllm_speculative_config(self, draft: str, head_config: Optional[Mapping], num_spec_tokens: int) -> dict:
+        raise ValueError(f"{draft}: an XPress head has no vLLM speculative config: vLLM 0.32 has no XPress model. "
+                         "Fix: decode it with specjax.eval")
+
+    def serve_plan(self, draft_abs: str, target: str, num_spec_tokens: int) -> ServePlan:
+        head = self.load_head(draft_abs)  # raises ValueError naming what is wrong
+        k = head.config.num_draft_tokens
+        header = (f"# draft  {draft_abs}  (XPress block drafter, block_size {head.config.block_size}: {k} draft "
+                  f"tokens per step after {head.config.num_jacobi_passes} Jacobi passes)",)
+        return ServePlan(header=header, num_spec_tokens=k,
+                         not_printed={"vllm": NO_ENGINE,
+                                      "sglang": "not printed: specjax prints SGLang commands for EAGLE-3 heads only"})
+
+
+XPRESS = register(XPressFamily())

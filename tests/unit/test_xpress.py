@@ -1,0 +1,309 @@
+"""draft.type=xpress (specjax.drafts.xpress, xpress_family): DFlash plus the causal refiner head and its
+Jacobi passes, against speculators 0.9.0's XPressDraftModel, fp32 on the CPU.
+
+(1) Reference equality: speculators' own forward and loss (its anchor-block mask over a packed row of
+two documents; the teacher-forced refiner pass, 3 Jacobi consistency rounds, the base-anchor term; its
+eager ce 0.1 + tv 0.9 compound loss, gamma 4) on our weights loaded through the export's state dict with
+strict=True, our anchors handed to it. Compared: the base logits of every block, the loss and the
+gradient of every weight, with a reduced draft vocab (d2t maps the rounds' argmax to target ids) and
+with the full vocab and sample_from_anchor. TOLERANCE: max|ours - ref| / max|ref| <= 1e-5 per tensor,
+|loss - ref| / |ref| <= 1e-5. A perturbed refiner weight breaks it.
+(2) Decoding: the Jacobi passes of the proposer equal passes run by hand on the training forward's
+states; lossless speculative decoding.
+(3) The family and the head: lookups, run_meta, config keys, export -> validate -> read back ->
+speculators' XPressDraftModel.from_pretrained; serve_cmd prints no engine command.
+(4) Training end to end on the tiny target: the loss falls, the export validates, decoding is lossless.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from export._heads import speculators_importing
+from specjax.drafts import dflash
+from specjax.drafts import xpress as X
+from specjax.drafts.vocab import DraftVocab
+from specjax.drafts.xpress_weights import XPRESS_WEIGHTS
+from specjax.layers.norms import rms_norm
+from specjax.layers.rope import RopeSpec
+from specjax_converters.dflash2_export import speculators_state_dict
+from test_dflash2 import HD, I, MASK, NH, NKV, TAPS, H, V, make_batch, rel_err
+
+TOL = 1e-5
+
+
+def make_cfg(vd=24, sample_from_anchor=False, block_size=4):
+    cfg = X.XPressConfig(hidden_size=H, num_layers=2, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
+                         intermediate_size=I, vocab_size=V, draft_vocab_size=vd, aux_layer_ids=TAPS,
+                         mask_token_id=MASK, block_size=block_size, rope=RopeSpec("default", 10000.0),
+                         max_position_embeddings=256, num_target_layers=4, sample_from_anchor=sample_from_anchor,
+                         xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=3)
+    cfg.validate()
+    return cfg
+
+
+def make_params(cfg, seed=0):
+    params = X.init_draft_params(cfg, jax.random.key(seed), std=0.15)
+    rng = np.random.default_rng(seed + 100)
+
+    def jitter(path, x):
+        name = path[-1].key
+        if name == "scale":
+            return jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape), jnp.float32)
+        if name in ("mix_l", "embedding"):
+            return jnp.asarray(0.5 * rng.standard_normal(x.shape), jnp.float32)
+        if name == "kernel" and path[0].key == "refiner_head":
+            return jnp.asarray(0.4 * rng.standard_normal(x.shape), jnp.float32)
+        return x
+
+    return jax.tree_util.tree_map_with_path(jitter, params)
+
+
+def make_vocab(vd, seed=0):
+    return None if vd == V else DraftVocab.from_ids(np.random.default_rng(seed).choice(V, vd, replace=False), V)
+
+
+def ours(params, cfg, batch, anchors, valid, vocab):
+    loss_cfg = X.XPressLossConfig(num_anchors=anchors.shape[1], anchor_chunk=3)
+    kw = dict(anchors=jnp.asarray(anchors), anchor_valid=jnp.asarray(valid), input_ids=jnp.asarray(batch["input_ids"]),
+              loss_mask=jnp.asarray(batch["loss_mask"]), segment_ids=jnp.asarray(batch["segment_ids"]),
+              positions=jnp.asarray(batch["positions"]), aux_hidden=[jnp.asarray(a) for a in batch["aux"]],
+              embed_table=jnp.asarray(batch["embed"]),
+              final_hidden=rms_norm(jnp.asarray(batch["pre_norm"]), jnp.asarray(batch["verifier_norm"]), 1e-6),
+              lm_head=jnp.asarray(batch["lm_head"]),
+              draft_ids=None if vocab is None else jnp.asarray(vocab.draft_ids, jnp.int32))
+    (loss, m), grads = loss_and_grads(params, cfg, loss_cfg, kw)
+    return float(loss), jax.device_get(m), jax.device_get(grads)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def loss_and_grads(params, cfg, loss_cfg, kw):
+    kw = dict(kw, return_logits=True)
+    return jax.value_and_grad(lambda p: X.xpress_loss(p, cfg, loss_cfg, **kw), has_aux=True)(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# (1) speculators
+# ---------------------------------------------------------------------------------------------
+def import_speculators_xpress():
+    torch = pytest.importorskip("torch")
+    with speculators_importing("pip install --no-deps speculators==0.9.0"):
+        import speculators.models.dflash.core as core
+        from speculators.config import SpeculatorsConfig, VerifierConfig
+        from speculators.losses import eager
+        from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
+    return types.SimpleNamespace(torch=torch, core=core, eager=eager, Model=XPressDraftModel,
+                                 Config=XPressSpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
+                                 VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig)
+
+
+def speculators_model(sp, cfg, params, batch, vocab):
+    from transformers import Qwen3Config
+
+    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=cfg.num_layers,
+                     num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, rms_norm_eps=cfg.rms_norm_eps,
+                     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     tie_word_embeddings=False)
+    tl._attn_implementation = "eager"
+    spec = sp.SpeculatorsConfig(algorithm="xpress", proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
+                                default_proposal_method="greedy",
+                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
+    conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
+                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
+                     sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec, xpress_rank=cfg.xpress_rank,
+                     xpress_mlp_ratio=cfg.xpress_mlp_ratio, num_jacobi_passes=cfg.num_jacobi_passes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = sp.Model(conf)
+    t = lambda a: sp.torch.from_numpy(np.array(a))  # noqa: E731
+    state = {k: t(v) for k, v in speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32").items()}
+    rows = batch["lm_head"] if vocab is None else batch["lm_head"][vocab.draft_ids]
+    state.update({"embed_tokens.weight": t(batch["embed"]), "verifier_norm.weight": t(batch["verifier_norm"]),
+                  "verifier_lm_head.weight": t(rows)})
+    model.load_state_dict(state, strict=True)
+    model.lm_head.weight.requires_grad_(True)
+    return model.float().train()
+
+
+def speculators_run(sp, model, batch, anchors, valid):
+    torch = sp.torch
+    a, v = torch.from_numpy(np.array(anchors[0], np.int64)), torch.from_numpy(np.array(valid[0]))
+    orig = sp.core.select_anchors
+    sp.core.select_anchors = lambda loss_mask, num_anchors, block_size: (a.clone(), v.clone())
+    try:
+        doc = np.where(batch["segment_ids"] > 0, batch["segment_ids"], -1)
+        kw = dict(hidden_states=torch.from_numpy(np.concatenate(batch["aux"], -1)),
+                  input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
+                  loss_mask=torch.from_numpy(batch["loss_mask"]),
+                  verifier_last_hidden_states=torch.from_numpy(batch["pre_norm"]),
+                  document_ids=torch.from_numpy(doc.astype(np.int64)),
+                  position_ids=torch.from_numpy(batch["positions"].astype(np.int64)))
+        with torch.no_grad():
+            _, logits, _, _, _ = model._backbone_forward(**kw, max_anchors=len(a))
+        model.zero_grad()
+        _, loss, metrics = model(**kw, loss_config={"ce": (sp.eager.ce_loss, 0.1), "tv": (sp.eager.tv_loss, 0.9)},
+                                 gamma=4.0, max_anchors=len(a), consistency_weight=0.3, consistency_passes=3,
+                                 base_anchor_weight=0.6)
+        loss.backward()
+    finally:
+        sp.core.select_anchors = orig
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {k: float(x) for k, x in metrics.items()}, grads, logits.numpy()
+
+
+def compare(cfg, vocab, batch, anchors, valid, perturb=None):
+    sp = import_speculators_xpress()
+    params = make_params(cfg)
+    model = speculators_model(sp, cfg, params, batch, vocab)
+    if perturb is not None:
+        with sp.torch.no_grad():
+            dict(model.named_parameters())[perturb].add_(0.05)
+    ref_loss, ref_m, ref_grads, ref_logits = speculators_run(sp, model, batch, anchors, valid)
+    loss, m, grads = ours(params, cfg, batch, anchors, valid, vocab)
+    our_grads = speculators_state_dict(grads, cfg, XPRESS_WEIGHTS, vocab, "float32")
+    errs = {"base_logits": rel_err(m["base"].reshape(ref_logits.shape), ref_logits),
+            "loss": abs(loss - ref_loss) / abs(ref_loss),
+            "tf_loss": abs(float(m["tf_loss"]) - ref_m["tf_loss_sum"]) / abs(ref_m["tf_loss_sum"]),
+            "consistency_loss": abs(float(m["consistency_loss"]) - ref_m["consistency_loss_sum"])
+            / abs(ref_m["consistency_loss_sum"])}
+    errs.update({f"grad {n}": rel_err(our_grads[n], g) for n, g in ref_grads.items()})
+    return errs, set(ref_grads), our_grads
+
+
+def case(vd=24, sample_from_anchor=False, seed=0):
+    cfg = make_cfg(vd=vd, sample_from_anchor=sample_from_anchor)
+    batch = make_batch(seed=seed)
+    cands = dflash.anchor_candidates(jnp.asarray(batch["loss_mask"]), cfg.block_size, "teacher_kl")
+    anchors, valid = dflash.select_anchors(jax.random.key(seed + 7), cands, 6)
+    return cfg, make_vocab(vd), batch, np.asarray(anchors), np.asarray(valid)
+
+
+@pytest.mark.parametrize("vd,sample_from_anchor", [(24, False), (V, True)])
+def test_speculators_forward_loss_grads(vd, sample_from_anchor):
+    cfg, vocab, batch, anchors, valid = case(vd, sample_from_anchor)
+    assert valid.all() and len(set(batch["segment_ids"][0, anchors[0]])) == 2
+    errs, graded, ours_grads = compare(cfg, vocab, batch, anchors, valid)
+    assert graded == set(ours_grads) - {"d2t", "t2d"}  # every exported weight, the refiner's too
+    print({k: f"{x:.1e}" for k, x in errs.items()})
+    assert max(errs.values()) <= TOL, errs
+
+
+def test_speculators_comparison_can_fail():
+    cfg, vocab, batch, anchors, valid = case()
+    for name in ("refiner_head.mix_l", "refiner_head.token_embed.weight"):
+        errs, _, _ = compare(cfg, vocab, batch, anchors, valid, perturb=name)
+        assert errs["loss"] > TOL, name
+
+
+# ---------------------------------------------------------------------------------------------
+# (2) decoding
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_and_draft(tmp_path_factory):
+    from eval._models import build_target
+    from specjax.targets.loading import load_target
+
+    path = build_target(tmp_path_factory.mktemp("xpress"), "LlamaForCausalLM", False, seed=1)
+    target = load_target(path, dtype="float32")
+    tv = target.config.vocab_size
+    base = dflash.config_from_target(target.config, draft_vocab_size=48, mask_token_id=3, num_layers=1, block_size=4,
+                                     aux_layer_ids=(0, 2))
+    cfg = X.as_xpress(base, xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=2)
+    vocab = DraftVocab.from_ids(np.arange(0, tv, 2), tv)
+    params = make_params(cfg, seed=3)
+    params["lm_head"]["kernel"] = jnp.asarray(target.lm_head_weight(target.params), jnp.float32)[vocab.draft_ids].T
+    return path, target, cfg, params, vocab
+
+
+def test_proposer_runs_the_jacobi_passes_of_the_training_forward(target_and_draft):
+    _, _, cfg, params, vocab = target_and_draft
+    rng = np.random.default_rng(4)
+    T, anchor = 20, 11
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32)
+    aux = [jnp.asarray(rng.standard_normal((1, T, cfg.hidden_size)), jnp.float32) for _ in cfg.aux_layer_ids]
+    embed = jnp.asarray(rng.standard_normal((cfg.vocab_size, cfg.hidden_size)), jnp.float32)
+    pend_tok = ids[:, 1:anchor + 1]  # pend_tok[i]: the token at position i + 1 (the last one is the anchor)
+    d2t = jnp.asarray(vocab.d2t, jnp.int32)
+    cache = X.init_decode_cache(cfg, 32)
+    tokens, _, _ = X.draft_block(params, embed, d2t, cache, pend_tok, [a[:, :anchor] for a in aux], jnp.int32(anchor),
+                                 jnp.int32(0), ids[0, anchor], jax.random.key(0), jnp.float32(1.0), dcfg=cfg,
+                                 k=cfg.num_draft_tokens, sample=False)
+    h = dflash.draft_forward(params, cfg, aux_hidden=aux, input_ids=ids, positions=jnp.arange(T)[None],
+                             segment_ids=jnp.ones((1, T), jnp.int32), anchors=jnp.asarray([[anchor]]),
+                             embed_table=embed)
+    hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
+    base = hn @ params["lm_head"]["kernel"]
+    draft_ids = jnp.asarray(vocab.draft_ids, jnp.int32)
+    pred = draft_ids[jnp.argmax(base, -1)][0, 0]  # [S]
+    ref = params["refiner_head"]
+    for _ in range(cfg.num_jacobi_passes):  # by hand: slot 0 reads x[a-1], slot k the previous pass's token k-1
+        prev = jnp.concatenate([ids[0, anchor - 1:anchor], ids[0, anchor:anchor + 1], pred[1:-1]])
+        pred = draft_ids[jnp.argmax(base[0, 0] + X.block_bias(ref, prev, X.hidden_cache(ref, hn[0, 0])), -1)]
+    assert np.asarray(tokens).tolist() == np.asarray(pred[1:]).tolist()
+
+
+def test_lossless_speculative_decoding(target_and_draft):
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import Draft, SpecDecoder
+
+    _, target, cfg, params, vocab = target_and_draft
+    prompt, n = [5, 17, 3, 9, 11, 2, 40], 13
+    want = generate(target, [prompt], max_new_tokens=n)[0]
+    res = SpecDecoder(target, Draft(params, cfg, vocab), num_spec_tokens=cfg.num_draft_tokens).generate(
+        prompt, max_new_tokens=n)
+    assert res.tokens == want[:n] and sum(res.accept_lengths) == n - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# (3) the family and the head
+# ---------------------------------------------------------------------------------------------
+def test_family_and_head(target_and_draft, tmp_path):
+    from specjax import serve_cmd
+    from specjax.config import ConfigError, load_config
+    from specjax.drafts.families import draft_config_from_meta, family_for_folder, family_for_type, family_of
+    from specjax.drafts.xpress_family import XPRESS
+    from specjax_converters.head_formats import errors, validate_folder
+
+    path, target, cfg, params, vocab = target_and_draft
+    assert family_for_type("xpress") is XPRESS and family_of(cfg) is XPRESS
+    meta = json.loads(json.dumps(XPRESS.run_meta(cfg)))
+    assert meta["draft_family"] == "xpress" and draft_config_from_meta(meta) == cfg
+    run = load_config(None, ["draft.type=xpress", "draft.block_size=4", "draft.num_jacobi_passes=0",
+                             "draft.consistency_weight=0.5", "train.dflash_anchors=8"])
+    loss_cfg = XPRESS.make_objective(run, cfg).loss
+    assert loss_cfg.consistency_weight == 0.5 and loss_cfg.ce_weight == 0.1 and loss_cfg.tv_weight == 0.9
+    with pytest.raises(ConfigError, match=r"`draft.xpress_rank` is not a key of draft.type=dflash2"):
+        load_config(None, ["draft.type=dflash2", "draft.xpress_rank=8"])
+
+    hf = json.load(open(os.path.join(path, "config.json")))
+    out = XPRESS.export(jax.device_get(params), cfg, vocab, hf, tmp_path / "head", dtype="float32",
+                        extra_manifest={"target_path": path})
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert conf["speculators_model_type"] == "xpress" and conf["num_jacobi_passes"] == 2
+    findings, info = validate_folder(out, target=path)
+    assert info["layout"] == "xpress" and not errors(findings), [str(f) for f in findings]
+    assert family_for_folder(out) is XPRESS
+    head_params, head_cfg, head_vocab = XPRESS.load_head(out)
+    assert head_cfg == cfg and np.array_equal(head_vocab.draft_ids, vocab.draft_ids)
+    flat = jax.tree_util.tree_leaves_with_path
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), (_, b) in zip(flat(head_params), flat(params)))
+    code, text = serve_cmd.build(out, path, engine="vllm")
+    assert code == 0 and "vLLM 0.32 has no XPress model" in text and "--speculative" not in text, text
+
+    sp = import_speculators_xpress()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = sp.Model.from_pretrained(out)
+    assert type(model.config) is sp.Config and model.config.num_jacobi_passes == 2
+    loaded = {k: v.numpy() for k, v in model.state_dict().items()}
+    for k, v in speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32").items():
+        assert np.array_equal(loaded[k], v), k
