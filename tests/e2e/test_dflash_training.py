@@ -110,8 +110,8 @@ def test_dflash_settings_are_checked_when_the_config_loads():
             (["draft.type=dflash", "draft.block_size=4", "decode_eval.at_end=true", "decode_eval.num_spec_tokens=5"],
              "decode_eval.num_spec_tokens"),
             (["draft.block_size=8"], r"`draft.block_size` is not a key of draft.type=eagle3 \(EAGLE-3\); it belongs to "
-             r"draft.type=dflash or draft.type=jetspec or draft.type=dflash2 or draft.type=xpress. Fix: remove it or "
-             r"set draft.type=dflash"),
+             r"draft.type=dflash or draft.type=jetspec or draft.type=dspark or draft.type=dflash2 or "
+             r"draft.type=xpress. Fix: remove it or set draft.type=dflash"),
             (["draft.type=p_eagle", "train.dflash_anchors=8"], r"`train.dflash_anchors` = 8 is not read by "
              r"draft.type=p_eagle .* it is read by draft.type=dflash")):
         with pytest.raises(ConfigError, match=match):
