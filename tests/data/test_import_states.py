@@ -12,7 +12,8 @@ norm). Bars (cache stored in float32, so only the dump's own rounding is measure
     (2^-4 relative for normals, 2^-10 x scale in the subnormal range);
   - a file whose token ids are not its row's input ids is refused, naming the row;
   - training's manifest check accepts the imported cache (FOREIGN_CHECKED) and refuses other taps;
-    its examples read back from the rows are the dump's (as a multiset: they come in row order).
+    its examples read back from the rows are the dump's (as a multiset: they come in row order), and
+    a run with no data files of its own trains from it.
 """
 import json
 
@@ -159,6 +160,16 @@ def test_imported_states_equal_the_jax_targets(dump, tiny_target, tmp_path, fmt)
         return tuple(ex.input_ids.tolist()), tuple(ex.loss_mask.tolist())
 
     assert sorted(map(key, back.train + back.val)) == sorted(map(key, dump["examples"]))
+    if fmt == "bf16":  # a run trains from it with no data files of its own
+        from specjax.train.loop import train
+        from specjax.train.metrics import read_metrics
+
+        run = tmp_path / "run"
+        res = train(_cfg(tiny_target, tmp_path / "cache", "target.source=cache", "data.train_files=[]",
+                         f"run.output_dir={run}", "train.steps=2", "train.log_every=1", "train.eval_every=2",
+                         "train.eval_batches=1", "train.progress=false", "export.at_end=false",
+                         "checkpoint.every_steps=100"))
+        assert res.final_step == 2 and all(np.isfinite(r["loss"]) for r in read_metrics(str(run), "train"))
 
 
 def test_a_file_with_other_tokens_is_refused_naming_the_row(dump, tiny_target, tmp_path):
