@@ -98,7 +98,7 @@ def layer_mask(inputs: StackInputs, sliding, window: int):
     full layers' hides nothing); decoding: the (full, windowed) pair of :func:`mixed_window_decode_masks`."""
     if isinstance(inputs.mask, tuple):
         return pick_by_layer(sliding, inputs.mask[1], inputs.mask[0])
-    return inputs.mask.with_window(jnp.where(sliding, jnp.int32(window), jnp.int32(NO_WINDOW)))
+    return inputs.mask.with_window(jnp.where(sliding, jnp.int32(window), jnp.int32(NO_WINDOW)), band=window)
 
 
 def mixed_window_decode_masks(cfg: Any, cache, input_ids_bt, positions_bt, start_b, chunk_mask_btt, valid_from_b):

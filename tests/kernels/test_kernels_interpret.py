@@ -71,3 +71,26 @@ def test_attention_sinks_match_the_reference_and_the_plain_path(impl):
     np.testing.assert_allclose(np.where(valid, ref, 0), np.where(valid, plain, 0), rtol=2e-5, atol=2e-5)
     no_sink = ttt_attention(q, k0, v0, None, None, SEG, implementation="reference")
     assert float(jnp.max(jnp.abs(no_sink - ref))) > 1e-1
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_banded_window_reads_only_its_keys_and_equals_the_full_rows(traced):
+    """A sliding window with a static band (SegmentCausalMask.band: the config's window when the layer
+    scan traces it): each query block reads q_block + band keys; the output equals the mask materialised
+    over all keys (plain path, sinks on), and a full-attention layer of the same scan (window past the
+    band) is not banded."""
+    from specjax.targets.layers.attention import SegmentCausalMask, dot_product_attention
+
+    args, _ = _inputs(0, seed=5)
+    q, k0, v0 = args[:3]
+    sinks = jax.random.normal(jax.random.key(2), (q.shape[2],))
+    scale = q.shape[-1] ** -0.5
+    for window in (5, 2**30):
+        w = jnp.int32(window) if traced else window
+        lazy = SegmentCausalMask(SEG).with_window(w, band=5)
+        full = SegmentCausalMask(SEG).with_window(window).materialize()
+        f = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, lazy, scale=scale, q_block=8,
+                                                          implementation="plain", sinks=sinks))
+        g = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, full, scale=scale, q_block=8,
+                                                          implementation="plain", sinks=sinks))
+        np.testing.assert_allclose(f(q, k0, v0), g(q, k0, v0), rtol=2e-6, atol=2e-6, err_msg=str(window))
