@@ -17,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional
 
-import jax
 
 from specjax.config_fields import ConfigError, DraftSection, described, ranged
 from specjax.drafts import dflash, dflash2
-from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, anchor_key
-from specjax.drafts.family import ServePlan, read_head_config, register, target_config_for_serving, target_states
+from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, block_loss_fn
+from specjax.drafts.family import ServePlan, read_head_config, register, target_config_for_serving
 from specjax.targets.layers.attention import cache_size_for
 from specjax_converters.dflash2_export import export_dflash2, read_dflash2_head
 from specjax_converters.head_formats import format_of
@@ -118,29 +117,9 @@ class DFlash2Family(DFlashFamily):
         return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
 
     def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
-        """DFlash 2's loss on one packed batch (anchors as DFlash draws them; the lm_head a constant)."""
-        tap_ids = tuple(draft_cfg.aux_layer_ids)
-        loss_cfg = objective.loss
-
-        def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
-            candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
-            anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
-            params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
-            loss, m = dflash2.dflash2_loss(
-                params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid, input_ids=batch["input_ids"],
-                loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                aux_hidden=aux, embed_table=target.embed_table(target_params), final_hidden=final_hidden,
-                lm_head=target.lm_head_weight(target_params), compute_dtype=compute_dtype,
-                logit_softcap=target.logit_softcap)
-            first = draft_cfg.first_trained_slot
-            metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
-                       "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"],
-                       "unary_loss": m["unary_loss"], "selector_loss": m["selector_loss"],
-                       "selector_acc": m["selector_acc"], "recall": m["recall"]}
-            return loss, metrics
-
-        return loss_fn
+        """DFlash 2's loss on one packed batch (full vocabulary: no draft ids)."""
+        return block_loss_fn(target, draft_cfg, objective, compute_dtype, dflash2.dflash2_loss, draft_ids=False,
+                             extra_metrics=("unary_loss", "selector_loss", "selector_acc", "recall"))
 
     # -- the head format -----------------------------------------------------------------------
     def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",

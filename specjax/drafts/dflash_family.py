@@ -57,6 +57,40 @@ def anchor_key(objective: DFlashObjective, step):
     return jax.random.fold_in(jax.random.key(objective.anchor_seed), 0 if step is None else step)
 
 
+def block_loss_fn(target, draft_cfg, objective: DFlashObjective, compute_dtype, block_loss, *,
+                  extra_metrics: tuple = (), anchors_for: str | None = None, draft_ids: bool = True):
+    """`loss_fn` of a family on DFlash's block backbone: anchors drawn from the loss-masked rows
+    (anchor_key; `anchors_for`: the objective they are drawn for, default the loss config's), the
+    target's taps at draft_cfg.aux_layer_ids, and `block_loss(params, draft_cfg, loss_cfg, **batch
+    arrays)` -> (loss, metrics). The lm_head stays the target's copy (a constant to the optimizer, as
+    in the references); `draft_ids`: pass the draft vocabulary (False: a full-vocab method); the loop
+    gets the block metrics plus those of `extra_metrics` the loss returns."""
+    tap_ids = tuple(draft_cfg.aux_layer_ids)
+    loss_cfg = objective.loss
+
+    def loss_fn(draft_params, target_params, vocab, batch, step=None):
+        final_hidden, aux = target_states(target, target_params, batch, tap_ids)
+        candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size,
+                                              anchors_for or loss_cfg.objective)
+        anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
+        params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
+        vocab_kw = {"draft_ids": vocab["draft_ids"]} if draft_ids else {}
+        loss, m = block_loss(
+            params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid,
+            input_ids=batch["input_ids"], loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"],
+            positions=batch["positions"], aux_hidden=aux, embed_table=target.embed_table(target_params),
+            final_hidden=final_hidden, lm_head=target.lm_head_weight(target_params), compute_dtype=compute_dtype,
+            logit_softcap=target.logit_softcap, **vocab_kw)
+        first = draft_cfg.first_trained_slot
+        # the loop's columns: acc_k / slot_tokens_k become acc_0.. (draft token 0 = the first drafted slot)
+        metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
+                   "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"],
+                   **{k: m[k] for k in extra_metrics if k in m}}
+        return loss, metrics
+
+    return loss_fn
+
+
 def lm_head_rows(target, vocab):
     """The target's lm_head rows of the draft vocab (draft order, fp32 on the host): a DFlash head's
     initial lm_head. None without a vocab or with abstract target params."""
@@ -149,30 +183,8 @@ class DFlashFamily(DraftFamily):
         return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
 
     def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
-        """DFlash's loss on one packed batch: anchors drawn from the loss-masked rows (anchor_key), the
-        target's taps at draft_cfg.aux_layer_ids. The lm_head stays the target's copy (a constant
-        to the optimizer, as in both references)."""
-        tap_ids = tuple(draft_cfg.aux_layer_ids)
-        loss_cfg = objective.loss
-
-        def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
-            candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
-            anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
-            params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
-            loss, m = dflash.dflash_loss(
-                params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid,
-                input_ids=batch["input_ids"], loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"],
-                positions=batch["positions"], aux_hidden=aux, embed_table=target.embed_table(target_params),
-                final_hidden=final_hidden, lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
-                compute_dtype=compute_dtype, logit_softcap=target.logit_softcap)
-            first = draft_cfg.first_trained_slot
-            # the loop's columns: acc_k / slot_tokens_k become acc_0.. (draft token 0 = the first drafted slot)
-            metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
-                       "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"]}
-            return loss, metrics
-
-        return loss_fn
+        """DFlash's loss on one packed batch (block_loss_fn)."""
+        return block_loss_fn(target, draft_cfg, objective, compute_dtype, dflash.dflash_loss)
 
     def frozen_leaves_kept(self, draft_cfg, updates):
         """The lm_head gets no update (not even weight decay): both references keep the target's copy."""

@@ -21,12 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional
 
-import jax
 
 from specjax.config_fields import DraftSection, described, ranged
 from specjax.drafts import dspark
-from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, anchor_key
-from specjax.drafts.family import DraftFamily, ServePlan, register, target_config_for_serving, target_states
+from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, block_loss_fn
+from specjax.drafts.family import DraftFamily, ServePlan, register, target_config_for_serving
 from specjax_converters.dspark_export import export_dspark
 from specjax_converters.dspark_import import read_dspark_head
 from specjax_converters.head_formats import format_of
@@ -101,32 +100,9 @@ class DSparkFamily(DFlashFamily):
         return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
 
     def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
-        """dspark_loss on one packed batch, anchors as DFlash draws them; lm_head a constant."""
-        tap_ids = tuple(draft_cfg.aux_layer_ids)
-        loss_cfg = objective.loss
-
-        def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            from specjax.drafts import dflash
-
-            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
-            candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, "teacher_kl")
-            anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
-            params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
-            loss, m = dspark.dspark_loss(
-                params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid, input_ids=batch["input_ids"],
-                loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                aux_hidden=aux, embed_table=target.embed_table(target_params), final_hidden=final_hidden,
-                lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
-                compute_dtype=compute_dtype, logit_softcap=target.logit_softcap)
-            first = draft_cfg.first_trained_slot
-            metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
-                       "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"],
-                       "kl_loss": m["kl_loss"], "accept_rate": m["accept_rate"]}
-            if "confidence_loss" in m:
-                metrics["confidence_loss"] = m["confidence_loss"]
-            return loss, metrics
-
-        return loss_fn
+        """dspark_loss on one packed batch, anchors as DFlash draws them for its KL objective."""
+        return block_loss_fn(target, draft_cfg, objective, compute_dtype, dspark.dspark_loss, anchors_for="teacher_kl",
+                             extra_metrics=("kl_loss", "accept_rate", "confidence_loss"))
 
     # -- the head format -----------------------------------------------------------------------
     def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",

@@ -16,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional
 
-import jax
 
 from specjax.config_fields import DraftSection, described, ranged
-from specjax.drafts import dflash, xpress
-from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, anchor_key
-from specjax.drafts.family import ServePlan, read_head_config, register, target_states
+from specjax.drafts import xpress
+from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, block_loss_fn
+from specjax.drafts.family import ServePlan, read_head_config, register
 from specjax.targets.layers.attention import cache_size_for
 from specjax_converters.dflash2_export import export_speculators_head, read_speculators_head
 from specjax_converters.head_formats import format_of
@@ -104,28 +103,9 @@ class XPressFamily(DFlashFamily):
         return DFlashObjective(loss=loss, anchor_seed=cfg.run.seed)
 
     def loss_fn(self, target, draft_cfg, objective: DFlashObjective, compute_dtype):
-        tap_ids = tuple(draft_cfg.aux_layer_ids)
-        loss_cfg = objective.loss
-
-        def loss_fn(draft_params, target_params, vocab, batch, step=None):
-            final_hidden, aux = target_states(target, target_params, batch, tap_ids)
-            candidates = dflash.anchor_candidates(batch["loss_mask"], draft_cfg.block_size, loss_cfg.objective)
-            anchors, valid = dflash.select_anchors(anchor_key(objective, step), candidates, loss_cfg.num_anchors)
-            params = dict(draft_params, lm_head=jax.lax.stop_gradient(draft_params["lm_head"]))
-            loss, m = xpress.xpress_loss(
-                params, draft_cfg, loss_cfg, anchors=anchors, anchor_valid=valid, input_ids=batch["input_ids"],
-                loss_mask=batch["loss_mask"], segment_ids=batch["segment_ids"], positions=batch["positions"],
-                aux_hidden=aux, embed_table=target.embed_table(target_params), final_hidden=final_hidden,
-                lm_head=target.lm_head_weight(target_params), draft_ids=vocab["draft_ids"],
-                compute_dtype=compute_dtype, logit_softcap=target.logit_softcap)
-            first = draft_cfg.first_trained_slot
-            metrics = {"loss": loss, "acc_k": m["acc_pos"][first:], "slot_tokens_k": m["total_pos"][first:],
-                       "acc": m["acc"], "accept_len": m["accept_len"], "num_blocks": m["num_blocks"],
-                       "tf_loss": m["tf_loss"], "consistency_loss": m["consistency_loss"],
-                       "base_loss": m["base_loss"], "tf_acc": m["tf_acc"]}
-            return loss, metrics
-
-        return loss_fn
+        """XPress's loss on one packed batch."""
+        return block_loss_fn(target, draft_cfg, objective, compute_dtype, xpress.xpress_loss,
+                             extra_metrics=("tf_loss", "consistency_loss", "base_loss", "tf_acc"))
 
     def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",
                extra_manifest: Optional[Mapping] = None, variant: Optional[str] = None) -> str:
