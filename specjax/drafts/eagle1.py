@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from specjax import mesh as meshlib
 from specjax.drafts import eagle3, weights
 from specjax.drafts.eagle1_weights import EAGLE1_WEIGHTS
+from specjax.drafts.eagle3_decoding import tree_walk
 from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 from specjax.targets.layers.attention import cache_attention_mask, dot_product_attention
 from specjax_kernels.ttt_attention import ttt_attention
@@ -298,35 +299,12 @@ def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *,
     keeping the widths[d] nodes of highest cumulative draft log-probability (EAGLE-2's expansion by
     confidence). Returns (node target ids, parent node index (-1 = root), cache), nodes level by level."""
     dp, dt = uniform_dtype(dp)
-    num_slots = dcache["k"].shape[2]
     h_root, dcache = draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start, dt)
-    base = start + pend_count  # first free slot; the root row sits at base - 1
-    lp = jax.nn.log_softmax(draft_logits(dp, h_root)[0, 0])
-    scores, ids = jax.lax.top_k(lp, widths[0])
-    toks = (ids + d2t[ids]).astype(jnp.int32)
-    all_toks, all_parents = [toks], [jnp.full((widths[0],), -1, jnp.int32)]
-    hid = jnp.broadcast_to(h_root[0], (widths[0], h_root.shape[-1]))  # each node's parent f^
-    anc = (base + jnp.arange(widths[0], dtype=jnp.int32))[:, None]
-    offset = 0
-    for d in range(1, len(widths)):
-        w, w_next = widths[d - 1], widths[d]
-        slots = base + offset + jnp.arange(w, dtype=jnp.int32)
-        pos = jnp.full((1, w), base - 1 + d, jnp.int32)
-        j = jnp.arange(num_slots, dtype=jnp.int32)
-        mask = (j[None, :] < base) | jnp.any(j[None, None, :] == anc[:, :, None], axis=1)
+
+    def expand(toks, hid, pos, slots, mask, dcache):  # a node reads its token and its parent's f^
         x = fuse(dp, jnp.take(embed, toks, axis=0).astype(dt)[None], hid[None])
-        h, dcache = layer_cached(dp, dcfg, dcache, x, pos, slots[None], mask[None])
-        lp = jax.nn.log_softmax(draft_logits(dp, h)[0], axis=-1)
-        child_lp, child_ids = jax.lax.top_k(lp, top_k)
-        cum = (scores[:, None] + child_lp).reshape(-1)
-        scores, sel = jax.lax.top_k(cum, w_next)
-        parent_local = (sel // top_k).astype(jnp.int32)
-        ids = child_ids.reshape(-1)[sel]
-        toks = (ids + d2t[ids]).astype(jnp.int32)
-        all_toks.append(toks)
-        all_parents.append(offset + parent_local)
-        own = base + offset + w + jnp.arange(w_next, dtype=jnp.int32)
-        anc = jnp.concatenate([anc[parent_local], own[:, None]], axis=1)
-        hid = h[0, parent_local]
-        offset += w
-    return jnp.concatenate(all_toks), jnp.concatenate(all_parents), dcache
+        h, dcache = layer_cached(dp, dcfg, dcache, x, pos, slots, mask)
+        return draft_logits(dp, h)[0], h, dcache
+
+    return tree_walk(draft_logits(dp, h_root)[0, 0], h_root, d2t, dcache, start + pend_count, dcache["k"].shape[2],
+                     widths=widths, top_k=top_k, expand=expand)

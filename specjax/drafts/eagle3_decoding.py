@@ -135,16 +135,15 @@ def draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start
     return (d + d2t[d]).astype(jnp.int32), q, dcache
 
 
-@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k"), donate_argnames=("dcache",))
-def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
-    """Tree drafting. Returns (node target ids [Nn], parent node index [Nn] (-1 = root), cache);
-    nodes are ordered level by level, each level by descending cumulative draft log-prob."""
-    dp = _uniform(dp)
-    num_slots = _num_slots(dcache)
-    h_root, dcache = draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
-    base = start + pend_count  # first free slot; the root row sits at base - 1
-    lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h_root)[0, 0])  # [Vd]
-    scores, ids = jax.lax.top_k(lp, widths[0])
+def tree_walk(root_logits, h_root, d2t, dcache, base, num_slots: int, *, widths, top_k: int, expand):
+    """The draft tree grown from the root row's logits [Vd] and hidden h_root [1, H] (base = the first
+    free cache slot; the root row sits at base - 1): the root's widths[0] best children, then per level
+    each node's top_k children, keeping the widths[d] nodes of highest cumulative draft log-prob.
+    `expand(toks [w], parent hidden [w, H], pos [1, w], slots [1, w], mask [1, w, S], cache)` runs the
+    head on one level and returns (its logits [w, Vd], its hidden [1, w, H], the cache). Returns (node
+    target ids [Nn], parent node index [Nn] (-1 = root), cache), nodes level by level, each level by
+    descending cumulative log-prob."""
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits), widths[0])
     toks = (ids + d2t[ids]).astype(jnp.int32)
     all_toks, all_parents = [toks], [jnp.full((widths[0],), -1, jnp.int32)]
     hid = jnp.broadcast_to(h_root[0], (widths[0], h_root.shape[-1]))  # parent's h per node
@@ -156,11 +155,8 @@ def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *,
         pos = jnp.full((1, w), base - 1 + d, jnp.int32)  # level-d rows sit d after the root row
         j = jnp.arange(num_slots, dtype=jnp.int32)
         mask = (j[None, :] < base) | jnp.any(j[None, None, :] == anc[:, :, None], axis=1)  # [w, S]
-        emb = jnp.take(embed, toks, axis=0).astype(_dtype_of(dp))[None]
-        h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, hid[None]),
-                                       pos, slots[None], mask[None])
-        lp = jax.nn.log_softmax(draft_logits(dp, dcfg, h)[0], axis=-1)  # [w, Vd]
-        child_lp, child_ids = jax.lax.top_k(lp, top_k)  # [w, k]
+        logits, h, dcache = expand(toks, hid, pos, slots[None], mask[None], dcache)
+        child_lp, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)  # [w, k]
         cum = (scores[:, None] + child_lp).reshape(-1)
         scores, sel = jax.lax.top_k(cum, w_next)
         parent_local = (sel // top_k).astype(jnp.int32)
@@ -173,3 +169,19 @@ def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *,
         hid = h[0, parent_local]
         offset += w
     return jnp.concatenate(all_toks), jnp.concatenate(all_parents), dcache
+
+
+@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k"), donate_argnames=("dcache",))
+def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
+    """Tree drafting (tree_walk). Returns (node target ids [Nn], parent node index [Nn] (-1 = root),
+    cache); nodes are ordered level by level, each level by descending cumulative draft log-prob."""
+    dp = _uniform(dp)
+    h_root, dcache = draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start)
+
+    def expand(toks, hid, pos, slots, mask, dcache):
+        emb = jnp.take(embed, toks, axis=0).astype(_dtype_of(dp))[None]
+        h, dcache = draft_layer_cached(dp, dcfg, dcache, emb, next_step_hidden(dp, dcfg, hid[None]), pos, slots, mask)
+        return draft_logits(dp, dcfg, h)[0], h, dcache
+
+    return tree_walk(draft_logits(dp, dcfg, h_root)[0, 0], h_root, d2t, dcache, start + pend_count,
+                     _num_slots(dcache), widths=widths, top_k=top_k, expand=expand)
