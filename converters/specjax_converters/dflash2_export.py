@@ -22,8 +22,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash2_weights import DFLASH2_WEIGHTS
 from specjax_converters.dflash2_validate import DFLASH2_LAYOUT, MODEL_TYPE, SpeculatorsLayout, check_speculators_head
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, manifest_extra, read_head_files,
-                                           write_head_folder)
+from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, TOKEN_FIELDS, WEIGHTS_FILE, export_dtype,
+                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
@@ -33,9 +33,6 @@ __all__ = ["DFlash2Head", "dflash2_hf_config", "dflash2_state_dict", "export_dfl
 
 FORMAT = "specjax-dflash2"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose DFlash2SpeculatorConfig this layout follows
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float16": "float16", "fp16": "float16"}
-_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class DFlash2Head(NamedTuple):
@@ -48,18 +45,8 @@ def _fail(field: str, problem: str, fix: str):
     raise ValueError(f"DFlash 2 export: {field}: {problem}. Fix: {fix}.")
 
 
-def _dtype(name: str) -> str:
-    if str(name).lower() not in _DTYPES:
-        _fail("dtype", f"{name!r} is not supported", f"use one of {sorted(set(_DTYPES.values()))}")
-    return _DTYPES[str(name).lower()]
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def dflash2_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
@@ -70,7 +57,7 @@ def dflash2_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> dict[st
 def speculators_state_dict(params: Mapping, cfg, table, vocab=None, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """File-named numpy tensors of `table`'s rows for `cfg` (kernels transposed to HF [out, in]), plus
     d2t (int64 offsets) / t2d (bool) from `vocab` when the draft vocab is smaller than the target's."""
-    np_dtype = _np_dtype(_dtype(dtype))
+    np_dtype = numpy_dtype(export_dtype(dtype, "DFlash 2 export"))
     out = {}
     for e in weights.entries(table, cfg):
         try:
@@ -118,7 +105,7 @@ def speculators_hf_config(cfg, target_hf_config: Mapping, layout: SpeculatorsLay
         "rope_parameters": rope, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
         "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * int(cfg.num_layers),
     }
-    layer.update({k: tc[k] for k in _TOKEN_FIELDS if tc.get(k) is not None})
+    layer.update({k: tc[k] for k in TOKEN_FIELDS if tc.get(k) is not None})
     verifier_arch = list(target_hf_config.get("architectures") or [])
     return {
         "architectures": [layout.architecture],
@@ -140,7 +127,7 @@ def speculators_hf_config(cfg, target_hf_config: Mapping, layout: SpeculatorsLay
         "sliding_window_non_causal": True,
         "sample_from_anchor": bool(cfg.sample_from_anchor),
         **{k: int(getattr(cfg, k)) for k in layout.own_fields},
-        "dtype": _dtype(dtype),
+        "dtype": export_dtype(dtype, "DFlash 2 export"),
     }
 
 
@@ -176,7 +163,7 @@ def export_speculators_head(params: Mapping, cfg, target_hf_config: Mapping, out
                             vocab=None, dtype: str = "bfloat16", extra_manifest: Optional[Mapping] = None,
                             verifier: Optional[str] = None) -> str:
     """export_dflash2 for any layout (`vocab`: the DraftVocab of a reduced draft vocab)."""
-    dtype = _dtype(dtype)
+    dtype = export_dtype(dtype, "DFlash 2 export")
     extra = manifest_extra(extra_manifest, f"{layout.display} export")
     tensors = speculators_state_dict(params, cfg, layout.table, vocab, dtype)
     config = speculators_hf_config(cfg, target_hf_config, layout, dtype, verifier)

@@ -51,7 +51,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
-from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, write_head_folder
+from specjax_converters.head_files import (MANIFEST_FILE, TOKEN_FIELDS, export_dtype, flat_paths, manifest_extra,
+                                           numpy_dtype, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
@@ -63,35 +64,16 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FORMAT = "specjax-dflash"  # specjax_manifest.json's format
 VARIANT = "dflash"  # and its variant
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float16": "float16", "fp16": "float16"}
-_COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _fail(field: str, problem: str, fix: str):
     raise ValueError(f"DFlash export: {field}: {problem}. Fix: {fix}.")
 
 
-def _normalize_dtype(dtype: str) -> str:
-    name = str(dtype).lower()
-    if name not in _DTYPES:
-        _fail("dtype", f"{dtype!r} is not supported", f"use one of {sorted(set(_DTYPES.values()))}")
-    return _DTYPES[name]
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
-def _flat_paths(tree: Mapping, prefix: tuple = ()) -> set:
-    out = set()
-    for k, v in tree.items():
-        out |= _flat_paths(v, prefix + (str(k),)) if isinstance(v, Mapping) else {prefix + (str(k),)}
-    return out
 
 
 def dflash_state_dict(params: Mapping, cfg, vocab=None, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
@@ -99,9 +81,9 @@ def dflash_state_dict(params: Mapping, cfg, vocab=None, dtype: str = "bfloat16")
     transposed to HF [out, in], cast to `dtype`), plus d2t / t2d from `vocab` (a DraftVocab, or
     anything with those arrays) when cfg.draft_vocab_size < cfg.vocab_size. `vocab=None` means the
     full target vocab (then Vd must equal V)."""
-    np_dtype = _np_dtype(_normalize_dtype(dtype))
+    np_dtype = numpy_dtype(export_dtype(dtype, "DFlash export"))
     leaves = weights.entries(DFLASH_WEIGHTS, cfg)
-    have, want = _flat_paths(params), {e.path for e in leaves}
+    have, want = flat_paths(params), {e.path for e in leaves}
     if have != want:
         _fail("params", f"leaves {sorted('.'.join(p) for p in have - want)} are not in DFLASH_WEIGHTS and "
               f"{sorted('.'.join(p) for p in want - have)} are missing for this config (num_layers={cfg.num_layers})",
@@ -195,9 +177,9 @@ def dflash_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
             "sample_from_anchor": bool(cfg.sample_from_anchor),
             "use_aux_hidden_state": True,
         },
-        "torch_dtype": _normalize_dtype(dtype),
+        "torch_dtype": export_dtype(dtype, "DFlash export"),
     }
-    for key in _COPIED_TOKEN_FIELDS:
+    for key in TOKEN_FIELDS:
         if tc.get(key) is not None:
             conf[key] = tc[key]
     return conf
@@ -243,7 +225,7 @@ def export_dflash(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
     `variant` is the manifest's name for the method ("jetspec" for a causal block). An
     existing out_dir is replaced only when it is empty or an earlier DFlash export. Returns the
     absolute out_dir."""
-    dtype = _normalize_dtype(dtype)
+    dtype = export_dtype(dtype, "DFlash export")
     extra = manifest_extra(extra_manifest, "DFlash export")
     tensors = dflash_state_dict(params, cfg, vocab, dtype)
     config = dflash_hf_config(cfg, target_hf_config, dtype)

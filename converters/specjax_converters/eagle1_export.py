@@ -32,8 +32,9 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.eagle1_weights import ARCHITECTURE, EAGLE1_WEIGHTS
 from specjax_converters.eagle1_validate import check_eagle1_head, is_eagle1_config
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, HeadTensors, manifest_extra,
-                                           read_head_files, write_head_folder)
+from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, TOKEN_FIELDS, WEIGHTS_FILE, HeadTensors,
+                                           export_dtype, flat_paths, manifest_extra, numpy_dtype, read_head_files,
+                                           write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import target_text_config
@@ -43,43 +44,24 @@ __all__ = ["FORMAT", "VARIANT", "Eagle1Head", "eagle1_hf_config", "eagle1_state_
 
 FORMAT = "specjax-eagle1"  # specjax_manifest.json's format
 VARIANT = "eagle"  # and its variant (vLLM's method name)
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float16": "float16", "fp16": "float16"}
-_COPIED_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _fail(field: str, problem: str, fix: str):
     raise ValueError(f"EAGLE-1 export: {field}: {problem}. Fix: {fix}.")
 
 
-def _normalize_dtype(dtype: str) -> str:
-    name = str(dtype).lower()
-    if name not in _DTYPES:
-        _fail("dtype", f"{dtype!r} is not supported", f"use one of {sorted(set(_DTYPES.values()))}")
-    return _DTYPES[name]
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
-def _flat_paths(tree: Mapping, prefix: tuple = ()) -> set:
-    out = set()
-    for k, v in tree.items():
-        out |= _flat_paths(v, prefix + (str(k),)) if isinstance(v, Mapping) else {prefix + (str(k),)}
-    return out
 
 
 def eagle1_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """File-named numpy tensors of an EAGLE-1 draft: one per EAGLE1_WEIGHTS row (kernels transposed to
     HF [out, in]), cast to `dtype`."""
-    np_dtype = _np_dtype(_normalize_dtype(dtype))
+    np_dtype = numpy_dtype(export_dtype(dtype, "EAGLE-1 export"))
     leaves = weights.entries(EAGLE1_WEIGHTS, cfg)
-    have, want = _flat_paths(params), {e.path for e in leaves}
+    have, want = flat_paths(params), {e.path for e in leaves}
     if have != want:
         _fail("params", f"leaves {sorted('.'.join(p) for p in have - want)} are not in EAGLE1_WEIGHTS and "
               f"{sorted('.'.join(p) for p in want - have)} are missing",
@@ -124,9 +106,9 @@ def eagle1_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
         "rope_parameters": rope_parameters,
         "vocab_size": int(cfg.vocab_size),
         "tie_word_embeddings": False,
-        "torch_dtype": _normalize_dtype(dtype),
+        "torch_dtype": export_dtype(dtype, "EAGLE-1 export"),
     }
-    for key in _COPIED_TOKEN_FIELDS:
+    for key in TOKEN_FIELDS:
         if tc.get(key) is not None:
             conf[key] = tc[key]
     return conf
@@ -158,7 +140,7 @@ def export_eagle1(params: Mapping, cfg, target_hf_config: Mapping, out_dir: str 
     """Validate, then write model.safetensors + config.json + specjax_manifest.json to `out_dir`
     atomically; an error raises ExportValidationError (a ValueError) and leaves no folder. Returns
     the absolute out_dir."""
-    dtype = _normalize_dtype(dtype)
+    dtype = export_dtype(dtype, "EAGLE-1 export")
     extra = manifest_extra(extra_manifest, "EAGLE-1 export")
     tensors = eagle1_state_dict(params, cfg, dtype)
     config = eagle1_hf_config(cfg, target_hf_config, dtype)

@@ -40,14 +40,19 @@ from specjax.safetensors_io import UnreadableWeightsError, read_safetensors_head
 
 __all__ = [
     "CONFIG_FILE",
+    "EXPORT_DTYPES",
     "INDEX_FILE",
     "MANIFEST_FILE",
     "WEIGHTS_FILE",
     "Finding",
     "HeadTensors",
+    "TOKEN_FIELDS",
+    "export_dtype",
     "file_sha256",
+    "flat_paths",
     "make_publish_folder",
     "manifest_extra",
+    "numpy_dtype",
     "publish_folder",
     "read_head_files",
     "target_config_sha256",
@@ -65,6 +70,38 @@ MANIFEST_FILE = "specjax_manifest.json"
 ST_TO_NP = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 NP_TO_ST = {v: k for k, v in ST_TO_NP.items()}
+# the weight dtypes a head is exported in (name -> canonical name), and the target's token ids its config copies
+EXPORT_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+                 "float16": "float16", "fp16": "float16"}
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def export_dtype(name: str, what: str) -> str:
+    """The canonical export dtype for `name`, else a ValueError naming `what` (e.g. "DFlash export")."""
+    key = str(name).lower()
+    if key not in EXPORT_DTYPES:
+        raise ValueError(f"{what}: dtype: {name!r} is not supported. Fix: use one of "
+                         f"{sorted(set(EXPORT_DTYPES.values()))}.")
+    return EXPORT_DTYPES[key]
+
+
+def numpy_dtype(name: str):
+    """numpy's dtype for a canonical export dtype name (ml_dtypes' for bfloat16)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    import numpy as np
+
+    return np.dtype(name)
+
+
+def flat_paths(tree: Mapping, prefix: tuple = ()) -> set:
+    """The leaf paths (tuples of keys) of a nested mapping."""
+    out = set()
+    for k, v in tree.items():
+        out |= flat_paths(v, prefix + (str(k),)) if isinstance(v, Mapping) else {prefix + (str(k),)}
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
