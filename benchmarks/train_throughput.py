@@ -10,6 +10,9 @@
         --tokens-per-step 16384 --no-sharegpt --no-profile --no-maxlen --out DIR
     # the Qwen3-30B-A3B shape (SpecForge's HF target runs out of memory at 8x4096; 4x4096 fits)
     ... python3 benchmarks/train_throughput.py --models qwen3_30b_a3b --jobs fixed_4096 --tokens-per-step 16384 --out DIR
+    # the Qwen3.5-35B-A3B shape (Gated DeltaNet + gated attention + MoE; SpecForge gets transformers' torch
+    # fallbacks for the delta rule and the short convolution, what its users get without flash-linear-attention)
+    ... python3 benchmarks/train_throughput.py --models qwen3_5_35b_a3b --jobs fixed_4096 --tokens-per-step 8192 --out DIR
     # CPU smoke run at tiny widths, both systems in this process (tests/unit/test_train_throughput_script.py)
     PYTHONPATH=kernels:. python benchmarks/train_throughput.py --tiny
     # specjax variants side by side (kernels.moe, draft type), e.g. the MoE kernel inside the train step
@@ -106,26 +109,44 @@ def gpt_oss_hf(name: str, tiny=False):
     return hf
 
 
+def qwen3_5_moe_hf(tiny=False):
+    """Qwen3.5-35B-A3B's text backbone (configs/targets): Gated DeltaNet layers, every 4th layer gated
+    full attention, 256 routed experts + a shared expert."""
+    with open(os.path.join(ROOT, "configs", "targets", "qwen3_5_35b_a3b", "config.json")) as f:
+        hf = json.load(f)
+    if tiny:
+        hf.update(vocab_size=512, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  layer_types=["linear_attention"] * 3 + ["full_attention"])
+    return hf
+
+
 def model_hf(name: str, tiny: bool) -> dict:
     if name == "llama3_8b":  # Llama-3.1-8B shape (RoPE kept default with theta 5e5: same cost as llama3 scaling)
         return llama_hf(512, 64, 128, 4, 4, 2, 16, 4096) if tiny else llama_hf(128256, 4096, 14336, 32, 32, 8, 128)
     if name == "qwen3_30b_a3b":
         return qwen3_moe_hf(tiny)
+    if name == "qwen3_5_35b_a3b":
+        return qwen3_5_moe_hf(tiny)
     if name in ("gpt_oss_20b", "gpt_oss_120b", "gpt_oss_20b_bf16", "gpt_oss_120b_bf16"):
         return gpt_oss_hf(name, tiny)
     if name == "smollm2_135m":  # the README's first real head (SmolLM2-135M-Instruct's shape); sizing table
         with open(os.path.join(ROOT, "configs", "targets", "smollm2_135m", "config.json")) as f:
             return json.load(f)
-    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b "
+    raise ValueError(f"unknown model {name!r}; choose llama3_8b, qwen3_30b_a3b, qwen3_5_35b_a3b, gpt_oss_20b, gpt_oss_120b "
                      f"(either with _bf16: bf16 experts) or smollm2_135m")
 
 
 def draft_shape(hf: dict, Vd: int) -> dict:
-    """The EAGLE-3 draft both systems build (specjax's config_from_target rule: the target's widths)."""
-    H = hf["hidden_size"]
-    nH = hf["num_attention_heads"]
-    return {"H": H, "I": hf["intermediate_size"], "heads": nH, "kv": hf["num_key_value_heads"],
-            "head_dim": hf.get("head_dim") or H // nH, "V": hf["vocab_size"], "Vd": Vd}
+    """The EAGLE-3 draft both systems build (specjax's config_from_target rule: the target's widths; a
+    target with no dense feed-forward width, Qwen3.5-MoE, gives its family's default draft width)."""
+    from specjax.targets.abstract import make_target
+
+    cfg = make_target(hf).config
+    return {"H": cfg.hidden_size, "I": cfg.intermediate_size, "heads": cfg.num_attention_heads,
+            "kv": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "V": cfg.vocab_size, "Vd": Vd}
 
 
 def default_aux_ids(L: int) -> tuple[int, int, int]:
@@ -141,18 +162,33 @@ def default_aux_ids(L: int) -> tuple[int, int, int]:
 
 def target_active_matmul_params(hf: dict) -> int:
     """Matmul parameters one token goes through in the target, lm_head (full vocab) included,
-    embedding lookup excluded; MoE: the routed top-k experts plus the router."""
+    embedding lookup excluded; MoE: the routed top-k experts plus the router (and the shared expert with
+    its gate where there is one). Qwen3.5's full-attention layers project a gate beside the query; its
+    Gated DeltaNet layers count their projections (q, k, v, z in; beta, a; out), not the delta rule's
+    own state products."""
     H, L, V = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
     nH, nKV = hf["num_attention_heads"], hf["num_key_value_heads"]
     hd = hf.get("head_dim") or H // nH
-    attn = H * nH * hd + 2 * H * nKV * hd + nH * hd * H
+    gated_q = 2 if hf.get("model_type", "").startswith(("qwen3_5", "qwen3_next")) else 1
+    attn = gated_q * H * nH * hd + 2 * H * nKV * hd + nH * hd * H
+    types = hf.get("layer_types") or ["full_attention"] * L
+    if "linear_attention" in types:
+        nk, nv = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+        dk, dv = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+        linear = H * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * H
+        n_linear = sum(t == "linear_attention" for t in types)
+        attn_total = n_linear * linear + (L - n_linear) * attn
+    else:
+        attn_total = L * attn
     if hf.get("model_type") == "gpt_oss":  # every layer routed: experts of width intermediate_size
         mlp = hf["num_experts_per_tok"] * 3 * H * hf["intermediate_size"] + H * hf["num_local_experts"]
     elif hf.get("num_experts"):
         mlp = hf["num_experts_per_tok"] * 3 * H * hf["moe_intermediate_size"] + H * hf["num_experts"]
+        if hf.get("shared_expert_intermediate_size"):
+            mlp += 3 * H * hf["shared_expert_intermediate_size"] + H
     else:
         mlp = 3 * H * hf["intermediate_size"]
-    return L * (attn + mlp) + V * H
+    return attn_total + L * mlp + V * H
 
 
 def causal_pairs(doc_lengths, window: int | None = None) -> int:
@@ -163,12 +199,13 @@ def causal_pairs(doc_lengths, window: int | None = None) -> int:
 
 
 def target_attention_pairs(hf: dict, doc_lengths) -> int:
-    """Attention pairs summed over the target's layers (sliding layers see only their window)."""
+    """Attention pairs summed over the target's layers (sliding layers see only their window; linear-attention
+    layers count none: their state products are not attention pairs)."""
     types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
     full = causal_pairs(doc_lengths)
     window = hf.get("sliding_window")
     slid = causal_pairs(doc_lengths, window) if window else full
-    return sum(slid if t == "sliding_attention" else full for t in types)
+    return sum(slid if t == "sliding_attention" else 0 if t == "linear_attention" else full for t in types)
 
 
 def step_flops(hf: dict, d: dict, K: int, doc_lengths) -> dict:
@@ -487,7 +524,7 @@ def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
                     f = value.shape[1]
                     put(prefix + "gate_up_proj", value, (slice(None), slice(0, f) if kind == "gate_proj" else slice(f, 2 * f)))
                 continue
-            value = value.T if spec.transpose else value
+            value = value.permute(*reversed(range(value.ndim))) if spec.transpose else value  # numpy .T: all axes
             if spec.deinterleave_axis is not None:  # specjax's [gate | up] halves -> the file's alternating entries
                 half = value.shape[spec.deinterleave_axis] // 2
                 gate, up = value.split(half, dim=spec.deinterleave_axis)
@@ -1119,7 +1156,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny widths, both systems in-process")
     ap.add_argument("--models", default="llama3_8b",
-                    help="comma list: llama3_8b, qwen3_30b_a3b, gpt_oss_20b, gpt_oss_120b, smollm2_135m")
+                    help="comma list: llama3_8b, qwen3_30b_a3b, qwen3_5_35b_a3b, gpt_oss_20b, gpt_oss_120b, smollm2_135m")
     ap.add_argument("--systems", default="specjax,specforge",
                     help="comma list of specjax, specforge and specjax variants: specjax:moe=mgpu, "
                          "specjax:draft=p_eagle (a variant is also compared with plain specjax)")

@@ -96,3 +96,31 @@ def test_gpt_oss_flops_and_a_tiny_run_with_random_mxfp4_experts():
     r = line["specjax:q_block=16"]
     assert "error" not in r, r
     assert r["finite"] and r["decreasing"] and r["tokens_per_s"] > 0
+
+
+def test_qwen3_5_moe_flops_and_both_systems_on_the_same_tiny_target():
+    """The Qwen3.5-35B-A3B shape: Gated DeltaNet layers count their projections and no attention pairs,
+    full-attention layers a query gate beside the query, the MoE a shared expert with its gate; the
+    draft's width is specjax's rule for a target with no dense MLP (k * F + shared). A tiny run of both
+    systems: the same random weights reach both, so the first losses agree (fp32 on the CPU) within
+    2e-3 rel, the agreement the two systems' losses have on the plain Llama shape too (1.188 / 1.189:
+    their reductions over TTT positions are not the same sum)."""
+    hf = tt.model_hf("qwen3_5_35b_a3b", tiny=False)
+    H, L, V = 2048, 40, 248320
+    full = 2 * H * 16 * 256 + 2 * H * 2 * 256 + 16 * 256 * H
+    linear = H * (2 * 16 * 128 + 2 * 32 * 128 + 2 * 32) + 32 * 128 * H
+    moe = 8 * 3 * H * 512 + H * 256 + 3 * H * 512 + H
+    assert tt.target_active_matmul_params(hf) == 30 * linear + 10 * full + L * moe + V * H
+    assert tt.target_attention_pairs(hf, [300]) == 10 * tt.causal_pairs([300])
+    assert tt.draft_shape(hf, 32000)["I"] == 8 * 512 + 512
+    pytest.importorskip("torch")
+    pytest.importorskip("specforge")
+    args = argparse.Namespace(tokens_per_step=128, steps=4, warmup=1, only_seq=None, sharegpt=False,
+                              profile=False, maxlen=False, maxlen_cap_s=10, sharegpt_steps=2, worker_budget_s=1e9)
+    plan = tt.build_plan("qwen3_5_35b_a3b", True, args)
+    rows = tt.run_inprocess(plan)
+    (line,) = tt.summarise(plan, rows)
+    for s in ("specjax", "specforge"):
+        assert "error" not in line[s], line[s]
+        assert line[s]["finite"] and line[s]["tokens_per_s"] > 0
+    assert line["specjax"]["loss_first"] == pytest.approx(line["specforge"]["loss_first"], rel=2e-3)
