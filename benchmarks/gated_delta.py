@@ -15,7 +15,8 @@ Rows: each implementation's compile time and median forward time (wall clock aro
 block_until_ready after a warm-up), tokens/s; the xla path at several chunk sizes, at matmul precision
 HIGHEST (the op's default: fp32 products) and DEFAULT (TF32 / bf16 passes on GPUs), and with the UT
 solve as lax.linalg.triangular_solve instead of the blocked inverse; each xla row's max relative error
-vs the reference on this device; the short conv over the concatenated qkv (conv_dim 8192); the cached
+vs the reference on this device; forward + backward of the xla gated delta rule and of SSD (a train
+step's cost); the short conv over the concatenated qkv (conv_dim 8192); the cached
 decoding step (gated_delta_rule_update) for chunks of 1 and 8 tokens.
 """
 from __future__ import annotations
@@ -130,6 +131,41 @@ def bench_ssd(shape, b, t, docs, iters, out):
         out.setdefault("rows", []).append(row)
 
 
+def bench_train(shape, b, t, docs, iters, chunk, out):
+    """Forward + backward (what a train step pays): the gradient of a random projection of the output
+    with respect to every differentiable input, gated delta (xla, HIGHEST and DEFAULT) beside SSD (xla)."""
+    q, k, v, g, beta, seg = inputs(shape, b, t, docs, jax.random.key(0))
+    w = jax.random.normal(jax.random.key(5), (b, t, shape["hv"], shape["dv"]), jnp.float32)
+    for precision in ("highest", "default"):
+        prec = jax.lax.Precision.HIGHEST if precision == "highest" else jax.lax.Precision.DEFAULT
+
+        def loss(q, k, v, g, beta, p=prec):
+            o = gd_xla.gated_delta_rule(q, k, v, g, beta, segment_ids=seg, chunk_size=chunk, precision=p)[0]
+            return jnp.sum(o * w)
+
+        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        first, sec = timeit(f, q, k, v, g, beta, iters=iters)
+        row = {"op": "gated_delta_fwd_bwd", "impl": "xla", "chunk": chunk, "precision": precision, "B": b, "T": t,
+               "compile_s": round(first, 3), "ms": 1e3 * sec, "tok_per_s": b * t / sec}
+        print(row, flush=True)
+        out.setdefault("rows", []).append(row)
+    ks = jax.random.split(jax.random.key(1), 4)
+    h, p, n, grp = shape["hv"], shape["dv"], shape["dk"], shape["hk"]
+    x = jax.random.normal(ks[0], (b, t, h, p), jnp.bfloat16)
+    dt = jax.nn.softplus(jax.random.normal(ks[1], (b, t, h), jnp.float32) - 2.0)
+    a = -jnp.arange(1, h + 1, dtype=jnp.float32)
+    bm = jax.random.normal(ks[2], (b, t, grp, n), jnp.bfloat16)
+    cm = jax.random.normal(ks[3], (b, t, grp, n), jnp.bfloat16)
+    for c in (64, 128):
+        f = jax.jit(jax.grad(lambda x, dt, bm, cm, c=c: jnp.sum(
+            ssd(x, dt, a, bm, cm, chunk_size=c, segment_ids=seg, implementation="xla") * w), argnums=(0, 1, 2, 3)))
+        first, sec = timeit(f, x, dt, bm, cm, iters=iters)
+        row = {"op": "ssd_fwd_bwd", "impl": "xla", "chunk": c, "B": b, "T": t, "compile_s": round(first, 3),
+               "ms": 1e3 * sec, "tok_per_s": b * t / sec}
+        print(row, flush=True)
+        out.setdefault("rows", []).append(row)
+
+
 def bench_conv(shape, b, t, docs, iters, out):
     conv_dim = 2 * shape["hk"] * shape["dk"] + shape["hv"] * shape["dv"]
     ks = jax.random.split(jax.random.key(2), 2)
@@ -175,6 +211,7 @@ def main():
     print(out, flush=True)
     bench_rule(shape, args.B, t, args.docs, iters, chunks, out, with_reference=not args.skip_reference)
     bench_ssd(shape, args.B, t, args.docs, iters, out)
+    bench_train(shape, args.B, t, args.docs, iters, chunks[0], out)
     bench_conv(shape, args.B, t, args.docs, iters, out)
     bench_decode(shape, args.B, iters, out)
     return write_results(out, args.out)
