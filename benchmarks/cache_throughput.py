@@ -26,7 +26,7 @@ every token a loss token; B = 4 for the 8B shape, 2 for the MoE):
                  bytes per token from the files on disk beside state_bytes_per_token's estimate.
     cached     : the same step built as a target.source=cache run builds it (batch_keys =
                  cached_batch_keys(k), target params = the embedding and lm_head only), fed by
-                 make_cache_iterator (grain, the batch size above) and the training loop's _global_batch;
+                 make_cache_iterator (grain, the batch size above) and the training loop's global_batch;
                  the cache's pages are dropped from the page cache first (fsync + POSIX_FADV_DONTNEED),
                  so reads come from the disk. Also the step alone on one batch already on the device.
     then the cache folder is removed (--keep-caches keeps it).
@@ -127,7 +127,7 @@ def run_model(model: str, args, emit) -> None:
     from specjax.targets.base import tree_get, tree_set
     from specjax.targets.loading import embedding_and_head_paths
     from specjax.train.cache_source import make_cache_iterator
-    from specjax.train.loop import _global_batch
+    from specjax.train.loop import global_batch
     from specjax.train.optim import make_optimizer
     from specjax.train.step import build_step_fns, cached_batch_keys, init_state
 
@@ -143,7 +143,7 @@ def run_model(model: str, args, emit) -> None:
 
     t0 = time.perf_counter()
     target = make_target(hf)
-    tparams = tt._jax_random_params(target, dtype, 0)
+    tparams = tt.jax_random_params(target, dtype, 0)
     jax.block_until_ready(tparams)
     head = {}
     for path in embedding_and_head_paths(type(target), target.config):
@@ -253,11 +253,11 @@ def run_model(model: str, args, emit) -> None:
             keys = cached_batch_keys(k)
             cfns = build_step_fns(target, head, draft0, dcfg, ttt, opt, mesh, dtype, batch_keys=keys)
             it = make_cache_iterator(StateCache.open(path), B, 0, state_dtype)
-            b0 = _global_batch(next(it), cfns.batch_sharding, keys)
+            b0 = global_batch(next(it), cfns.batch_sharding, keys)
             compiled, res["compile_s"] = compile_step(cfns, head, b0)
             res["plan_bytes"] = plan_bytes(compiled)
             step_s, state, res["losses"] = timed_steps(
-                compiled, new_state(cfns), head, lambda i: _global_batch(next(it), cfns.batch_sharding, keys))
+                compiled, new_state(cfns), head, lambda i: global_batch(next(it), cfns.batch_sharding, keys))
             res.update(step_s=step_s, tok_s=B * T / step_s)
             # the step alone (its batch already on the device): what the reads cost beside it
             only_s, _, _ = timed_steps(compiled, state, head, lambda i: b0, warmup=0, steps=min(args.steps, 3))
