@@ -445,7 +445,7 @@ def _slots(spec):
     return list(enumerate(ids))
 
 
-def _jax_random_params(target, dtype, seed):
+def jax_random_params(target, dtype, seed):
     """specjax's target params from the shared generator (norm scales 1)."""
     import jax.numpy as jnp
 
@@ -477,7 +477,7 @@ def _jax_random_params(target, dtype, seed):
 
 
 def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
-    """Overwrite a transformers model's weights with the values `_jax_random_params` gives specjax
+    """Overwrite a transformers model's weights with the values `jax_random_params` gives specjax
     (same generator, placed through specjax's weight map: transposes, layer slots, and the expert stack
     transformers 5 keeps fused as gate_up_proj [E, 2F, D] / down_proj [E, D, F]). Returns the number
     of tensors written; every model parameter must be written once (else ValueError)."""
@@ -591,7 +591,7 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     if "q_block" in variant:
         kw["attention_q_block"] = variant["q_block"]
     target = make_target(hf, **kw)
-    tparams = _jax_random_params(target, dtype, plan["seed"])
+    tparams = jax_random_params(target, dtype, plan["seed"])
     aux = default_aux_ids(hf["num_hidden_layers"])
     parallel = variant.get("draft") == "p_eagle"  # same FLOPs: P-EAGLE computes every row of every depth
     dcfg = eagle3.config_from_target(target.config, draft_vocab_size=plan["Vd"], aux_layer_ids=aux,

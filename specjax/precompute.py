@@ -40,7 +40,7 @@ from specjax.drafts.ttt import TTTConfig, teacher_from_hidden
 from specjax.train.setup import (build_vocab, check_batch_fits, check_draft_fits_target, load_prepared_target, make_mesh,
                                  preflight, prepare_target_folder, resolve_aux_ids)
 
-__all__ = ["main", "precompute"]
+__all__ = ["main", "precompute", "states_fn", "write_split"]
 
 log = logging.getLogger("specjax")
 
@@ -122,7 +122,26 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
     batch_sharding = NamedSharding(mesh, meshlib.logical_to_pspec(meshlib.BATCH_LOGICAL, mesh))
 
     draft_ids = None if vocab is None else jnp.asarray(vocab.draft_ids, jnp.int32)
+    states = states_fn(target, aux_ids, top_k, draft_ids)
 
+    t0 = time.perf_counter()
+    tails = []  # the top-k teacher's tail mass on loss tokens (the bound's m), for the log and manifest
+    for split, split_rows in rows.items():
+        if split_rows:
+            tails += write_split(cache.split(split), split_rows, states, target.params, B, batch_sharding, top_k,
+                                 progress=progress, desc=f"precompute {split}")
+    if tails:
+        m = np.concatenate(tails)
+        log.info("precompute: the top-%d teacher's tail mass on loss tokens (m in docs/training.md's bound): mean "
+                 "%.2e, 99th percentile %.2e, max %.2e", top_k, m.mean(), np.percentile(m, 99), m.max())
+    log.info("precompute: %s complete (%.1f s)", out, time.perf_counter() - t0)
+    return out
+
+
+def states_fn(target, aux_ids, top_k: int = 0, draft_ids=None):
+    """The jitted (params, ids, positions, segment_ids) -> (final hidden, aux [B, T, A, D], top-k teacher
+    dict, tail mass) that precompute stores: the final hidden (teacher and tail None), or with top_k > 0
+    the top-k teacher over `draft_ids` and its tail mass (final hidden None)."""
     @jax.jit
     def states(params, ids, pos, seg):
         final, aux = target.forward(params, ids, aux_layer_ids=tuple(aux_ids), positions=pos, segment_ids=seg)
@@ -133,40 +152,39 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
                                                   TTTConfig.vocab_chunk, with_lse=True, softcap=target.logit_softcap)
         return None, jnp.stack(aux, axis=2), top_k_of(logits, argmax, lse, top_k)._asdict(), tail_mass(logits, top_k)
 
-    t0 = time.perf_counter()
-    tails = []  # the top-k teacher's tail mass on loss tokens (the bound's m), for the log and manifest
-    for split, split_rows in rows.items():
-        if not split_rows:
-            continue
-        store = cache.split(split)
-        pending = np.flatnonzero(~store.done())
-        if pending.size == 0:
-            continue
-        bar = tqdm(total=len(split_rows), initial=len(split_rows) - pending.size, desc=f"precompute {split}",
-                   unit="row", dynamic_ncols=True, disable=not progress)
-        for b0 in range(0, pending.size, B):
-            idx = pending[b0:b0 + B]
-            batch = {k: np.zeros((B, T), np.int32) for k in split_rows[0]}
-            for r, i in enumerate(idx):
-                for k in batch:
-                    batch[k][r] = split_rows[i][k]
-            on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
-            final, aux, teacher, tail = jax.device_get(states(target.params, on_device["input_ids"],
-                                                              on_device["positions"], on_device["segment_ids"]))
-            n = len(idx)
-            if top_k:
-                tails.append(tail[:n][batch["loss_mask"][:n] > 0])
-                teacher = {name: v[:n] for name, v in zip(TOPK_STATE_KEYS, (
-                    teacher["ids"], teacher["logits"], teacher["argmax"], teacher["lse"]))}
-            store.write(idx, {k: v[:n] for k, v in batch.items()}, None if top_k else final[:n], aux[:n], teacher)
-            bar.update(n)
-        bar.close()
-    if tails:
-        m = np.concatenate(tails)
-        log.info("precompute: the top-%d teacher's tail mass on loss tokens (m in docs/training.md's bound): mean "
-                 "%.2e, 99th percentile %.2e, max %.2e", top_k, m.mean(), np.percentile(m, 99), m.max())
-    log.info("precompute: %s complete (%.1f s)", out, time.perf_counter() - t0)
-    return out
+    return states
+
+
+def write_split(store, split_rows: list, states, params, batch_size: int, batch_sharding, top_k: int = 0, *,
+                progress: bool = True, desc: str = "precompute") -> list:
+    """Compute and write the rows of `split_rows` (token arrays [T] each) that `store` (a CacheSplit) does
+    not hold yet, `batch_size` rows per call of `states` (states_fn); returns the top-k teacher's tail
+    masses on loss tokens (one array per batch; empty without a top-k teacher)."""
+    pending = np.flatnonzero(~store.done())
+    tails = []
+    if pending.size == 0:
+        return tails
+    B, T = batch_size, len(split_rows[0]["input_ids"])
+    bar = tqdm(total=len(split_rows), initial=len(split_rows) - pending.size, desc=desc, unit="row",
+               dynamic_ncols=True, disable=not progress)
+    for b0 in range(0, pending.size, B):
+        idx = pending[b0:b0 + B]
+        batch = {k: np.zeros((B, T), np.int32) for k in split_rows[0]}
+        for r, i in enumerate(idx):
+            for k in batch:
+                batch[k][r] = split_rows[i][k]
+        on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+        final, aux, teacher, tail = jax.device_get(states(params, on_device["input_ids"], on_device["positions"],
+                                                          on_device["segment_ids"]))
+        n = len(idx)
+        if top_k:
+            tails.append(tail[:n][batch["loss_mask"][:n] > 0])
+            teacher = {name: v[:n] for name, v in zip(TOPK_STATE_KEYS, (
+                teacher["ids"], teacher["logits"], teacher["argmax"], teacher["lse"]))}
+        store.write(idx, {k: v[:n] for k, v in batch.items()}, None if top_k else final[:n], aux[:n], teacher)
+        bar.update(n)
+    bar.close()
+    return tails
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -116,7 +116,7 @@ def _save(mngr, step, state, data_iter, result, identity: dict, due_not_run: tup
         ) from e
 
 
-def _global_batch(np_batch: dict, sharding, keys=BATCH_KEYS) -> dict:
+def global_batch(np_batch: dict, sharding, keys=BATCH_KEYS) -> dict:
     """Every process holds the same global numpy batch (identical iterators) and contributes the rows of
     its own devices, so training is the same whatever the number of processes; a cache-fed run's
     iterator yields only those rows (HostRows)."""
@@ -252,7 +252,7 @@ class _Trainer:
         if not self.run.data.val_batches:
             return {}
         ms = [self.fns.eval_step(self.loop.state["params"], self.run.target_params, self.run.vocab_arrays,
-                                 _global_batch(b, self.fns.batch_sharding, self.fns.batch_keys))
+                                 global_batch(b, self.fns.batch_sharding, self.fns.batch_keys))
               for b in self.run.data.val_batches]
         agg = {k: float(np.mean([_to_float_dict(m)[k] for m in ms])) for k in _to_float_dict(ms[0])}
         self.writer.write(step, "val", agg)
@@ -327,7 +327,7 @@ class _Trainer:
         # a HostRows batch is this process's share: the others' rows are not read here (an estimate
         # with several processes, exact with one)
         lp.tokens_since += tokens * (jax.process_count() if isinstance(np_batch, HostRows) else 1)
-        batch = _global_batch(np_batch, self.fns.batch_sharding, self.fns.batch_keys)
+        batch = global_batch(np_batch, self.fns.batch_sharding, self.fns.batch_keys)
         lp.state, lp.metrics = self.fns.train_step(lp.state, self.run.target_params, self.run.vocab_arrays, batch)
         lp.step += 1
         self._settle()  # the previous step's flag, which is ready by now

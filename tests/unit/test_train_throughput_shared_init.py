@@ -56,7 +56,7 @@ def test_both_sides_hold_the_same_target(model):
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(conf, dtype=torch.float32).eval()
     target = make_target(hf, **({"moe_implementation": "reference"} if model.startswith("qwen") else {}))
-    params = tt._jax_random_params(target, jnp.float32, 0)
+    params = tt.jax_random_params(target, jnp.float32, 0)
     # the laws agree before the fill: transformers' std per tensor kind = specjax's (norms 1 on both)
     for name, p in hf_model.named_parameters():
         w = p.detach().numpy()
@@ -104,7 +104,7 @@ def test_gpt_oss_bf16_sides_hold_the_same_target():
     hf_model = transformers.AutoModelForCausalLM.from_config(conf, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
     target = make_target(hf, moe_implementation="reference")
-    params = tt._jax_random_params(target, jnp.float32, 0)
+    params = tt.jax_random_params(target, jnp.float32, 0)
     assert tt.fill_hf_target_shared(hf_model, hf, 0) == len(dict(hf_model.named_parameters()))
     ids = tt.fixed_batch(2, 32, hf["vocab_size"], 1)["input_ids"]
     with torch.no_grad():
