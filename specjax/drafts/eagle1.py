@@ -293,11 +293,12 @@ def draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, k
     return jnp.stack(toks), q, dcache
 
 
-@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k"), donate_argnames=("dcache",))
-def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
+@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k", "total"), donate_argnames=("dcache",))
+def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k, total=None):
     """EAGLE-2's draft tree: the root's top-k children, then per level each node's top-k children,
     keeping the widths[d] nodes of highest cumulative draft log-probability (EAGLE-2's expansion by
-    confidence). Returns (node target ids, parent node index (-1 = root), cache), nodes level by level."""
+    confidence), and with `total` its re-ranking (the `total` best nodes of the whole tree). Returns
+    (node target ids, parent node index (-1 = root), cache), nodes level by level."""
     dp, dt = uniform_dtype(dp)
     h_root, dcache = draft_prefill(dp, dcfg, embed, dcache, pend_tok, pend_aux, pend_count, start, dt)
 
@@ -307,4 +308,4 @@ def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *,
         return draft_logits(dp, h)[0], h, dcache
 
     return tree_walk(draft_logits(dp, h_root)[0, 0], h_root, d2t, dcache, start + pend_count, dcache["k"].shape[2],
-                     widths=widths, top_k=top_k, expand=expand)
+                     widths=widths, top_k=top_k, expand=expand, total=total)

@@ -141,9 +141,9 @@ class Eagle1Family(DraftFamily):
                                   dcfg=dcfg, k=k, sample=sample)
 
     def propose_tree(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg,
-                     widths: tuple[int, ...], top_k: int):
+                     widths: tuple[int, ...], top_k: int, total: Optional[int] = None):
         return eagle1.draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, dcfg=dcfg,
-                                 widths=widths, top_k=top_k)
+                                 widths=widths, top_k=top_k, total=total)
 
     # -- the head format -----------------------------------------------------------------------
     def export(self, params, draft_cfg, vocab, target_hf_config: Mapping, out_dir, *, dtype: str = "bfloat16",

@@ -11,6 +11,7 @@ loop. How a step uses them: the spec_decode module docstring.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -135,17 +136,31 @@ def draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start
     return (d + d2t[d]).astype(jnp.int32), q, dcache
 
 
-def tree_walk(root_logits, h_root, d2t, dcache, base, num_slots: int, *, widths, top_k: int, expand):
+def rerank_tree(toks, parents, scores, total: int):
+    """EAGLE-2's re-ranking: of the expanded nodes (level by level, parent index -1 = root) keep the
+    `total` of highest cumulative draft log-prob `scores`, in their original order, with parent indices
+    renumbered. A child's score is its parent's plus a log-prob <= 0, and ties go to the earlier
+    (shallower) node (stable sort), so every kept node's ancestors are kept too."""
+    order = jnp.argsort(-scores, stable=True)
+    sel = jnp.sort(order[:total])
+    new_index = jnp.full(toks.shape, -1, jnp.int32).at[sel].set(jnp.arange(total, dtype=jnp.int32))
+    par = parents[sel]
+    return toks[sel], jnp.where(par < 0, -1, new_index[jnp.maximum(par, 0)]).astype(jnp.int32)
+
+
+def tree_walk(root_logits, h_root, d2t, dcache, base, num_slots: int, *, widths, top_k: int, expand,
+              total: Optional[int] = None):
     """The draft tree grown from the root row's logits [Vd] and hidden h_root [1, H] (base = the first
     free cache slot; the root row sits at base - 1): the root's widths[0] best children, then per level
     each node's top_k children, keeping the widths[d] nodes of highest cumulative draft log-prob.
     `expand(toks [w], parent hidden [w, H], pos [1, w], slots [1, w], mask [1, w, S], cache)` runs the
     head on one level and returns (its logits [w, Vd], its hidden [1, w, H], the cache). Returns (node
     target ids [Nn], parent node index [Nn] (-1 = root), cache), nodes level by level, each level by
-    descending cumulative log-prob."""
+    descending cumulative log-prob; with `total` (< sum(widths)) only the `total` best nodes of the whole
+    tree (rerank_tree), so the target verifies `total` tokens."""
     scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits), widths[0])
     toks = (ids + d2t[ids]).astype(jnp.int32)
-    all_toks, all_parents = [toks], [jnp.full((widths[0],), -1, jnp.int32)]
+    all_toks, all_parents, all_scores = [toks], [jnp.full((widths[0],), -1, jnp.int32)], [scores]
     hid = jnp.broadcast_to(h_root[0], (widths[0], h_root.shape[-1]))  # parent's h per node
     anc = (base + jnp.arange(widths[0], dtype=jnp.int32))[:, None]  # slots of ancestors + self
     offset = 0
@@ -164,15 +179,19 @@ def tree_walk(root_logits, h_root, d2t, dcache, base, num_slots: int, *, widths,
         toks = (ids + d2t[ids]).astype(jnp.int32)
         all_toks.append(toks)
         all_parents.append(offset + parent_local)
+        all_scores.append(scores)
         own = base + offset + w + jnp.arange(w_next, dtype=jnp.int32)
         anc = jnp.concatenate([anc[parent_local], own[:, None]], axis=1)
         hid = h[0, parent_local]
         offset += w
-    return jnp.concatenate(all_toks), jnp.concatenate(all_parents), dcache
+    toks, parents = jnp.concatenate(all_toks), jnp.concatenate(all_parents)
+    if total is not None and total < toks.shape[0]:
+        toks, parents = rerank_tree(toks, parents, jnp.concatenate(all_scores), total)
+    return toks, parents, dcache
 
 
-@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k"), donate_argnames=("dcache",))
-def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k):
+@functools.partial(jax.jit, static_argnames=("dcfg", "widths", "top_k", "total"), donate_argnames=("dcache",))
+def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg, widths, top_k, total=None):
     """Tree drafting (tree_walk). Returns (node target ids [Nn], parent node index [Nn] (-1 = root),
     cache); nodes are ordered level by level, each level by descending cumulative draft log-prob."""
     dp = _uniform(dp)
@@ -184,4 +203,4 @@ def draft_tree(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *,
         return draft_logits(dp, dcfg, h)[0], h, dcache
 
     return tree_walk(draft_logits(dp, dcfg, h_root)[0, 0], h_root, d2t, dcache, start + pend_count,
-                     _num_slots(dcache), widths=widths, top_k=top_k, expand=expand)
+                     _num_slots(dcache), widths=widths, top_k=top_k, expand=expand, total=total)

@@ -192,9 +192,9 @@ class Eagle3Family(DraftFamily):
                                            pend_count, start, key, temperature, dcfg=dcfg, k=k, sample=sample)
 
     def propose_tree(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg,
-                     widths: tuple[int, ...], top_k: int):
+                     widths: tuple[int, ...], top_k: int, total: Optional[int] = None):
         return eagle3_decoding.draft_tree(dp, draft_embedding(dp, embed), d2t, dcache, pend_tok, pend_aux,
-                                          pend_count, start, dcfg=dcfg, widths=widths, top_k=top_k)
+                                          pend_count, start, dcfg=dcfg, widths=widths, top_k=top_k, total=total)
 
     def recognises_head(self, head_config: Mapping) -> bool:
         return format_of(head_config).name == "eagle3"

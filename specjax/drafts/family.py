@@ -230,8 +230,9 @@ class DraftFamily:
         raise NotImplementedError
 
     def propose_tree(self, dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, *, dcfg,
-                     widths: tuple[int, ...], top_k: int):
-        """A draft tree (mode "tree"): (node target ids, parent node index (-1 = root), new cache)."""
+                     widths: tuple[int, ...], top_k: int, total: Optional[int] = None):
+        """A draft tree (mode "tree"): (node target ids, parent node index (-1 = root), new cache); with
+        `total`, only the `total` best nodes of the expanded tree (EAGLE-2's re-ranking)."""
         raise NotImplementedError
 
     # -- the head format -----------------------------------------------------------------------

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--mode", choices=("chain", "tree"), default="chain")
     ap.add_argument("--tree-top-k", type=int, default=2, help="branching of tree drafting (--mode tree)")
+    ap.add_argument("--tree-total-tokens", type=int, default=None,
+                    help="EAGLE-2's re-ranking (--mode tree): verify only this many best nodes of the expanded tree "
+                         "(by cumulative draft log-prob); default: every node")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 | bfloat16)")
     ap.add_argument("--matmul-precision", default="auto", choices=("auto", "default", "high", "highest"),
                     help="jax matmul precision while decoding: auto (highest for a float32 target: on GPU the f32 "
@@ -176,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         target = load_target(args.target, dtype=args.dtype)
         draft = load_draft(args.draft)  # SpecDecoder checks that it fits the target
         decoder = SpecDecoder(target, draft, num_spec_tokens=args.num_spec_tokens, mode=args.mode,
-                              tree_top_k=args.tree_top_k,
+                              tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
                               matmul_precision=None if args.matmul_precision == "default" else args.matmul_precision)
         if args.device_loop:
             from specjax.eval.spec_loop import DeviceLoopDecoder
@@ -217,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "config": {"target": os.path.abspath(args.target), "draft": os.path.abspath(args.draft),
                    "prompts": names, "limit": args.limit, "num_spec_tokens": args.num_spec_tokens,
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "mode": args.mode,
-                   "tree_top_k": args.tree_top_k, "dtype": args.dtype,
+                   "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens, "dtype": args.dtype,
                    "matmul_precision": decoder.matmul_precision or "default", "seed": args.seed, "warmup": args.warmup,
                    "eos_token_ids": list(eos), "greedy_baseline": with_greedy, "device_loop": args.device_loop,
                    "record_tokens": args.record_tokens, "batch_size": args.batch_size},

@@ -23,7 +23,8 @@ acceptance length"; drafts/eagle3.py, drafts/ttt.py):
   rollback: both caches just treat the slots past the accepted length as stale (masked, then
     overwritten: targets.llama.decode_chunk).
   tree (greedy only): the root's top-k children, then level by level each node's top-k children,
-    keeping the `tree_max_width` best by cumulative draft log-probability (depth num_spec_tokens).
+    keeping the `tree_max_width` best by cumulative draft log-probability (depth num_spec_tokens);
+    with `tree_total_tokens`, EAGLE-2's re-ranking keeps only that many best nodes of the whole tree.
     Draft tree rows attend to the prefix and their own ancestors; the target verifies all nodes in
     one call with an ancestor mask; the longest path that matches the target's argmax is accepted
     and its KV entries are moved to the slots of a linear sequence.
@@ -140,12 +141,13 @@ class SpecDecoder:
 
     mode "chain": K = num_spec_tokens drafted autoregressively, verified in one call of K+1 tokens.
     mode "tree": depth K, tree_top_k children per node, at most tree_max_width nodes per level
-    (default tree_top_k**2); temperature 0 only.
+    (default tree_top_k**2), then, with tree_total_tokens, the tree_total_tokens nodes of highest
+    cumulative draft log-prob (EAGLE-2's re-ranking; the target verifies those); temperature 0 only.
     """
 
     def __init__(self, target, draft: Draft, *, num_spec_tokens: int = 5, mode: str = "chain",
-                 tree_top_k: int = 2, tree_max_width: int | None = None, matmul_precision: str | None = "auto",
-                 draft_dtype: str = "auto"):
+                 tree_top_k: int = 2, tree_max_width: int | None = None, tree_total_tokens: int | None = None,
+                 matmul_precision: str | None = "auto", draft_dtype: str = "auto"):
         target.require_decoding()
         if draft_dtype not in DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
@@ -179,6 +181,14 @@ class SpecDecoder:
         self.mode = mode
         self.top_k = int(tree_top_k)
         self.widths = tree_widths(self.k, self.top_k, int(tree_max_width or self.top_k**2))
+        self.tree_total = None
+        if tree_total_tokens is not None:
+            if mode != "tree":
+                raise ValueError("tree_total_tokens re-ranks a draft tree: use it with mode='tree'")
+            if not 1 <= int(tree_total_tokens) <= sum(self.widths):
+                raise ValueError(f"tree_total_tokens must be in [1, {sum(self.widths)}] (the expanded tree's nodes "
+                                 f"for depth {self.k}, top-k {self.top_k}: {self.widths}), got {tree_total_tokens}")
+            self.tree_total = int(tree_total_tokens)
         self.embed = target.embed_table(target.params)
         # "auto": a float32 target gets true fp32 matmuls. On GPU the default for f32 dots is TF32
         # (10-bit mantissa); then the K+1-token verification call and a 1-token greedy step round
@@ -202,7 +212,7 @@ class SpecDecoder:
     @property
     def verify_len(self) -> int:
         """Tokens per target verification call."""
-        return 1 + (self.k if self.mode == "chain" else sum(self.widths))
+        return 1 + (self.k if self.mode == "chain" else self.tree_total or sum(self.widths))
 
     def _tkw(self):
         return dict(target_cls=type(self.target), config=self.target.config)
@@ -312,7 +322,7 @@ class SpecDecoder:
             else:
                 nodes, parents, dcache = self.family.propose_tree(
                     self.draft_params, self.embed, self.d2t, dcache, pend_tok, pend_aux, jnp.int32(pend_count),
-                    jnp.int32(dstart), dcfg=dcfg, widths=self.widths, top_k=self.top_k)
+                    jnp.int32(dstart), dcfg=dcfg, widths=self.widths, top_k=self.top_k, total=self.tree_total)
                 drafts = nodes
             jax.block_until_ready(drafts)
             res.draft_time_s += time.perf_counter() - td

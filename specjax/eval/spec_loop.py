@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,7 @@ class _Static:
     mode: str
     widths: tuple
     top_k: int
+    tree_total: Optional[int]  # EAGLE-2's re-ranking: the best nodes kept of the expanded tree (None: all)
     family: object  # the draft family (specjax.drafts.family): its proposers and draft cache
     sample: bool
     cache_len: int
@@ -138,7 +139,7 @@ def _row_draft(dp, embed, d2t, root, temperature, s, pend_tok, pend_aux, *, st: 
     else:
         nodes, parents, dcache = st.family.propose_tree(dp, embed, d2t, s["dcache"], pend_tok, pend_aux,
                                                         s["pend_count"], s["dstart"], dcfg=st.dcfg, widths=st.widths,
-                                                        top_k=st.top_k)
+                                                        top_k=st.top_k, total=st.tree_total)
         return (nodes, parents), dcache
     return (drafts, q), dcache
 
@@ -367,7 +368,7 @@ class SpecLoop:
         # as SpecDecoder._setup: > bucket, and room for the last verification chunk
         cache_len = max(bucket + 1, bucket + n_out + dec.verify_len + 2)
         return _Static(type(dec.target), dec.target.config, dec.aux_ids, dec.draft.config, dec.k, dec.mode,
-                       dec.widths, dec.top_k, dec.family, sample, cache_len, n_out, dec.draft_dtype, dec.with_final)
+                       dec.widths, dec.top_k, dec.tree_total, dec.family, sample, cache_len, n_out, dec.draft_dtype, dec.with_final)
 
     def _stream(self, prompts, slots, max_new, temperature, eos_arr, seed, n_out, sample) -> list[SpecResult]:
         dec = self.dec

@@ -59,6 +59,8 @@ def test_eagle1_head_trains_exports_and_decodes(tiny_target, tmp_path):
     assert got.tokens == greedy and sum(got.accepted_per_position) > 0, got
     tree = SpecDecoder(target, draft, num_spec_tokens=3, mode="tree", tree_top_k=2, tree_max_width=3)
     assert tree.generate(PROMPT, max_new_tokens=16).tokens == greedy
+    reranked = SpecDecoder(target, draft, num_spec_tokens=3, mode="tree", tree_top_k=2, tree_total_tokens=4)
+    assert reranked.verify_len == 5 and reranked.generate(PROMPT, max_new_tokens=16).tokens == greedy  # EAGLE-2
     (loop,) = SpecLoop(chain).generate([PROMPT], max_new_tokens=16)
     assert loop.tokens == greedy and loop.accepted_per_position == got.accepted_per_position
 

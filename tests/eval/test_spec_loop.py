@@ -67,6 +67,23 @@ def test_loop_equals_host_decoder_greedy(target, kind, mode, k):
     assert accepted > 0
 
 
+def test_reranked_tree_loop_equals_host_decoder(target):
+    """EAGLE-2's re-ranking (tree_total_tokens): the target verifies the 5 best of the 2 + 4 + 4 expanded
+    nodes; lossless, the device loop equal to the host decoder row by row, and a verification call of 6."""
+    dec = SpecDecoder(target, _head(target, "eagle3"), num_spec_tokens=3, mode="tree", tree_total_tokens=5)
+    assert dec.widths == (2, 4, 4) and dec.verify_len == 6
+    got = SpecLoop(dec).generate(PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    naive = generate(target, PROMPTS, max_new_tokens=MAX_NEW, eos_token_ids=EOS)
+    for row, prompt, want in zip(got, PROMPTS, naive):
+        _same(row, dec.generate(prompt, max_new_tokens=MAX_NEW, eos_token_ids=EOS))
+        assert row.tokens == want
+    assert sum(sum(row.accepted_per_position) for row in got) > 0
+    for bad, match in (({"mode": "chain", "tree_total_tokens": 4}, "use it with mode='tree'"),
+                       ({"mode": "tree", "tree_total_tokens": 11}, r"must be in \[1, 10\]")):
+        with pytest.raises(ValueError, match=match):
+            SpecDecoder(target, _head(target, "eagle3"), num_spec_tokens=3, **bad)
+
+
 # P-EAGLE's sampled step is the greedy test's step with the sampler of the other two: -m slow (is_slow_case)
 @pytest.mark.parametrize("kind", ["eagle3", "p_eagle", "dflash"])
 def test_loop_equals_host_decoder_sampled(target, kind):
