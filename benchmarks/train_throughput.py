@@ -1081,21 +1081,26 @@ def run_specforge(plan: dict, emit) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def summarise(plan: dict, rows: list[dict]) -> list[dict]:
-    """One line per (job) with both systems' tokens/s, MFU and memory, from the workers' rows."""
+def summarise(plan: dict, rows: list[dict], systems=None) -> list[dict]:
+    """One line per (job) with each system's tokens/s, MFU and memory, from the workers' rows, keyed by
+    the full system label ("specjax", "specforge", "specjax:q_block=512", ...). `systems`: the labels
+    asked for (a label with no row shows {"error": "not run"}); default: specjax and specforge plus every
+    specjax variant with a row. Ratios: "ratio" (specjax / specforge), and per variant
+    "ratio <variant> / specforge" and "ratio <variant> / specjax" where both sides ran."""
     hf = plan["hf"]
     d = draft_shape(hf, plan["Vd"])
     by = {(r.get("system"), r.get("job")): r for r in rows if "job" in r}
+    if systems is None:
+        variants = sorted({r.get("system") for r in rows if str(r.get("system", "")).startswith("specjax:")})
+        systems = ("specjax", "specforge", *variants)
+    variants = [s for s in systems if s not in ("specjax", "specforge")]
     out = []
     for job in plan["jobs"]:
         if job["kind"] not in ("fixed", "docs"):
             continue
         line = {"model": plan["model"], "job": job["name"]}
-        variants = sorted({r.get("system") for r in rows if str(r.get("system", "")).startswith("specjax:")})
-        for sysname in ("specjax", "specforge", *variants):
+        for sysname in systems:
             r = by.get((sysname, job["name"]))
-            if not r and sysname in variants:
-                continue
             if not r or not r.get("ok"):
                 line[sysname] = {"error": (r or {}).get("error", "not run")}
                 continue
@@ -1111,13 +1116,39 @@ def summarise(plan: dict, rows: list[dict]) -> list[dict]:
                 "loss_first": float(np.mean(L[:h])), "loss_last": float(np.mean(L[-h:])),
                 "finite": bool(np.all(np.isfinite(L))), "decreasing": float(np.mean(L[-h:])) < float(np.mean(L[:h])),
             }
-        a, b = line["specjax"], line["specforge"]
+        a, b = line.get("specjax", {}), line.get("specforge", {})
         if "tokens_per_s" in a and "tokens_per_s" in b:
             line["ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
-        for v in variants:  # each variant against the default specjax step, same worker plan
-            if "tokens_per_s" in line.get(v, {}) and "tokens_per_s" in a:
-                line[f"ratio {v} / specjax"] = line[v]["tokens_per_s"] / a["tokens_per_s"]
+        for v in variants:  # each variant against SpecForge and the default specjax step, same worker plan
+            tps = line[v].get("tokens_per_s")
+            if tps is None:
+                continue
+            if "tokens_per_s" in b:
+                line[f"ratio {v} / specforge"] = tps / b["tokens_per_s"]
+            if "tokens_per_s" in a:
+                line[f"ratio {v} / specjax"] = tps / a["tokens_per_s"]
         out.append(line)
+    return out
+
+
+def summary_text(model: str, line: dict) -> list[str]:
+    """The printed table for one summary line: one row per system under its full label, with its
+    tokens/s against SpecForge (and, for a variant, against plain specjax) where both ran."""
+    def fmt(r):
+        if "tokens_per_s" not in r:
+            return str(r)[:120]
+        return (f"{r['tokens_per_s']:9.0f} tok/s MFU {100 * r['mfu']:5.1f}% {r['peak_gib']:6.1f} GiB "
+                f"step {r['step_s']:.4g} s loss {r['loss_first']:.3f}->{r['loss_last']:.3f}")
+
+    out = []
+    for label, r in line.items():
+        if not isinstance(r, dict) or label in ("model", "job"):
+            continue
+        ratios = [(k, line[k]) for k in (("ratio",) if label == "specjax" else
+                                         (f"ratio {label} / specforge", f"ratio {label} / specjax")) if k in line]
+        tail = " | ".join(("specjax / specforge" if k == "ratio" else k[len("ratio "):]) + f" {v:.3f}"
+                          for k, v in ratios)
+        out.append(f"{model:14s} {line['job']:14s} {label:22s} {fmt(r)}" + (f" | {tail}" if tail else ""))
     return out
 
 
@@ -1213,20 +1244,14 @@ def main(argv=None):
                         f.write(json.dumps({"system": s, "event": "timeout", "after_s": time.time() - t}) + "\n")
                 print(f"== {model}/{s} worker done in {time.time() - t:.0f} s", flush=True)
             rows = [json.loads(x) for x in open(rows_path) if x.strip()]
-        summary = summarise(plan, rows)
+        summary = summarise(plan, rows, systems)
         results["models"][model] = {"summary": summary, "rows": rows,
                                     "plan": {k: v for k, v in plan.items() if k != "jobs"},
                                     "jobs": [{k: v for k, v in j.items() if k not in ("rows", "warm_rows")}
                                              for j in plan["jobs"]]}
         for line in summary:
-            a, b = line.get("specjax", {}), line.get("specforge", {})
-            fmt = lambda r: (f"{r['tokens_per_s']:9.0f} tok/s MFU {100 * r['mfu']:5.1f}% {r['peak_gib']:6.1f} GiB "
-                             f"loss {r['loss_first']:.3f}->{r['loss_last']:.3f}") if "tokens_per_s" in r else str(r)[:120]
-            print(f"{model:14s} {line['job']:14s} specjax {fmt(a)} | specforge {fmt(b)} | ratio {line.get('ratio', float('nan')):.2f}")
-            for key, value in line.items():
-                if key.startswith("ratio specjax:"):
-                    v = key[len("ratio "):-len(" / specjax")]
-                    print(f"{'':14s} {'':14s} {v} {fmt(line[v])} | {key} {value:.3f}")
+            for text in summary_text(model, line):
+                print(text)
     results["elapsed_s"] = time.time() - t_start
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

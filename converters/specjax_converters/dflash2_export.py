@@ -13,7 +13,6 @@ Plain numpy + safetensors; no jax at import.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Mapping, NamedTuple, Optional
 
@@ -22,8 +21,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash2_weights import DFLASH2_WEIGHTS
 from specjax_converters.dflash2_validate import DFLASH2_LAYOUT, MODEL_TYPE, SpeculatorsLayout, check_speculators_head
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, TOKEN_FIELDS, WEIGHTS_FILE, export_dtype,
-                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
+from specjax_converters.head_files import (TOKEN_FIELDS, WEIGHTS_FILE, earlier_export, export_dtype, manifest_extra,
+                                           numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
@@ -132,18 +131,7 @@ def speculators_hf_config(cfg, target_hf_config: Mapping, layout: SpeculatorsLay
 
 
 def _replaceable(path: str, model_type: str = MODEL_TYPE) -> bool:
-    if not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    if not names:
-        return True
-    if names != {WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}:
-        return False
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return json.load(f).get("speculators_model_type") == model_type
-    except (OSError, ValueError):
-        return False
+    return earlier_export(path, lambda conf: conf.get("speculators_model_type") == model_type)
 
 
 def _refuse(out_dir: str):

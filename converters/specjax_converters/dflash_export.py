@@ -42,7 +42,6 @@ export leaves no partial folder behind. Plain numpy + safetensors; no jax at imp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping, Optional
 
@@ -51,7 +50,7 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
-from specjax_converters.head_files import (MANIFEST_FILE, TOKEN_FIELDS, export_dtype, flat_paths, manifest_extra,
+from specjax_converters.head_files import (TOKEN_FIELDS, earlier_export, export_dtype, flat_paths, manifest_extra,
                                            numpy_dtype, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
@@ -196,18 +195,7 @@ def manifest_draft_config(cfg):
 def _is_replaceable(path: str) -> bool:
     """An existing out_dir may be replaced only when empty or an earlier DFlash export (with or
     without the manifest: exports before it had none)."""
-    if not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    if not names:
-        return True
-    if names not in ({WEIGHTS_FILE, CONFIG_FILE}, {WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}):
-        return False
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return json.load(f).get("architectures") == [ARCHITECTURE]
-    except (OSError, ValueError):
-        return False
+    return earlier_export(path, lambda conf: conf.get("architectures") == [ARCHITECTURE], manifest_optional=True)
 
 
 def _refuse_existing(out_dir: str) -> None:

@@ -16,7 +16,6 @@ it is published (atomically: a temporary folder renamed at the end). No jax at i
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Mapping, Optional
 
@@ -24,9 +23,9 @@ import numpy as np
 
 from specjax.drafts import weights
 from specjax.drafts.dspark_weights import DSPARK_HEADS
-from specjax_converters.dflash_export import CONFIG_FILE, WEIGHTS_FILE, dflash_hf_config, dflash_state_dict
+from specjax_converters.dflash_export import dflash_hf_config, dflash_state_dict
 from specjax_converters.dspark_validate import ARCHITECTURE, MARKOV_HEAD_TYPE, check_dspark_head
-from specjax_converters.head_files import MANIFEST_FILE, manifest_extra, write_head_folder
+from specjax_converters.head_files import earlier_export, manifest_extra, write_head_folder
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 
@@ -74,18 +73,7 @@ def dspark_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
 
 def _is_replaceable(path: str) -> bool:
     """An existing out_dir may be replaced when empty or an earlier DSpark export."""
-    if not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    if not names:
-        return True
-    if names != {WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}:
-        return False
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return json.load(f).get("architectures") == [ARCHITECTURE]
-    except (OSError, ValueError):
-        return False
+    return earlier_export(path, lambda conf: conf.get("architectures") == [ARCHITECTURE])
 
 
 def _refuse_existing(out_dir: str) -> None:

@@ -23,7 +23,6 @@ written, and on the written folder before it is renamed into place. No jax at im
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -32,9 +31,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.eagle1_weights import ARCHITECTURE, EAGLE1_WEIGHTS
 from specjax_converters.eagle1_validate import check_eagle1_head, is_eagle1_config
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, TOKEN_FIELDS, WEIGHTS_FILE, HeadTensors,
-                                           export_dtype, flat_paths, manifest_extra, numpy_dtype, read_head_files,
-                                           write_head_folder)
+from specjax_converters.head_files import (TOKEN_FIELDS, HeadTensors, earlier_export, export_dtype, flat_paths,
+                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import target_text_config
@@ -116,18 +114,7 @@ def eagle1_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
 
 def _is_replaceable(path: str) -> bool:
     """An existing out_dir may be replaced only when empty or an earlier EAGLE-1 export."""
-    if not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    if not names:
-        return True
-    if names != {WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}:
-        return False
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return is_eagle1_config(json.load(f))
-    except (OSError, ValueError):
-        return False
+    return earlier_export(path, is_eagle1_config)
 
 
 def _refuse_existing(out_dir: str) -> None:

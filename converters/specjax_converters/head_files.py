@@ -47,6 +47,7 @@ __all__ = [
     "Finding",
     "HeadTensors",
     "TOKEN_FIELDS",
+    "earlier_export",
     "export_dtype",
     "file_sha256",
     "flat_paths",
@@ -102,6 +103,27 @@ def flat_paths(tree: Mapping, prefix: tuple = ()) -> set:
     for k, v in tree.items():
         out |= flat_paths(v, prefix + (str(k),)) if isinstance(v, Mapping) else {prefix + (str(k),)}
     return out
+
+
+def earlier_export(path: str, is_ours: Callable[[dict], bool], *, manifest_optional: bool = False) -> bool:
+    """Whether an existing export folder `path` may be replaced: it is empty, or it holds exactly the
+    weights, config.json and specjax_manifest.json (the manifest may be missing with
+    `manifest_optional`: exports from before it) and `is_ours(config)` accepts its config.json."""
+    if not os.path.isdir(path):
+        return False
+    names = set(os.listdir(path))
+    if not names:
+        return True
+    allowed = [{WEIGHTS_FILE, CONFIG_FILE, MANIFEST_FILE}]
+    if manifest_optional:
+        allowed.append({WEIGHTS_FILE, CONFIG_FILE})
+    if names not in allowed:
+        return False
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return bool(is_ours(json.load(f)))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,10 @@ each averaged over the rows in the loss (loss mask, and t+1 in the same packed s
 w_reg = 1.0, w_cls = 0.1 (the paper: "w_cls is set to 0.1"). The paper also adds U(-0.1, 0.1) noise
 to the input features during training (its data augmentation); draft.feature_noise sets the
 half-width (0 turns it off).
+L_cls runs through the fused soft cross-entropy EAGLE-3 uses (specjax_kernels.soft_ce, kernels.soft_ce;
+the teacher given as f_{t+1} and the lm_head, so its logits are made per vocab tile too) and the teacher's
+argmax through ttt.chunked_argmax: no [B, T, V] logits exist, in the forward or the backward, at
+V = 128k or more. A target's final-logit soft-cap applies to both sides (the xla backend's softcap).
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ from specjax import mesh as meshlib
 from specjax.drafts import eagle3, weights
 from specjax.drafts.eagle1_weights import EAGLE1_WEIGHTS
 from specjax.drafts.eagle3_decoding import tree_walk
+from specjax.drafts.ttt import chunked_argmax
 from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 from specjax.targets.layers.attention import cache_attention_mask, dot_product_attention
+from specjax_kernels.soft_ce import fused_linear_soft_ce
 from specjax_kernels.ttt_attention import ttt_attention
 
 # the paper's loss weights (section 4.2): regression 1.0, classification 0.1; its feature noise U(-0.1, 0.1)
@@ -94,6 +100,8 @@ class Eagle1Objective:
     feature_noise: float = PAPER_FEATURE_NOISE
     noise_seed: int = 0
     attention_impl: Optional[str] = None
+    soft_ce_impl: Optional[str] = None  # kernels.soft_ce (the token loss; with a soft-capped target: xla)
+    vocab_chunk: int = 8192  # the teacher argmax's vocab chunk (the accuracy metric)
 
 
 def config_from_target(target_cfg, *, intermediate_size=None, num_attention_heads=None, num_key_value_heads=None,
@@ -166,12 +174,6 @@ def draft_forward(params: dict, cfg: Eagle1Config, emb_btd, feature_btd, positio
     return eagle3.layer_output(params, cfg, x, attn)
 
 
-def target_logits(feature_btd, lm_head_vd, softcap: Optional[float] = None):
-    """lm_head(feature) over the whole vocab, fp32 (the target's soft-cap when it has one)."""
-    logits = jnp.einsum("btd,vd->btv", feature_btd.astype(jnp.float32), lm_head_vd.astype(jnp.float32))
-    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
-
-
 def smooth_l1(diff):
     """SmoothL1 with beta 1 (torch.nn.SmoothL1Loss's default, as the paper's code uses it)."""
     a = jnp.abs(diff)
@@ -214,13 +216,17 @@ def eagle1_loss(params: dict, cfg: Eagle1Config, objective: Eagle1Objective, *, 
     pred = draft_forward(params, cfg, emb, feat_in, positions, segment_ids, attention_impl=objective.attention_impl)
     nxt = shift_left(feat, 1)  # f_{t+1} at row t
     reg = jnp.mean(smooth_l1(pred.astype(jnp.float32) - nxt.astype(jnp.float32)), axis=-1)
-    teacher = sg(target_logits(nxt, lm_head, logit_softcap))
-    student = target_logits(pred, sg(lm_head), logit_softcap)
-    ce = -jnp.sum(jax.nn.softmax(teacher, axis=-1) * jax.nn.log_softmax(student, axis=-1), axis=-1)
+    # CE(softmax(W f_{t+1}), softmax(W f^)) per row, masked by `rows`; W the target's lm_head (frozen)
+    ce, student_argmax = fused_linear_soft_ce(pred, sg(lm_head), teacher_hidden=sg(nxt), teacher_head=sg(lm_head),
+                                              mask=rows, return_argmax=True, implementation=objective.soft_ce_impl,
+                                              softcap=logit_softcap)
+    B, T, D = nxt.shape
+    teacher_argmax = chunked_argmax(sg(nxt).reshape(B * T, D), sg(lm_head), objective.vocab_chunk,
+                                    softcap=logit_softcap).reshape(B, T)
     reg_loss = jnp.sum(reg * rows) / n
-    tok_loss = jnp.sum(ce * rows) / n
+    tok_loss = jnp.sum(ce) / n
     total = objective.regression_weight * reg_loss + objective.token_weight * tok_loss
-    acc = sg(jnp.sum((jnp.argmax(student, -1) == jnp.argmax(teacher, -1)) * rows) / n)
+    acc = sg(jnp.sum((student_argmax == teacher_argmax) * rows) / n)
     metrics = {"loss": total, "loss_reg": sg(reg_loss), "loss_token": sg(tok_loss), "acc_k": acc[None],
                "tau_sim": acc, "mask_tokens_k": jnp.sum(rows)[None]}
     return total, metrics

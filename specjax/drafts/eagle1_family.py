@@ -96,7 +96,7 @@ class Eagle1Family(DraftFamily):
         d = cfg.draft
         return eagle1.Eagle1Objective(regression_weight=d.regression_weight, token_weight=d.token_weight,
                                       feature_noise=d.feature_noise, noise_seed=cfg.run.seed,
-                                      attention_impl=cfg.kernels.ttt_attention)
+                                      attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce)
 
     def loss_fn(self, target, draft_cfg, objective: eagle1.Eagle1Objective, compute_dtype):
         """The loss of one batch; the feature noise of train step `step` is keyed by (run.seed, step)

@@ -22,6 +22,11 @@ Resumable: `RegenStream` wraps the grain iterator; its checkpointed state is the
 specjax.regen.output with a manifest of the settings), so a restore re-tokenizes them instead of
 generating again, and a round redone after a kill that came before its checkpoint reuses its shard.
 
+Turned off on resume (regenerate.every_steps=0 with checkpoint.allow_config_change): the stream keeps
+the applied rounds' examples (read back from their shards like a resume with regeneration on) and runs
+no new round; the run's data stream is a RegenStream whether or not it regenerates, and one that has
+no round writes grain's own state, so a run that never regenerated saves what it saved before.
+
 Held-out prompts never enter training: only the rows behind the training examples are read back as
 prompts (one extra pass over the data files at start; the prompts' text then stays in memory beside
 the token ids), and a training prompt whose turns equal a validation row's (a duplicate across the
@@ -36,6 +41,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from specjax.checkpoint import CheckpointMismatch
 from specjax.data.chat import (ChatTemplateUnusable, Example, SkipRow, TemplateLimits, resolve_chat_template,
                                tokenize_conversation)
 from specjax.data.datasets import read_conversations
@@ -45,7 +51,8 @@ from specjax.regen.output import finished_shards, prepare_output_dir, read_shard
 from specjax.run_files import REGEN_ROUNDS_DIR
 
 __all__ = ["RegenPool", "RegenStream", "RegenRounds", "RoundResult", "make_regen_rounds", "check_regen_settings",
-           "check_regen_steps", "training_prompts", "prompt_key", "STATE_FORMAT"]
+           "check_regen_steps", "training_prompts", "prompt_key", "STATE_FORMAT", "RegenShardMissing",
+           "read_round_examples", "round_loader"]
 
 log = logging.getLogger("specjax")
 
@@ -168,13 +175,20 @@ class RegenPool:
         return sum(r["replaced"] for r in self.rounds)
 
 
+class RegenShardMissing(CheckpointMismatch):
+    """A checkpoint's data position names a regeneration round whose shard is gone (the checkpoint
+    itself is sound, so it is not set aside as damaged)."""
+
+
 class RegenStream:
     """The training iterator with a `RegenPool`: batches from the grain iterator; get_state/set_state
     (bytes, as grain's checkpoint handler takes from an iterator of its own kind) also hold the pool's
-    rounds and position. `load_round(n) -> {index: example}` reads a round back on restore."""
+    rounds and position. `load_round(n) -> {index: example}` reads a round back on restore.
+    `plain_when_empty` (a run with regenerate.every_steps=0): while no round is applied, get_state is
+    the grain iterator's own state, as grain's handler writes it for a plain iterator."""
 
-    def __init__(self, inner, pool: RegenPool):
-        self.inner, self.pool = inner, pool
+    def __init__(self, inner, pool: RegenPool, plain_when_empty: bool = False):
+        self.inner, self.pool, self.plain_when_empty = inner, pool, plain_when_empty
         self.load_round: Optional[Callable[[int], dict]] = None
 
     def __iter__(self):
@@ -184,6 +198,8 @@ class RegenStream:
         return next(self.inner)
 
     def get_state(self) -> bytes:
+        if self.plain_when_empty and not self.pool.rounds:
+            return json.dumps(self.inner.get_state(), indent=4).encode()
         return json.dumps({"format": STATE_FORMAT, "inner": self.inner.get_state(), "pulled": self.pool.pulled,
                            "rounds": [{"round": r["round"], "from": r["from"]} for r in self.pool.rounds]}).encode()
 
@@ -204,6 +220,10 @@ class RegenStream:
             self.pool.apply(r["round"], self.load_round(int(r["round"])), r["from"])
         self.inner.set_state(s["inner"])
         self.pool.pulled = int(s["pulled"])
+        if self.pool.rounds:
+            log.info("data position restored with %d regeneration round(s) applied (%d examples replaced)%s",
+                     len(self.pool.rounds), self.pool.examples_replaced,
+                     "; regenerate.every_steps=0: they are kept, no new round runs" if self.plain_when_empty else "")
 
     def start_prefetch(self) -> None:
         if hasattr(self.inner, "start_prefetch"):
@@ -359,45 +379,66 @@ class RegenRounds:
 
     # ---- reading back ----------------------------------------------------------------------------
     def _examples(self, round_no: int, path: str) -> tuple[dict[int, Example], dict]:
-        """The shard's conversations templated, masked and truncated as the training data is
-        (tokenize_conversation with the data.* settings); a conversation that would be a skipped row
-        keeps its original example, counted by reason."""
-        import pyarrow.parquet as pq
-
-        d = self.cfg.data
-        table = pq.read_table(path).to_pydict()
-        examples, kept = {}, {}
-        for j, (messages, index) in enumerate(zip(table["messages"], table["source_index"])):
-            if not 0 <= index < self.n_train:
-                raise ValueError(f"{path} row {j + 1} names training example {index}, but the run has "
-                                 f"{self.n_train}: it was written for other data. Fix: delete {self.dir}, or "
-                                 "use a new run.output_dir")
-            try:
-                ex = tokenize_conversation(
-                    self.tokenizer, messages, d.seq_length, truncate=d.truncate, chat_template=self.template,
-                    mask_reasoning_content=d.mask_reasoning_content, mask_generation_prompt=d.mask_generation_prompt)
-            except SkipRow as e:
-                kept[e.reason] = kept.get(e.reason, 0) + 1
-                continue
-            except ChatTemplateUnusable as e:
-                raise type(e)(f"{e} (first met rendering {path}:{j + 1})") from e
-            examples[int(index)] = replace(ex, source=path, row=j + 1)
-        return examples, kept
+        return read_round_examples(self.cfg, self.tokenizer, self.template, path, self.n_train)
 
     def load_round(self, round_no: int) -> dict[int, Example]:
-        path = os.path.join(self.dir, shard_name(round_no))
+        return round_loader(self.cfg, self.tokenizer, self.dir, self.n_train, self.template)(round_no)
+
+
+def read_round_examples(cfg, tokenizer, template, path: str, n_train: int) -> tuple[dict[int, Example], dict]:
+    """A round shard's conversations templated, masked and truncated as the training data is
+    (tokenize_conversation with the data.* settings): ({training index: example}, {reason: n} of the
+    conversations that would be a skipped row and so keep their original example)."""
+    import pyarrow.parquet as pq
+
+    d = cfg.data
+    table = pq.read_table(path).to_pydict()
+    examples, kept = {}, {}
+    for j, (messages, index) in enumerate(zip(table["messages"], table["source_index"])):
+        if not 0 <= index < n_train:
+            raise ValueError(f"{path} row {j + 1} names training example {index}, but the run has "
+                             f"{n_train}: it was written for other data. Fix: delete {os.path.dirname(path)}, or "
+                             "use a new run.output_dir")
+        try:
+            ex = tokenize_conversation(
+                tokenizer, messages, d.seq_length, truncate=d.truncate, chat_template=template,
+                mask_reasoning_content=d.mask_reasoning_content, mask_generation_prompt=d.mask_generation_prompt)
+        except SkipRow as e:
+            kept[e.reason] = kept.get(e.reason, 0) + 1
+            continue
+        except ChatTemplateUnusable as e:
+            raise type(e)(f"{e} (first met rendering {path}:{j + 1})") from e
+        examples[int(index)] = replace(ex, source=path, row=j + 1)
+    return examples, kept
+
+
+def round_loader(cfg, tokenizer, rounds_dir: str, n_train: int, template=None) -> Callable[[int], dict]:
+    """`load_round(n) -> {training index: example}`: round n read back from its shard in `rounds_dir`
+    (a RegenStream's restore); a missing shard is a RegenShardMissing naming the fix."""
+    def load(round_no: int) -> dict[int, Example]:
+        nonlocal template
+        path = os.path.join(rounds_dir, shard_name(round_no))
         if not os.path.isfile(path):
-            raise FileNotFoundError(
+            raise RegenShardMissing(
                 f"the checkpoint's data position includes regeneration round {round_no}, whose answers {path} are "
-                f"gone. Fix: restore {path} (or the whole {self.dir}), or start fresh with "
+                f"gone. Fix: restore {path} (or the whole {rounds_dir}), or start fresh with "
                 "checkpoint.restore_from=none")
-        return self._examples(round_no, path)[0]
+        if template is None:
+            d = cfg.data
+            template = resolve_chat_template(tokenizer, d.chat_template, TemplateLimits.of(d), d.chat_template_kwargs)
+        return read_round_examples(cfg, tokenizer, template, path, n_train)[0]
+    return load
 
 
 def make_regen_rounds(cfg, data, *, target, tokenizer, out_dir: str, data_sha256: str, files, val_files=()) \
         -> Optional[RegenRounds]:
-    """The run's RegenRounds (None when regenerate.every_steps is 0), bound to its stream."""
+    """The run's RegenRounds (None when regenerate.every_steps is 0), bound to its stream. With
+    every_steps 0 the stream still reads back the rounds a checkpoint applied (regeneration turned off
+    on resume keeps their examples)."""
     if not cfg.regenerate.every_steps:
+        if isinstance(data.iterator, RegenStream):
+            data.iterator.load_round = round_loader(cfg, tokenizer, os.path.join(out_dir, REGEN_ROUNDS_DIR),
+                                                    len(data.prepared.train))
         return None
     prompts, left_out = training_prompts(cfg, data.prepared, files, val_files)
     log.info("regenerate.every_steps=%d: %d of %d training prompts in rounds of %d%s", cfg.regenerate.every_steps,

@@ -243,13 +243,15 @@ def _prepare_data(cfg: Config, tokenizer, out_dir: str, target=None) -> RunData:
                        val_batches=cache_val_batches(cache, d.batch_size, cfg.train.eval_batches, state_dtype),
                        iterator=make_cache_iterator(cache, d.batch_size, d.shuffle_seed, state_dtype,
                                                     jax.process_index(), jax.process_count()))
-    pool = RegenPool() if cfg.regenerate.every_steps else None
+    # a pool with regeneration off too: a checkpoint of the run's regenerating part holds the rounds it
+    # applied, which a resume with regenerate.every_steps=0 keeps (regen_rounds.py, "Turned off on resume")
+    pool = RegenPool()
     iterator = make_train_iterator(prepared.train, d.seq_length, d.batch_size, d.shuffle_seed, pool=pool,
                                    **_file_mixture(d, prepared.train))
     return RunData(
         prepared=prepared,
         val_batches=make_eval_batches(prepared.val, d.seq_length, d.batch_size)[: cfg.train.eval_batches],
-        iterator=iterator if pool is None else RegenStream(iterator, pool))
+        iterator=RegenStream(iterator, pool, plain_when_empty=not cfg.regenerate.every_steps))
 
 
 def _file_mixture(d, examples) -> dict:

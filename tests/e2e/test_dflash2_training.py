@@ -8,25 +8,16 @@ import json
 import os
 import sys
 
-import numpy as np
-from safetensors.numpy import load_file
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reliability"))
-from _runs import inprocess_config  # noqa: E402
+from _runs import check_exported_block_head, inprocess_config  # noqa: E402
 
 PROMPT = [3, 17, 25, 40, 8]
 
 
 def test_dflash2_head_trains_exports_and_decodes(tiny_target, tmp_path):
     from specjax.drafts.dflash2 import DFlash2Config
-    from specjax.eval.generate import generate
-    from specjax.eval.spec_decode import SpecDecoder, load_draft
-    from specjax.export import export_run
-    from specjax.serve_cmd import build
-    from specjax.targets.loading import load_target
     from specjax.train.loop import train
     from specjax.train.metrics import read_metrics
-    from specjax_converters.head_formats import errors, validate_folder
 
     vocab = json.load(open(os.path.join(tiny_target, "config.json")))["vocab_size"]
     run = tmp_path / "run"
@@ -40,21 +31,7 @@ def test_dflash2_head_trains_exports_and_decodes(tiny_target, tmp_path):
     assert {"unary_loss", "selector_loss", "recall", "accept_len", "acc_0"} <= set(rows[0])
     assert all(abs(r["loss"] - r["unary_loss"] - r["selector_loss"]) < 1e-4 * max(1.0, r["loss"]) for r in rows)
 
-    assert json.loads((run / "run_meta.json").read_text())["draft_family"] == "dflash2"
     conf = json.load(open(os.path.join(head, "config.json")))
     assert conf["speculators_model_type"] == "dflash2" and conf["block_size"] == 4
-    findings, info = validate_folder(head, target=tiny_target)
-    assert info["layout"] == "dflash2" and not errors(findings), [str(f) for f in findings]
-
-    draft = load_draft(head)
-    assert type(draft.config) is DFlash2Config and draft.config.num_draft_tokens == 3
-    target = load_target(tiny_target, dtype="float32")
-    greedy = generate(target, [PROMPT], max_new_tokens=12)[0][:12]
-    assert SpecDecoder(target, draft, num_spec_tokens=3).generate(PROMPT, max_new_tokens=12).tokens == greedy
-
-    code, text = build(head, tiny_target, engine="vllm")
-    assert code == 0 and '"method": "dflash"' in text and '"num_speculative_tokens": 3' in text, text
-
-    again = export_run(str(run), str(tmp_path / "again"), dtype="float32")
-    first, second = (load_file(os.path.join(d, "model.safetensors")) for d in (head, again))
-    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
+    check_exported_block_head(run, head, tiny_target, family="dflash2", layout="dflash2", config_type=DFlash2Config,
+                              prompt=PROMPT)

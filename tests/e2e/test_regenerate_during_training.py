@@ -151,3 +151,50 @@ def test_settings_that_cannot_work_are_refused(tiny_target, tmp_path):
         with pytest.raises(ValueError, match=match):
             train(_cfg(tiny_target, tmp_path / f"r{i}", *extra))
     assert not os.path.exists(tmp_path / "r0" / "regen_rounds")
+
+
+
+def test_regeneration_turned_off_on_resume_keeps_the_rounds_examples(tiny_target, tmp_path):
+    """A run stopped at step 3 (round 1 applied at step 2) resumed with regenerate.every_steps=0 and
+    checkpoint.allow_config_change: it used to fail inside grain (the regeneration state handed to a plain
+    grain iterator: KeyError 'parent') and set every checkpoint aside as damaged. Now it resumes at step 3
+    with round 1's examples in the stream and runs no new round: its step 4 equals the uninterrupted
+    regenerating run's step 4 (round 2 only takes effect from step 5; loss, acc_0, grad_norm to 1e-6),
+    and a second stop/resume with regeneration off continues it exactly (steps 5-6, 1e-6). With round 1's
+    shard gone, the resume stops before training with an error naming the shard and the fix, and the
+    checkpoints stay in place."""
+    from specjax.train.loop import train
+    from specjax.train.regen_rounds import RegenShardMissing
+
+    full = tmp_path / "full"
+    train(_cfg(tiny_target, full))
+    a = {r["step"]: r for r in read_metrics(str(full), "train")}
+
+    off = ("regenerate.every_steps=0", "checkpoint.allow_config_change=true")
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert train(_cfg(tiny_target, run, "train.stop_at_step=3")).final_step == 3
+    shutil.copytree(run, again)
+    res = train(_cfg(tiny_target, run, *off, "train.stop_at_step=5"))
+    assert res.start_step == 3 and res.final_step == 5
+    assert not [p.name for p in (run / "checkpoints").iterdir() if "damaged" in p.name]
+    b = {r["step"]: r for r in read_metrics(str(run), "train")}
+    for key in ("loss", "acc_0", "grad_norm"):
+        np.testing.assert_allclose(b[4][key], a[4][key], rtol=1e-6, atol=1e-7, err_msg=key)
+    assert [r["round"] for r in read_metrics(str(run), "regen")] == [1]  # no round after regeneration went off
+    assert sorted(p.name for p in (run / "regen_rounds").glob("shard-*.parquet")) == ["shard-000001.parquet"]
+    # the checkpoints written with regeneration off still hold round 1: stop at 5, resume to 6
+    assert train(_cfg(tiny_target, run, *off)).start_step == 5
+    assert train(_cfg(tiny_target, again, *off)).start_step == 3  # the same stretch without the stop at 5
+    b = {r["step"]: r for r in read_metrics(str(run), "train")}
+    c = {r["step"]: r for r in read_metrics(str(again), "train")}
+    for step in (4, 5, 6):
+        for key in ("loss", "acc_0", "grad_norm"):
+            np.testing.assert_allclose(b[step][key], c[step][key], rtol=1e-6, atol=1e-7, err_msg=f"{key} @ {step}")
+    assert b[5]["loss"] != a[5]["loss"]  # round 2 is in the regenerating run's step 5, not in this one's
+
+    gone = tmp_path / "gone"
+    shutil.copytree(tmp_path / "again", gone, ignore=shutil.ignore_patterns("regen_rounds"))
+    with pytest.raises(RegenShardMissing, match=r"regeneration round 1, whose answers .*shard-000001.parquet are "
+                                                r"gone. Fix: restore"):
+        train(_cfg(tiny_target, gone, *off))
+    assert not [p.name for p in (gone / "checkpoints").iterdir() if "damaged" in p.name]

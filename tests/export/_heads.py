@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +290,100 @@ def speculators_head(sp, folder, verifier_dir, *, fc_norm=False, norm_output=Fal
                 p.copy_(0.08 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(folder))
     return model.float().eval()
+
+
+def import_speculators(package: str, model: str, config: str, **extra):
+    """speculators 0.9.0's pieces for comparing a block draft (DFlash and its kin) with ours: torch, the
+    DFlash core (select_anchors), its eager losses, `Model` / `Config` (the classes `model` / `config`
+    of speculators.models.<package>), SpeculatorsConfig, VerifierConfig and the greedy proposal config
+    (`Greedy`); `extra`: more names, each "module:attribute". Skips as speculators_importing does."""
+    torch = pytest.importorskip("torch")
+    with speculators_importing("pip install --no-deps speculators==0.9.0"):
+        import speculators.models.dflash.core as core
+        from speculators.config import SpeculatorsConfig, VerifierConfig
+        from speculators.losses import eager
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+        family = importlib.import_module(f"speculators.models.{package}")
+        more = {}
+        for name, where in extra.items():
+            module, _, attr = where.partition(":")
+            more[name] = getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
+        Model, Config = getattr(family, model), getattr(family, config)
+    return types.SimpleNamespace(torch=torch, core=core, eager=eager, Model=Model, Config=Config,
+                                 SpeculatorsConfig=SpeculatorsConfig, VerifierConfig=VerifierConfig,
+                                 Greedy=GreedyTokenProposalConfig, **more)
+
+
+def speculators_block_model(sp, cfg, algorithm: str, state, *, embed, verifier_norm, verifier_head, **config):
+    """speculators' draft model of `algorithm` for our block-draft config `cfg` (a Qwen3 layer config of
+    its widths, eager attention, the greedy proposal), loaded strict from `state` (file name -> array,
+    our export's state dict) plus what a speculators checkpoint leaves to the verifier (its embedding,
+    final norm and lm_head rows), with lm_head's gradient opened (frozen there) so it is compared too;
+    fp32, in train mode. `config`: the family's own speculators config fields."""
+    from transformers import Qwen3Config
+
+    layer = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                     rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope.theta}, tie_word_embeddings=False)
+    layer._attn_implementation = "eager"  # plain masked softmax (flex attention needs a compiler)
+    spec = sp.SpeculatorsConfig(algorithm=algorithm,
+                                proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
+                                default_proposal_method="greedy",
+                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
+    conf = sp.Config(transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
+                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
+                     sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = sp.Model(conf)
+    t = lambda a: sp.torch.from_numpy(np.ascontiguousarray(np.array(a)))  # noqa: E731
+    weights = {k: t(v) for k, v in state.items()}
+    weights.update({"embed_tokens.weight": t(embed), "verifier_norm.weight": t(verifier_norm),
+                    "verifier_lm_head.weight": t(verifier_head)})
+    model.load_state_dict(weights, strict=True)
+    model.lm_head.weight.requires_grad_(True)
+    return model.float().train()
+
+
+@contextlib.contextmanager
+def speculators_anchors(sp, anchors, valid):
+    """While the body runs, speculators' select_anchors returns our anchors and their validity (row 0
+    of [1, N] arrays); yields the number of anchors (its max_anchors)."""
+    a = sp.torch.from_numpy(np.array(anchors[0], np.int64))
+    v = sp.torch.from_numpy(np.array(valid[0]))
+    orig = sp.core.select_anchors
+    sp.core.select_anchors = lambda loss_mask, num_anchors, block_size: (a.clone(), v.clone())
+    try:
+        yield len(a)
+    finally:
+        sp.core.select_anchors = orig
+
+
+def speculators_inputs(torch, batch) -> dict:
+    """A block-draft test batch (aux taps, ids, loss mask, the verifier's pre-norm final states,
+    segment ids, positions) as speculators' forward takes it: taps concatenated, documents numbered
+    with -1 for padding, int64 ids."""
+    doc = np.where(batch["segment_ids"] > 0, batch["segment_ids"], -1)  # speculators pads documents with -1
+    return dict(hidden_states=torch.from_numpy(np.concatenate(batch["aux"], -1)),
+                input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
+                loss_mask=torch.from_numpy(batch["loss_mask"]),
+                verifier_last_hidden_states=torch.from_numpy(batch["pre_norm"]),
+                document_ids=torch.from_numpy(doc.astype(np.int64)),
+                position_ids=torch.from_numpy(batch["positions"].astype(np.int64)))
+
+
+def jitter_params(params, seed: int, rule=None):
+    """Draft weights moved away from the init, reproducibly (numpy generator seed + 100, drawn in
+    tree order): every norm scale 1 +- 0.3 (normal), every other leaf `rule(path, x, rng)` (the
+    family's own, default unchanged)."""
+    rng = np.random.default_rng(seed + 100)
+
+    def jitter(path, x):
+        if path[-1].key == "scale":
+            return jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape), jnp.float32)
+        return x if rule is None else rule(path, x, rng)
+
+    return jax.tree_util.tree_map_with_path(jitter, params)

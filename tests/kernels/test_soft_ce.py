@@ -209,3 +209,38 @@ def test_fused_bad_inputs_name_the_problem(impl):
         fused_linear_soft_ce(wd["h"], wd["w"], teacher_hidden=wd["th"], implementation=impl)
     with pytest.raises(ValueError, match="unknown implementation"):
         fused_linear_soft_ce(wd["h"], wd["w"], teacher_logits=wd["tl"], implementation="cuda_magic")
+
+
+@pytest.mark.parametrize("kind", ["logits", "hidden"])
+def test_fused_softcap_xla_matches_the_capped_definition(kind):
+    """softcap c: the logits made from hidden states are c * tanh(z / c) (a given teacher's logits are
+    taken as they are); xla over 64-wide tiles equals the dense capped soft CE, loss and grads (f32,
+    2e-5 like the uncapped case), and a backend without the cap refuses it by name."""
+    wd = _world(2)
+    c = 2.5
+    cap = lambda z: c * jnp.tanh(z / c)
+
+    def f(h, w):
+        loss, amax = fused_linear_soft_ce(h, w, mask=wd["mask"], return_argmax=True, implementation="xla",
+                                          vocab_block=64, softcap=c, **_teacher(wd, kind))
+        return jnp.sum(jnp.sin(loss)), (loss, amax)
+
+    def dense(h, w):
+        d = cap(jnp.einsum("btd,vd->btv", h, w))
+        t = wd["tl"] if kind == "logits" else cap(jnp.einsum("btd,vd->btv", wd["th"], wd["tw"]))
+        loss = soft_cross_entropy(d, t, implementation="reference") * wd["mask"]
+        return jnp.sum(jnp.sin(loss)), (loss, jnp.argmax(d, -1))
+
+    (_, (loss, amax)), g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(wd["h"], wd["w"])
+    (_, (rloss, ramax)), rg = jax.value_and_grad(dense, argnums=(0, 1), has_aux=True)(wd["h"], wd["w"])
+    np.testing.assert_allclose(loss, rloss, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(amax, ramax)
+    for a, b in zip(g, rg):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    ref = fused_linear_soft_ce(wd["h"], wd["w"], mask=wd["mask"], implementation="reference", softcap=c,
+                               **_teacher(wd, kind))
+    np.testing.assert_allclose(ref, rloss, rtol=2e-5, atol=2e-5)
+    assert not np.allclose(fused_linear_soft_ce(wd["h"], wd["w"], mask=wd["mask"], **_teacher(wd, kind)), rloss,
+                           rtol=1e-3)  # the cap changes the value at these logit sizes
+    with pytest.raises(ValueError, match="soft-cap"):
+        fused_linear_soft_ce(wd["h"], wd["w"], implementation="xla_saved", softcap=c, **_teacher(wd, kind))

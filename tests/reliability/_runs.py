@@ -128,3 +128,40 @@ def save_small_checkpoints(directory, steps, keep=3):
     for step in steps:
         ckpt.save(mngr, step, small_state(step), meta={"step": step})
     return mngr
+
+
+def check_exported_block_head(run, head, target, *, family, layout, config_type, prompt, num_spec_tokens=3):
+    """What a trained block-draft run (DFlash's serving form) must give: run_meta.json names `family`;
+    the export at the end passes the validator as `layout`; specjax.eval reads it back as `config_type`
+    with `num_spec_tokens` draft tokens and decodes `prompt` losslessly (12 tokens, greedy); serve_cmd
+    prints vLLM's dflash method; `python -m specjax.export` re-exports the run from its checkpoint with
+    the same tensors. Returns the re-export's folder."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import SpecDecoder, load_draft
+    from specjax.export import export_run
+    from specjax.serve_cmd import build
+    from specjax.targets.loading import load_target
+    from specjax_converters.head_formats import errors, validate_folder
+
+    with open(os.path.join(run, "run_meta.json")) as f:
+        assert json.load(f)["draft_family"] == family
+    findings, info = validate_folder(head, target=target)
+    assert info["layout"] == layout and not errors(findings), [str(f) for f in findings]
+
+    draft = load_draft(head)
+    assert type(draft.config) is config_type and draft.config.num_draft_tokens == num_spec_tokens
+    tgt = load_target(target, dtype="float32")
+    greedy = generate(tgt, [prompt], max_new_tokens=12)[0][:12]
+    assert SpecDecoder(tgt, draft, num_spec_tokens=num_spec_tokens).generate(prompt, max_new_tokens=12).tokens == greedy
+
+    code, text = build(head, target, engine="vllm")
+    assert code == 0 and '"method": "dflash"' in text and f'"num_speculative_tokens": {num_spec_tokens}' in text, text
+
+    again = export_run(str(run), os.path.join(os.path.dirname(str(run)), "again"), dtype="float32")
+    first, second = (load_file(os.path.join(d, "model.safetensors")) for d in (head, again))
+    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
+    return again

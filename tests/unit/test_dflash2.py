@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import os
-import types
 import warnings
 
 import jax
@@ -29,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import speculators_importing
+from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+                           speculators_inputs)
 from specjax.drafts import dflash
 from specjax.drafts import dflash2 as D2
 from specjax.layers.norms import rms_norm
@@ -60,13 +60,8 @@ def make_cfg(block_size=4, num_layers=2, sample_from_anchor=False, top_k=16):
 def make_params(cfg, seed=0):
     """Random weights away from the init: kernels std 0.15, norm scales 1 +- 0.3, conv taps and
     deltas random, codebooks std 0.5 (so the selector moves the ranking)."""
-    params = D2.init_draft_params(cfg, jax.random.key(seed), std=0.15)
-    rng = np.random.default_rng(seed + 100)
-
-    def jitter(path, x):
+    def rule(path, x, rng):
         name = path[-1].key
-        if name == "scale":
-            return jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape), jnp.float32)
         if name == "base_kernel":
             return jnp.asarray(x + 0.4 * rng.standard_normal(x.shape), jnp.float32)
         if name.endswith("codebook"):
@@ -75,7 +70,7 @@ def make_params(cfg, seed=0):
             return jnp.asarray(0.2 * rng.standard_normal(x.shape), jnp.float32)
         return x
 
-    return jax.tree_util.tree_map_with_path(jitter, params)
+    return jitter_params(D2.init_draft_params(cfg, jax.random.key(seed), std=0.15), seed, rule)
 
 
 def make_batch(T=24, seed=0, docs=(14, 7), pad=3):
@@ -96,16 +91,22 @@ def make_batch(T=24, seed=0, docs=(14, 7), pad=3):
                 lm_head=(0.7 * rng.standard_normal((V, H))).astype(np.float32))
 
 
-def ours(params, cfg, batch, anchors, valid, gamma=4.0, alpha=1.0):
-    loss_cfg = D2.DFlash2LossConfig(num_anchors=anchors.shape[1], loss_decay_gamma=gamma, selector_loss_alpha=alpha,
-                                    anchor_chunk=3)
+def loss_inputs(batch, anchors, valid, vocab=None) -> dict:
+    """The block loss's keyword inputs for a make_batch batch and our anchors (the target's final states
+    its verifier norm of the pre-norm ones; `vocab`: the draft vocabulary's ids, when reduced)."""
     kw = dict(anchors=jnp.asarray(anchors), anchor_valid=jnp.asarray(valid), input_ids=jnp.asarray(batch["input_ids"]),
               loss_mask=jnp.asarray(batch["loss_mask"]), segment_ids=jnp.asarray(batch["segment_ids"]),
               positions=jnp.asarray(batch["positions"]), aux_hidden=[jnp.asarray(a) for a in batch["aux"]],
               embed_table=jnp.asarray(batch["embed"]),
               final_hidden=rms_norm(jnp.asarray(batch["pre_norm"]), jnp.asarray(batch["verifier_norm"]), 1e-6),
               lm_head=jnp.asarray(batch["lm_head"]))
-    (loss, m), grads = loss_and_grads(params, cfg, loss_cfg, kw)
+    return kw if vocab is None else dict(kw, draft_ids=jnp.asarray(vocab.draft_ids, jnp.int32))
+
+
+def ours(params, cfg, batch, anchors, valid, gamma=4.0, alpha=1.0):
+    loss_cfg = D2.DFlash2LossConfig(num_anchors=anchors.shape[1], loss_decay_gamma=gamma, selector_loss_alpha=alpha,
+                                    anchor_chunk=3)
+    (loss, m), grads = loss_and_grads(params, cfg, loss_cfg, loss_inputs(batch, anchors, valid))
     return float(loss), jax.device_get(m), jax.device_get(grads)
 
 
@@ -119,18 +120,8 @@ def loss_and_grads(params, cfg, loss_cfg, kw):
 # (1) speculators
 # ---------------------------------------------------------------------------------------------
 def import_speculators_dflash2():
-    torch = pytest.importorskip("torch")
-    with speculators_importing("pip install --no-deps speculators==0.9.0"):
-        import speculators.models.dflash.core as core
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses import eager
-        from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
-        from speculators.models.dflash2.metrics import selector_training_candidates
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-    return types.SimpleNamespace(torch=torch, core=core, eager=eager, Model=DFlash2DraftModel,
-                                 Config=DFlash2SpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
-                                 VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig,
-                                 candidates=selector_training_candidates)
+    return import_speculators("dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig",
+                              candidates="speculators.models.dflash2.metrics:selector_training_candidates")
 
 
 def verifier_weights(sp, batch):
@@ -140,55 +131,26 @@ def verifier_weights(sp, batch):
 
 
 def speculators_model(sp, cfg, params, batch):
-    from transformers import Qwen3Config
-
-    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, rms_norm_eps=cfg.rms_norm_eps,
-                     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                     tie_word_embeddings=False)
-    tl._attn_implementation = "eager"  # plain masked softmax (flex attention needs a compiler)
-    spec = sp.SpeculatorsConfig(algorithm="dflash2", proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
-                                default_proposal_method="greedy",
-                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
-    conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=V, block_size=cfg.block_size,
-                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
-                     sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec,
-                     conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
-                     selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = sp.Model(conf)
-    state = {k: sp.torch.from_numpy(np.array(v)) for k, v in dflash2_state_dict(params, cfg, "float32").items()}
-    model.load_state_dict({**state, **verifier_weights(sp, batch)}, strict=True)
-    model.lm_head.weight.requires_grad_(True)  # frozen there; opened so its gradient is compared too
-    return model.float().train()
+    return speculators_block_model(
+        sp, cfg, "dflash2", dflash2_state_dict(params, cfg, "float32"), embed=batch["embed"],
+        verifier_norm=batch["verifier_norm"], verifier_head=batch["lm_head"], conv_kernel_size=cfg.conv_kernel_size,
+        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
 def speculators_run(sp, model, batch, anchors, valid, gamma=4.0, alpha=1.0):
     torch = sp.torch
-    a, v = torch.from_numpy(np.array(anchors[0], np.int64)), torch.from_numpy(np.array(valid[0]))
-    orig = sp.core.select_anchors
-    sp.core.select_anchors = lambda loss_mask, num_anchors, block_size: (a.clone(), v.clone())
-    try:
-        doc = np.where(batch["segment_ids"] > 0, batch["segment_ids"], -1)
-        kw = dict(hidden_states=torch.from_numpy(np.concatenate(batch["aux"], -1)),
-                  input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
-                  loss_mask=torch.from_numpy(batch["loss_mask"]),
-                  verifier_last_hidden_states=torch.from_numpy(batch["pre_norm"]),
-                  document_ids=torch.from_numpy(doc.astype(np.int64)),
-                  position_ids=torch.from_numpy(batch["positions"].astype(np.int64)))
+    with speculators_anchors(sp, anchors, valid) as n_anchors:
+        kw = speculators_inputs(torch, batch)
         with torch.no_grad():
-            hidden, logits, targets, _, idx = model._backbone_forward(**kw, max_anchors=len(a))
+            hidden, logits, targets, _, idx = model._backbone_forward(**kw, max_anchors=n_anchors)
             cand = logits.topk(model.candidate_selector.top_k, dim=-1).indices
             train_cand, _, _ = sp.candidates(cand, targets.argmax(-1))
             scores = model.candidate_selector.score_candidates(
                 logits, hidden, model._predecessor_ids(kw["input_ids"], idx).reshape(1, -1), train_cand)
         model.zero_grad()
         _, loss, metrics = model(**kw, loss_config={"kl_div": (sp.eager.kl_div_loss, 1.0)}, tv_loss_fn=sp.eager.tv_loss,
-                                 gamma=gamma, max_anchors=len(a), selector_loss_alpha=alpha)
+                                 gamma=gamma, max_anchors=n_anchors, selector_loss_alpha=alpha)
         loss.backward()
-    finally:
-        sp.core.select_anchors = orig
     grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     return (float(loss.detach()), {k: float(x) for k, x in metrics.items()}, grads, logits.numpy(), scores.numpy(),
             train_cand.numpy())

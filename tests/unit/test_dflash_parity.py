@@ -18,7 +18,6 @@ breaks that tolerance.
 from __future__ import annotations
 
 import functools
-import types
 import warnings
 
 import jax
@@ -26,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import speculators_importing
+from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+                           speculators_inputs)
 from specjax.drafts import dflash as D
 from specjax.drafts.vocab import DraftVocab
 from specjax.layers.norms import rms_norm
@@ -57,15 +57,7 @@ def make_cfg(vd=VD, block_size=4, num_layers=2, sample_from_anchor=False):
 
 def make_params(cfg, seed=0):
     """Random weights away from the init (kernels std 0.15, norm scales 1 +- 0.3)."""
-    params = D.init_draft_params(cfg, jax.random.key(seed), std=0.15)
-    rng = np.random.default_rng(seed + 100)
-
-    def jitter(path, x):
-        if path[-1].key == "scale":
-            return jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape), jnp.float32)
-        return x
-
-    return jax.tree_util.tree_map_with_path(jitter, params)
+    return jitter_params(D.init_draft_params(cfg, jax.random.key(seed), std=0.15), seed)
 
 
 def make_vocab(vd, seed=0):
@@ -132,71 +124,27 @@ def exported(params, cfg, vocab) -> dict:
 def import_speculators_dflash():
     """speculators' DFlash model without its training-data stack: `speculators/__init__` imports
     `datasets` (only its offline loader uses it); a stand-in sits in sys.modules during the import."""
-    torch = pytest.importorskip("torch")
-    with speculators_importing("pip install --no-deps speculators==0.9.0"):
-        import speculators.models.dflash.core as core
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses import eager
-        from speculators.models import metrics as spec_metrics
-        from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-    return types.SimpleNamespace(torch=torch, core=core, eager=eager, metrics=spec_metrics, Model=DFlashDraftModel,
-                                 Config=DFlashSpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
-                                 VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig)
+    return import_speculators("dflash", "DFlashDraftModel", "DFlashSpeculatorConfig",
+                              metrics="speculators.models.metrics")
 
 
 def speculators_model(sp, cfg, params, vocab, batch):
-    from transformers import Qwen3Config
-
-    torch = sp.torch
-    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, rms_norm_eps=cfg.rms_norm_eps,
-                     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                     tie_word_embeddings=False)
-    tl._attn_implementation = "eager"  # plain masked softmax (flex attention needs a compiler)
-    spec = sp.SpeculatorsConfig(algorithm="dflash", proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
-                                default_proposal_method="greedy",
-                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
-    conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
-                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
-                     sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = sp.Model(conf)
-    state = {k: torch.from_numpy(np.array(v)) for k, v in exported(params, cfg, vocab).items()}
-    # what a speculators checkpoint leaves to the verifier: its embedding, final norm and head rows
-    state["embed_tokens.weight"] = torch.from_numpy(batch["embed"])
-    state["verifier_norm.weight"] = torch.from_numpy(batch["verifier_norm"])
     rows = batch["lm_head_full"] if vocab is None else batch["lm_head_full"][vocab.draft_ids]
-    state["verifier_lm_head.weight"] = torch.from_numpy(np.ascontiguousarray(rows))
-    model.load_state_dict(state, strict=True)
-    model.lm_head.weight.requires_grad_(True)  # frozen in speculators; opened so its gradient is compared too
-    return model.float().train()
+    return speculators_block_model(sp, cfg, "dflash", exported(params, cfg, vocab), embed=batch["embed"],
+                                   verifier_norm=batch["verifier_norm"], verifier_head=rows)
 
 
 def speculators_run(sp, model, cfg, batch, anchors, valid, gamma):
     """speculators' own DFlash forward (logits) and loss + gradients, with our anchors."""
     torch = sp.torch
-    a = torch.from_numpy(np.array(anchors[0], np.int64))
-    v = torch.from_numpy(np.array(valid[0]))
-    orig = sp.core.select_anchors
-    sp.core.select_anchors = lambda loss_mask, num_anchors, block_size: (a.clone(), v.clone())
-    try:
-        doc = np.where(batch["segment_ids"] > 0, batch["segment_ids"], -1)  # speculators pads documents with -1
-        kw = dict(hidden_states=torch.from_numpy(np.concatenate(batch["aux"], -1)),
-                  input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
-                  loss_mask=torch.from_numpy(batch["loss_mask"]),
-                  verifier_last_hidden_states=torch.from_numpy(batch["pre_norm"]),
-                  document_ids=torch.from_numpy(doc.astype(np.int64)),
-                  position_ids=torch.from_numpy(batch["positions"].astype(np.int64)))
+    with speculators_anchors(sp, anchors, valid) as n_anchors:
+        kw = speculators_inputs(torch, batch)
         with torch.no_grad():
-            _, logits, _, _, _ = model._backbone_forward(**kw, max_anchors=len(a))
+            _, logits, _, _, _ = model._backbone_forward(**kw, max_anchors=n_anchors)
         model.zero_grad()
         _, loss, metrics = model(**kw, loss_config={"kl_div": (sp.eager.kl_div_loss, 1.0)}, gamma=gamma,
-                                 max_anchors=len(a))
+                                 max_anchors=n_anchors)
         loss.backward()
-    finally:
-        sp.core.select_anchors = orig
     grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), {k: float(v) for k, v in metrics.items()}, grads, logits.detach().numpy()
 

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import speculators_importing
+from export._heads import import_speculators, speculators_block_model
 from specjax.drafts import dflash as D
 from specjax.drafts import dspark as P
 from specjax.layers.norms import rms_norm
-from unit.test_dflash_parity import H, HD, NH, NKV, TAPS, V, VD, I, MASK, make_batch, make_cfg, make_vocab, rel_err
+from unit.test_dflash_parity import H, TAPS, V, VD, MASK, make_batch, make_cfg, make_vocab, rel_err
 
 TOL = 1e-5
 R = 6  # markov rank
@@ -85,46 +83,15 @@ def ours(params, cfg, batch, anchors, valid, vocab, gamma, alpha):
 
 
 def import_speculators_dspark():
-    torch = pytest.importorskip("torch")
-    with speculators_importing("pip install --no-deps speculators==0.9.0"):
-        import speculators.models.dflash.core as core
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses import eager
-        from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-    return types.SimpleNamespace(torch=torch, core=core, eager=eager, Model=DSparkDraftModel,
-                                 Config=DSparkSpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
-                                 VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig)
+    return import_speculators("dspark", "DSparkDraftModel", "DSparkSpeculatorConfig")
 
 
 def speculators_model(sp, cfg, params, vocab, batch):
-    from transformers import Qwen3Config
-
-    torch = sp.torch
-    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, rms_norm_eps=cfg.rms_norm_eps,
-                     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                     tie_word_embeddings=False)
-    tl._attn_implementation = "eager"
-    spec = sp.SpeculatorsConfig(algorithm="dspark", proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
-                                default_proposal_method="greedy",
-                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
-    conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
-                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
-                     sample_from_anchor=cfg.sample_from_anchor, markov_rank=cfg.markov_rank,
-                     markov_head_type="vanilla", enable_confidence_head=cfg.enable_confidence_head,
-                     confidence_head_with_markov=cfg.confidence_head_with_markov, speculators_config=spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = sp.Model(conf)
-    state = {k: torch.from_numpy(np.array(v)) for k, v in exported(params, cfg, vocab).items()}
-    state["embed_tokens.weight"] = torch.from_numpy(batch["embed"])
-    state["verifier_norm.weight"] = torch.from_numpy(batch["verifier_norm"])
     rows = batch["lm_head_full"] if vocab is None else batch["lm_head_full"][vocab.draft_ids]
-    state["verifier_lm_head.weight"] = torch.from_numpy(np.ascontiguousarray(rows))
-    model.load_state_dict(state, strict=True)
-    model.lm_head.weight.requires_grad_(True)  # frozen in speculators; opened so its gradient is compared too
-    return model.float().train()
+    return speculators_block_model(
+        sp, cfg, "dspark", exported(params, cfg, vocab), embed=batch["embed"], verifier_norm=batch["verifier_norm"],
+        verifier_head=rows, markov_rank=cfg.markov_rank, markov_head_type="vanilla",
+        enable_confidence_head=cfg.enable_confidence_head, confidence_head_with_markov=cfg.confidence_head_with_markov)
 
 
 def speculators_run(sp, model, batch, anchors, valid, gamma, alpha):

@@ -157,6 +157,83 @@ def test_feature_noise_is_uniform_in_the_half_width_and_off_for_evaluation(case)
     assert all(np.all(np.isfinite(g)) and np.any(g != 0) for g in jax.tree.leaves(grads))
 
 
+def dense_token_loss(pred, nxt, lm_head, rows, softcap=None):
+    """The token loss as it was written before the fused op: full [B, T, V] fp32 logits."""
+    def logits(f, w):
+        z = jnp.einsum("btd,vd->btv", f.astype(jnp.float32), w.astype(jnp.float32))
+        return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+    teacher = jax.lax.stop_gradient(logits(nxt, lm_head))
+    student = logits(pred, jax.lax.stop_gradient(lm_head))
+    ce = -jnp.sum(jax.nn.softmax(teacher, -1) * jax.nn.log_softmax(student, -1), -1)
+    acc = jnp.sum((jnp.argmax(student, -1) == jnp.argmax(teacher, -1)) * rows)
+    return jnp.sum(ce * rows) / jnp.maximum(jnp.sum(rows), 1.0), acc / jnp.maximum(jnp.sum(rows), 1.0)
+
+
+def dense_loss(c, objective, softcap=None):
+    """eagle1_loss with the dense token loss above (regression term and rows as in eagle1_loss)."""
+    def f(params):
+        feat = jnp.asarray(c["final"])
+        emb = jnp.take(jnp.asarray(c["embed"]), eagle1.shift_left(jnp.asarray(c["ids"]), 1), axis=0)
+        pred = eagle1.draft_forward(params, CFG, emb, feat, jnp.asarray(c["pos"]), jnp.asarray(c["seg"]))
+        nxt = eagle1.shift_left(feat, 1)
+        rows = eagle1.loss_rows(jnp.asarray(c["mask"]), jnp.asarray(c["seg"]))
+        n = jnp.maximum(jnp.sum(rows), 1.0)
+        reg = jnp.sum(jnp.mean(eagle1.smooth_l1(pred - nxt), -1) * rows) / n
+        tok, acc = dense_token_loss(pred, nxt, jnp.asarray(c["lm_head"]), rows, softcap)
+        return objective.regression_weight * reg + objective.token_weight * tok, (tok, acc)
+    return f
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_token_loss_equals_the_dense_form_with_its_gradients(case, softcap):
+    """The token loss runs through the fused soft CE (no [B,T,V] logits); loss, token loss, accuracy
+    and every parameter gradient equal the dense fp32 form to 1e-5 relative (CPU, fp32), with and
+    without a target soft-cap; token weight 1 so the token term dominates the gradient."""
+    obj = eagle1.Eagle1Objective(token_weight=1.0, feature_noise=0.0)
+    c = case
+    new = lambda p: jax_loss(dict(c, params=p), obj) if softcap is None else eagle1.eagle1_loss(
+        p, CFG, obj, input_ids=jnp.asarray(c["ids"]), loss_mask=jnp.asarray(c["mask"]),
+        segment_ids=jnp.asarray(c["seg"]), positions=jnp.asarray(c["pos"]), final_hidden=jnp.asarray(c["final"]),
+        embed_table=jnp.asarray(c["embed"]), lm_head=jnp.asarray(c["lm_head"]), logit_softcap=softcap)
+    (got, m), g_new = jax.value_and_grad(new, has_aux=True)(c["params"])
+    (want, (tok, acc)), g_old = jax.value_and_grad(dense_loss(c, obj, softcap), has_aux=True)(c["params"])
+    assert rel(got, want) < 1e-5 and rel(m["loss_token"], tok) < 1e-5
+    assert float(m["tau_sim"]) == pytest.approx(float(acc), abs=1e-7)
+    for a, b in zip(jax.tree.leaves(g_new), jax.tree.leaves(g_old)):
+        assert rel(a, b) < 1e-5
+
+
+def test_token_loss_holds_no_full_vocab_logits():
+    """At a vocab of 20000 (tiles of 4000), no array in the loss-and-gradient program has B*T*V
+    elements or more with a V-wide last axis: the [B, T, V] logits are never formed."""
+    Vb, B, Tb, Hb = 20000, 1, 8, 16
+    cfg = dataclasses.replace(CFG, hidden_size=Hb, intermediate_size=24, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=Vb)
+    rng = np.random.default_rng(1)
+    params = eagle1.init_draft_params(cfg, jax.random.key(0))
+    kw = dict(input_ids=jnp.asarray(rng.integers(0, Vb, (B, Tb)), jnp.int32), loss_mask=jnp.ones((B, Tb), jnp.int32),
+              segment_ids=jnp.ones((B, Tb), jnp.int32), positions=jnp.arange(Tb, dtype=jnp.int32)[None],
+              final_hidden=jnp.asarray(rng.standard_normal((B, Tb, Hb)), jnp.float32),
+              embed_table=jnp.asarray(rng.standard_normal((Vb, Hb)), jnp.float32),
+              lm_head=jnp.asarray(rng.standard_normal((Vb, Hb)), jnp.float32))
+    loss = lambda p: eagle1.eagle1_loss(p, cfg, NOISE_OFF, **kw)[0]
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from shapes(sub)
+
+    seen = list(shapes(jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr))
+    assert seen and not [s for s in seen if s and s[-1] >= Vb and np.prod(s) >= B * Tb * Vb]
+    # the check can fail: the dense form holds [B, T, V] logits
+    dense = lambda p: dense_token_loss(jnp.einsum("btd,dk->btk", kw["final_hidden"], p), kw["final_hidden"],
+                                       kw["lm_head"], jnp.ones((B, Tb)))[0]
+    seen = list(shapes(jax.make_jaxpr(jax.grad(dense))(jnp.eye(Hb)).jaxpr))
+    assert (B, Tb, Vb) in seen
+
+
 def test_the_cached_decoding_layer_equals_the_training_forward(case):
     c = case
     ids, final = jnp.asarray(c["ids"][1:]), jnp.asarray(c["final"][1:])

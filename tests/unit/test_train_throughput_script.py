@@ -124,3 +124,44 @@ def test_qwen3_5_moe_flops_and_both_systems_on_the_same_tiny_target():
         assert "error" not in line[s], line[s]
         assert line[s]["finite"] and line[s]["tokens_per_s"] > 0
     assert line["specjax"]["loss_first"] == pytest.approx(line["specforge"]["loss_first"], rel=2e-3)
+
+
+def test_tiny_summary_shows_a_system_given_with_options(tmp_path, capsys):
+    """--systems specjax:q_block=16 alone: the summary row is the measured one, under the full label
+    (it used to look up the bare "specjax" and print {'error': 'not run'})."""
+    res = tt.main(["--tiny", "--no-maxlen", "--no-sharegpt", "--systems", "specjax:q_block=16",
+                   "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    (line,) = res["models"]["llama3_8b"]["summary"]
+    assert set(line) == {"model", "job", "specjax:q_block=16"}, line  # no rows for systems not asked for
+    r = line["specjax:q_block=16"]
+    assert "error" not in r, r
+    (row,) = [x for x in res["models"]["llama3_8b"]["rows"] if x.get("job") == "fixed_32"]
+    assert row["system"] == "specjax:q_block=16"
+    assert r["step_s"] == row["step_s"] and r["tokens_per_s"] == pytest.approx(4 * 128 / row["time_s"], rel=1e-12)
+    assert "not run" not in printed
+    (text,) = [x for x in printed.splitlines() if "fixed_32" in x]
+    assert "specjax:q_block=16" in text and f"{r['tokens_per_s']:9.0f} tok/s" in text
+
+
+def test_summary_ratios_of_a_variant():
+    """A variant's row carries its tokens/s against SpecForge and plain specjax (exact ratios of the
+    rows' times), and the printed table shows each system under its label with those ratios."""
+    job = {"name": "fixed_4", "kind": "fixed", "seq": 4, "batch": 2, "steps": 2}
+    plan = {"model": "m", "hf": HF, "K": 2, "Vd": 5, "jobs": [job]}
+    times = {"specjax": 1.0, "specforge": 4.0, "specjax:q_block=512": 0.5}
+    rows = [{"system": s, "job": "fixed_4", "ok": True, "time_s": t, "step_s": t / 2,
+             "losses": [2.0, 1.5, 1.2, 1.1]} for s, t in times.items()]
+    (line,) = tt.summarise(plan, rows, ["specjax:q_block=512", "specforge"])
+    assert "specjax" not in line and "ratio" not in line
+    assert line["ratio specjax:q_block=512 / specforge"] == pytest.approx(8.0, rel=1e-12)
+    (line,) = tt.summarise(plan, rows)  # default: specjax, specforge and the variants with rows
+    assert line["ratio"] == pytest.approx(4.0, rel=1e-12)
+    assert line["ratio specjax:q_block=512 / specforge"] == pytest.approx(8.0, rel=1e-12)
+    assert line["ratio specjax:q_block=512 / specjax"] == pytest.approx(2.0, rel=1e-12)
+    text = tt.summary_text("m", line)
+    assert len(text) == 3 and not any("not run" in t for t in text)
+    (v,) = [t for t in text if "specjax:q_block=512 " in t.split("|")[0]]
+    assert "specjax:q_block=512 / specforge 8.000" in v and "specjax:q_block=512 / specjax 2.000" in v
+    (sj,) = [t for t in text if t.split()[2] == "specjax"]
+    assert "specjax / specforge 4.000" in sj

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import types
 import warnings
 
 import jax
@@ -27,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import speculators_importing
+from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+                           speculators_inputs)
 from specjax.drafts import dflash
 from specjax.drafts import xpress as X
 from specjax.drafts.vocab import DraftVocab
@@ -35,7 +35,7 @@ from specjax.drafts.xpress_weights import XPRESS_WEIGHTS
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import RopeSpec
 from specjax_converters.dflash2_export import speculators_state_dict
-from test_dflash2 import HD, I, MASK, NH, NKV, TAPS, H, V, make_batch, rel_err
+from test_dflash2 import HD, I, MASK, NH, NKV, TAPS, H, V, loss_inputs, make_batch, rel_err
 
 TOL = 1e-5
 
@@ -51,20 +51,15 @@ def make_cfg(vd=24, sample_from_anchor=False, block_size=4):
 
 
 def make_params(cfg, seed=0):
-    params = X.init_draft_params(cfg, jax.random.key(seed), std=0.15)
-    rng = np.random.default_rng(seed + 100)
-
-    def jitter(path, x):
+    def rule(path, x, rng):
         name = path[-1].key
-        if name == "scale":
-            return jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape), jnp.float32)
         if name in ("mix_l", "embedding"):
             return jnp.asarray(0.5 * rng.standard_normal(x.shape), jnp.float32)
         if name == "kernel" and path[0].key == "refiner_head":
             return jnp.asarray(0.4 * rng.standard_normal(x.shape), jnp.float32)
         return x
 
-    return jax.tree_util.tree_map_with_path(jitter, params)
+    return jitter_params(X.init_draft_params(cfg, jax.random.key(seed), std=0.15), seed, rule)
 
 
 def make_vocab(vd, seed=0):
@@ -73,14 +68,7 @@ def make_vocab(vd, seed=0):
 
 def ours(params, cfg, batch, anchors, valid, vocab):
     loss_cfg = X.XPressLossConfig(num_anchors=anchors.shape[1], anchor_chunk=3)
-    kw = dict(anchors=jnp.asarray(anchors), anchor_valid=jnp.asarray(valid), input_ids=jnp.asarray(batch["input_ids"]),
-              loss_mask=jnp.asarray(batch["loss_mask"]), segment_ids=jnp.asarray(batch["segment_ids"]),
-              positions=jnp.asarray(batch["positions"]), aux_hidden=[jnp.asarray(a) for a in batch["aux"]],
-              embed_table=jnp.asarray(batch["embed"]),
-              final_hidden=rms_norm(jnp.asarray(batch["pre_norm"]), jnp.asarray(batch["verifier_norm"]), 1e-6),
-              lm_head=jnp.asarray(batch["lm_head"]),
-              draft_ids=None if vocab is None else jnp.asarray(vocab.draft_ids, jnp.int32))
-    (loss, m), grads = loss_and_grads(params, cfg, loss_cfg, kw)
+    (loss, m), grads = loss_and_grads(params, cfg, loss_cfg, loss_inputs(batch, anchors, valid, vocab))
     return float(loss), jax.device_get(m), jax.device_get(grads)
 
 
@@ -94,68 +82,28 @@ def loss_and_grads(params, cfg, loss_cfg, kw):
 # (1) speculators
 # ---------------------------------------------------------------------------------------------
 def import_speculators_xpress():
-    torch = pytest.importorskip("torch")
-    with speculators_importing("pip install --no-deps speculators==0.9.0"):
-        import speculators.models.dflash.core as core
-        from speculators.config import SpeculatorsConfig, VerifierConfig
-        from speculators.losses import eager
-        from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
-        from speculators.proposals.greedy import GreedyTokenProposalConfig
-    return types.SimpleNamespace(torch=torch, core=core, eager=eager, Model=XPressDraftModel,
-                                 Config=XPressSpeculatorConfig, SpeculatorsConfig=SpeculatorsConfig,
-                                 VerifierConfig=VerifierConfig, Greedy=GreedyTokenProposalConfig)
+    return import_speculators("xpress", "XPressDraftModel", "XPressSpeculatorConfig")
 
 
 def speculators_model(sp, cfg, params, batch, vocab):
-    from transformers import Qwen3Config
-
-    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, rms_norm_eps=cfg.rms_norm_eps,
-                     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                     tie_word_embeddings=False)
-    tl._attn_implementation = "eager"
-    spec = sp.SpeculatorsConfig(algorithm="xpress", proposal_methods=[sp.Greedy(speculative_tokens=cfg.num_draft_tokens)],
-                                default_proposal_method="greedy",
-                                verifier=sp.VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))
-    conf = sp.Config(transformer_layer_config=tl, draft_vocab_size=cfg.draft_vocab_size, block_size=cfg.block_size,
-                     aux_hidden_state_layer_ids=[i + 1 for i in cfg.aux_layer_ids], mask_token_id=cfg.mask_token_id,
-                     sample_from_anchor=cfg.sample_from_anchor, speculators_config=spec, xpress_rank=cfg.xpress_rank,
-                     xpress_mlp_ratio=cfg.xpress_mlp_ratio, num_jacobi_passes=cfg.num_jacobi_passes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = sp.Model(conf)
-    t = lambda a: sp.torch.from_numpy(np.array(a))  # noqa: E731
-    state = {k: t(v) for k, v in speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32").items()}
     rows = batch["lm_head"] if vocab is None else batch["lm_head"][vocab.draft_ids]
-    state.update({"embed_tokens.weight": t(batch["embed"]), "verifier_norm.weight": t(batch["verifier_norm"]),
-                  "verifier_lm_head.weight": t(rows)})
-    model.load_state_dict(state, strict=True)
-    model.lm_head.weight.requires_grad_(True)
-    return model.float().train()
+    return speculators_block_model(
+        sp, cfg, "xpress", speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32"), embed=batch["embed"],
+        verifier_norm=batch["verifier_norm"], verifier_head=rows, xpress_rank=cfg.xpress_rank,
+        xpress_mlp_ratio=cfg.xpress_mlp_ratio, num_jacobi_passes=cfg.num_jacobi_passes)
 
 
 def speculators_run(sp, model, batch, anchors, valid):
     torch = sp.torch
-    a, v = torch.from_numpy(np.array(anchors[0], np.int64)), torch.from_numpy(np.array(valid[0]))
-    orig = sp.core.select_anchors
-    sp.core.select_anchors = lambda loss_mask, num_anchors, block_size: (a.clone(), v.clone())
-    try:
-        doc = np.where(batch["segment_ids"] > 0, batch["segment_ids"], -1)
-        kw = dict(hidden_states=torch.from_numpy(np.concatenate(batch["aux"], -1)),
-                  input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
-                  loss_mask=torch.from_numpy(batch["loss_mask"]),
-                  verifier_last_hidden_states=torch.from_numpy(batch["pre_norm"]),
-                  document_ids=torch.from_numpy(doc.astype(np.int64)),
-                  position_ids=torch.from_numpy(batch["positions"].astype(np.int64)))
+    with speculators_anchors(sp, anchors, valid) as n_anchors:
+        kw = speculators_inputs(torch, batch)
         with torch.no_grad():
-            _, logits, _, _, _ = model._backbone_forward(**kw, max_anchors=len(a))
+            _, logits, _, _, _ = model._backbone_forward(**kw, max_anchors=n_anchors)
         model.zero_grad()
         _, loss, metrics = model(**kw, loss_config={"ce": (sp.eager.ce_loss, 0.1), "tv": (sp.eager.tv_loss, 0.9)},
-                                 gamma=4.0, max_anchors=len(a), consistency_weight=0.3, consistency_passes=3,
+                                 gamma=4.0, max_anchors=n_anchors, consistency_weight=0.3, consistency_passes=3,
                                  base_anchor_weight=0.6)
         loss.backward()
-    finally:
-        sp.core.select_anchors = orig
     grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), {k: float(x) for k, x in metrics.items()}, grads, logits.numpy()
 

@@ -30,14 +30,14 @@ def _reference():
     from specjax_kernels.soft_ce import reference
 
     def fused(hidden, lm_head, teacher_logits=None, teacher_hidden=None, teacher_head=None, mask=None,
-              vocab_block=None):
+              vocab_block=None, softcap=None):
         from specjax_kernels.soft_ce.common import check_inputs
         check_inputs(hidden, lm_head, teacher_logits, teacher_hidden, teacher_head, mask)
         lead = hidden.shape[:-1]
         flat = lambda x: None if x is None else x.reshape(-1, x.shape[-1])
         loss, amax = reference.fused_linear_soft_ce(flat(hidden), lm_head, flat(teacher_logits),
                                                     flat(teacher_hidden), teacher_head,
-                                                    None if mask is None else mask.reshape(-1))
+                                                    None if mask is None else mask.reshape(-1), softcap)
         return loss.reshape(lead), amax.reshape(lead)
 
     return {"fused": fused, "logits": lambda d, t, vocab_block=None: reference.soft_cross_entropy(d, t)}
@@ -92,9 +92,12 @@ PREFERENCE = {"cpu": ["xla", "reference"], "gpu": ["xla", "triton", "reference"]
               "tpu": ["pallas_tpu", "xla", "reference"]}
 
 
+SOFTCAP_IMPLEMENTATIONS = ("xla", "reference")  # the backends that take `softcap`
+
+
 def fused_linear_soft_ce(hidden, lm_head, *, teacher_logits=None, teacher_hidden=None, teacher_head=None,
                          mask=None, return_argmax: bool = False, implementation: Optional[str] = None,
-                         vocab_block: Optional[int] = None):
+                         vocab_block: Optional[int] = None, softcap: Optional[float] = None):
     """Soft-target CE of the draft logits hidden @ lm_head.T against the teacher's softmax.
 
     hidden [...,H] (bf16 or f32), lm_head [Vd,H]; teacher: teacher_logits [...,Vd], or teacher_hidden
@@ -102,10 +105,21 @@ def fused_linear_soft_ce(hidden, lm_head, *, teacher_logits=None, teacher_hidden
     xla_saved); mask [...]
     (row weights; 0 drops a row). Returns the per-row loss [...] f32 (mask applied), and with
     return_argmax=True also the draft logits' argmax [...] int32 (first index on ties) for accuracy
-    metrics. Gradients flow to hidden and lm_head only."""
-    _, fns = select("soft_ce", IMPLEMENTATIONS, PREFERENCE, implementation)
+    metrics. Gradients flow to hidden and lm_head only. `softcap` c: the logits computed from hidden
+    states (the draft's, and teacher_hidden's) are c * tanh(logits / c), a target's final-logit
+    soft-cap; only SOFTCAP_IMPLEMENTATIONS take it (None / "auto" then picks xla)."""
+    if softcap is None:
+        _, fns = select("soft_ce", IMPLEMENTATIONS, PREFERENCE, implementation)
+        extra = {}
+    else:
+        implementation = "xla" if implementation in (None, "auto") else implementation
+        if implementation not in SOFTCAP_IMPLEMENTATIONS:
+            raise ValueError(f"soft_ce: implementation {implementation!r} has no logit soft-cap; with softcap use one "
+                             f"of {list(SOFTCAP_IMPLEMENTATIONS)} (kernels.soft_ce=xla)")
+        _, fns = select("soft_ce", IMPLEMENTATIONS, PREFERENCE, implementation)
+        extra = {"softcap": float(softcap)}
     loss, amax = fns["fused"](hidden, lm_head, teacher_logits=teacher_logits, teacher_hidden=teacher_hidden,
-                              teacher_head=teacher_head, mask=mask, vocab_block=vocab_block)
+                              teacher_head=teacher_head, mask=mask, vocab_block=vocab_block, **extra)
     return (loss, amax) if return_argmax else loss
 
 

@@ -16,15 +16,18 @@ def soft_cross_entropy(draft_logits: jnp.ndarray, teacher_logits: jnp.ndarray) -
     return jax.nn.logsumexp(d, axis=-1) - jnp.sum(p * d, axis=-1)
 
 
-def fused_linear_soft_ce(hidden, lm_head, teacher_logits=None, teacher_hidden=None, teacher_head=None, mask=None):
+def fused_linear_soft_ce(hidden, lm_head, teacher_logits=None, teacher_hidden=None, teacher_head=None, mask=None,
+                         softcap=None):
     """The fused op's definition: logits = hidden @ lm_head.T materialised in fp32.
 
     hidden [N,H], lm_head [Vd,H]; the teacher is teacher_logits [N,Vd], or teacher_hidden [N,Ht] @
-    teacher_head[Vd,Ht].T. Returns (loss [N] fp32, zero where mask == 0; argmax of the draft logits [N])."""
+    teacher_head[Vd,Ht].T. `softcap` c: the logits computed here (not given teacher logits) are
+    c * tanh(logits / c). Returns (loss [N] fp32, zero where mask == 0; argmax of the draft logits [N])."""
     f32 = jnp.float32
-    d = jnp.einsum("nh,vh->nv", hidden, lm_head, preferred_element_type=f32)
+    cap = (lambda x: x) if softcap is None else (lambda x: softcap * jnp.tanh(x / softcap))
+    d = cap(jnp.einsum("nh,vh->nv", hidden, lm_head, preferred_element_type=f32))
     if teacher_logits is None:
-        teacher_logits = jnp.einsum("nh,vh->nv", teacher_hidden, teacher_head, preferred_element_type=f32)
+        teacher_logits = cap(jnp.einsum("nh,vh->nv", teacher_hidden, teacher_head, preferred_element_type=f32))
     loss = soft_cross_entropy(d, teacher_logits)
     if mask is not None:
         loss = loss * mask.astype(f32)

@@ -5,6 +5,9 @@ Forward per tile: d = h @ W_tile.T (f32 accumulation), t = teacher tile; running
 Backward per tile: the same logits again, dd = g * (exp(d - lse_d) - exp(t - lse_t)) in the
 input dtype, dh += dd @ W_tile, dW_tile = dd.T @ h. Live memory is one [N, tile] block, never
 [N, Vd] in f32 (the gradient w.r.t. given logits is [N, Vd] by definition, in their dtype).
+`softcap` c (the fused op only): the logits computed here, the draft's and a teacher given as
+hidden states, are c * tanh(logits / c) (a target's final-logit soft-cap: EAGLE-1 scores with the
+target's own head); the backward multiplies dd by the cap's derivative 1 - (d / c)^2.
 """
 from __future__ import annotations
 
@@ -40,9 +43,13 @@ def _pad_cols(x, Vp):  # [N, V] -> [N, Vp]
     return x if x.shape[1] == Vp else jnp.pad(x, [(0, 0), (0, Vp - x.shape[1])])
 
 
-def _tiles(h, w, t, th, tw, bv):
+def _cap(x, softcap):
+    return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+
+def _tiles(h, w, t, th, tw, bv, softcap=None):
     """Closures producing (d, t) f32 tiles [N, bv] (fp64 for fp64 inputs) for tile index c, with
-    columns >= V set to NEG."""
+    columns >= V set to NEG; `softcap` caps the logits computed from hidden states."""
     acc = accum_dtype(h, t, th)
     V = (w if w is not None else t).shape[0 if w is not None else 1]
     nV = -(-V // bv)
@@ -55,13 +62,15 @@ def _tiles(h, w, t, th, tw, bv):
         if d_given is not None:
             d = lax.dynamic_slice_in_dim(d_given, c * bv, bv, axis=1).astype(acc)
         else:
-            d = jnp.einsum("nh,vh->nv", h, lax.dynamic_slice_in_dim(w, c * bv, bv), preferred_element_type=acc)
+            d = _cap(jnp.einsum("nh,vh->nv", h, lax.dynamic_slice_in_dim(w, c * bv, bv), preferred_element_type=acc),
+                     softcap)
         return d
 
     def teacher(c):
         if t is not None:
             return lax.dynamic_slice_in_dim(t, c * bv, bv, axis=1).astype(acc)
-        return jnp.einsum("nh,vh->nv", th, lax.dynamic_slice_in_dim(tw, c * bv, bv), preferred_element_type=acc)
+        return _cap(jnp.einsum("nh,vh->nv", th, lax.dynamic_slice_in_dim(tw, c * bv, bv), preferred_element_type=acc),
+                    softcap)
 
     def valid(c):
         return (c * bv + jnp.arange(bv)) < V
@@ -94,23 +103,27 @@ def _stats_scan(N, draft, teacher, valid, nV, bv, acc):
     return md + jnp.log(ld), mt + jnp.log(lt), s / lt, idx
 
 
-def stats(h, w, t, th, tw, *, block):
+def stats(h, w, t, th, tw, *, block, softcap=None):
     bv = pick_block(w.shape[0], block)
-    draft, teacher, valid, nV, _, _ = _tiles(h, w, t, th, tw, bv)
+    draft, teacher, valid, nV, _, _ = _tiles(h, w, t, th, tw, bv, softcap)
     return _stats_scan(h.shape[0], draft, teacher, valid, nV, bv, accum_dtype(h, t, th))
 
 
-def grads(h, w, t, th, tw, g, lse_d, lse_t, *, block):
+def grads(h, w, t, th, tw, g, lse_d, lse_t, *, block, softcap=None):
     V, H = w.shape
     bv = pick_block(V, block)
-    draft, teacher, valid, nV, Vp, wp = _tiles(h, w, t, th, tw, bv)
+    draft, teacher, valid, nV, Vp, wp = _tiles(h, w, t, th, tw, bv, softcap)
     acc = accum_dtype(h, t, th)
 
     def body(dh, c):
         ok = valid(c)[None, :]
-        p_d = jnp.exp(draft(c) - lse_d[:, None])
+        d = draft(c)
+        p_d = jnp.exp(d - lse_d[:, None])
         p_t = jnp.exp(teacher(c) - lse_t[:, None])
-        dd = jnp.where(ok, g[:, None] * (p_d - p_t), 0.0).astype(h.dtype)
+        dd = g[:, None] * (p_d - p_t)
+        if softcap is not None:  # d = c tanh(z / c): dd/dz = dd * (1 - (d / c)^2)
+            dd = dd * (1.0 - jnp.square(d / softcap))
+        dd = jnp.where(ok, dd, 0.0).astype(h.dtype)
         wc = lax.dynamic_slice_in_dim(wp, c * bv, bv)
         dh = dh + jnp.einsum("nv,vh->nh", dd, wc, preferred_element_type=acc)
         dw = jnp.einsum("nv,nh->vh", dd, h, preferred_element_type=acc)
@@ -121,13 +134,14 @@ def grads(h, w, t, th, tw, g, lse_d, lse_t, *, block):
 
 
 @functools.lru_cache(maxsize=None)
-def backend(block: int = DEFAULT_VOCAB_BLOCK) -> Backend:
-    return Backend("xla", functools.partial(stats, block=block), functools.partial(grads, block=block))
+def backend(block: int = DEFAULT_VOCAB_BLOCK, softcap: float | None = None) -> Backend:
+    return Backend("xla", functools.partial(stats, block=block, softcap=softcap),
+                   functools.partial(grads, block=block, softcap=softcap))
 
 
 def fused_linear_soft_ce(hidden, lm_head, teacher_logits=None, teacher_hidden=None, teacher_head=None, mask=None,
-                         *, vocab_block=None):
-    return fused_with(backend(vocab_block or DEFAULT_VOCAB_BLOCK), hidden, lm_head, teacher_logits,
+                         *, vocab_block=None, softcap=None):
+    return fused_with(backend(vocab_block or DEFAULT_VOCAB_BLOCK, softcap), hidden, lm_head, teacher_logits,
                       teacher_hidden, teacher_head, mask)
 
 
