@@ -286,7 +286,8 @@ def build_plan(model: str, tiny: bool, args) -> dict:
         jobs.insert(1, {"name": f"sharegpt_{T}", "kind": "docs", "seq": T, "batch": B, "rows": rows,
                         "warm_rows": warm_rows, "warmup": 1, "steps": len(rows) // B})
     if args.maxlen:
-        jobs.append({"name": "maxlen", "kind": "maxlen", "start": 128 if tiny else 16384,
+        start = getattr(args, "maxlen_start", None) or (128 if tiny else 16384)
+        jobs.append({"name": "maxlen", "kind": "maxlen", "start": start,
                      "limit": 512 if tiny else 262144, "cap_s": args.maxlen_cap_s, "quantum": 32 if tiny else 4096})
     if args.profile and not tiny:
         jobs.append({"name": "profile_4096", "kind": "profile", "seq": 4096, "batch": max(toks // 4096, 1)})
@@ -553,18 +554,20 @@ def _jax_mem_stats():
 def specjax_variant(system: str) -> dict:
     """The options of a specjax system name: "specjax" (the defaults) or "specjax:moe=mgpu,draft=p_eagle"
     (moe: kernels.moe implementation; draft: eagle3 | p_eagle; q_block: the target attention's query
-    block, which bounds its score buffer where the plain path runs: gpt-oss's sinks), so variants run
-    side by side."""
+    block, which bounds its score buffer where the plain path runs: gpt-oss's sinks; long_context:
+    train.long_context_tokens, the row length from which the TTT steps are rematerialised and the teacher
+    formed per vocab tile), so variants run side by side."""
     name, _, opts = system.partition(":")
     if name != "specjax":
         raise ValueError(f"not a specjax system: {system!r}")
     out = {}
     for kv in filter(None, opts.split(",")):
         key, _, value = kv.partition("=")
-        if key not in ("moe", "draft", "q_block") or not value:
-            raise ValueError(f"system {system!r}: options are moe=<kernels.moe>, draft=eagle3|p_eagle and "
-                             f"q_block=<kernels.target_attention_q_block>")
-        out[key] = int(value) if key == "q_block" else value
+        if key not in ("moe", "draft", "q_block", "long_context") or not value:
+            raise ValueError(f"system {system!r}: options are moe=<kernels.moe>, draft=eagle3|p_eagle, "
+                             f"q_block=<kernels.target_attention_q_block> and "
+                             f"long_context=<train.long_context_tokens>")
+        out[key] = int(value) if key in ("q_block", "long_context") else value
     if out.get("draft", "eagle3") not in ("eagle3", "p_eagle"):
         raise ValueError(f"system {system!r}: draft must be eagle3 or p_eagle")
     return out
@@ -608,7 +611,8 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
 
     def fns_for():
         if not fns_cache:
-            ttt = TTTConfig(ttt_steps=plan["K"], step_decay=0.8)
+            kw = {"long_context_tokens": variant["long_context"]} if "long_context" in variant else {}
+            ttt = TTTConfig(ttt_steps=plan["K"], step_decay=0.8, **kw)
             fns_cache["step"] = (build_step_fns(target, tparams, draft0, dcfg, ttt, opt, mesh, dtype), ttt)
         return fns_cache["step"]
 
@@ -1202,6 +1206,9 @@ def main(argv=None):
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--no-maxlen", dest="maxlen", action="store_false")
     ap.add_argument("--maxlen-cap-s", type=float, default=60.0)
+    ap.add_argument("--maxlen-start", type=int, default=None,
+                    help="the maxlen search's first length (default 16384; --tiny 128); it doubles from there, "
+                         "so 65536 tries 131072 second")
     ap.add_argument("--worker-budget-s", type=float, default=1e9,
                     help="per worker: jobs starting after this many seconds are skipped (and reported so)")
     ap.add_argument("--worker-timeout-s", type=float, default=420.0, help="per worker: killed after this")

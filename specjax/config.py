@@ -216,6 +216,12 @@ class TrainConfig(CheckedSection):
                                                  "acceptance rises (see lk_kl_scale)")
     lk_eta: float = ranged(3.0, ge=0.0, doc="lk_hybrid: a row's KL weight is exp(-lk_eta * its acceptance), the "
                                             "rest weighs TV")
+    # eagle3 / p_eagle: rows of at least this many tokens rematerialise each TTT step in the backward and
+    # let the soft CE compute the teacher per vocab tile (specjax.drafts.ttt, "Long context"); below it the
+    # faster step that keeps both. 0: always. Same loss and gradients either way (tests/unit/test_ttt_long_context.py);
+    # benchmarks/results/long_context_plan.md has the memory figures
+    long_context_tokens: int = ranged(32768, ge=0, doc="Row length from which the TTT steps are recomputed in "
+                                                       "the backward and the teacher formed per vocab tile")
     # p_eagle's COD sampling: depth d trains about max(cod_ratio**d, cod_ratio_min) of its rows
     cod_ratio: float = ranged(0.7, gt=0.0, le=1.0, doc="COD sampling: depth d trains about max(cod_ratio**d, "
                                                        "cod_ratio_min) of its rows")

@@ -70,7 +70,7 @@ class Eagle3Family(DraftFamily):
     section_class: ClassVar[type] = Eagle3Section
     draft_module: ClassVar = eagle3
     config_class: ClassVar[type] = eagle3.Eagle3Config
-    train_keys: ClassVar[tuple[str, ...]] = ("loss", "lk_kl_scale", "lk_kl_decay", "lk_eta")
+    train_keys: ClassVar[tuple[str, ...]] = ("loss", "lk_kl_scale", "lk_kl_decay", "lk_eta", "long_context_tokens")
     objective_note: ClassVar[str] = "its objective is train.loss"
     parallel_drafting: ClassVar[bool] = False
 
@@ -133,12 +133,14 @@ class Eagle3Family(DraftFamily):
     # -- training ------------------------------------------------------------------------------
     def make_objective(self, cfg, draft_cfg) -> TTTConfig:
         """draft.ttt_steps / step_decay with the configured kernels (kernels.ttt_attention / soft_ce)
-        and objective (train.loss and its LK settings; P-EAGLE's COD sampling keyed by run.seed)."""
+        and objective (train.loss and its LK settings; P-EAGLE's COD sampling keyed by run.seed;
+        train.long_context_tokens)."""
         t = cfg.train
         return TTTConfig(ttt_steps=cfg.draft.ttt_steps, step_decay=cfg.draft.step_decay,
                          attention_impl=cfg.kernels.ttt_attention, soft_ce_impl=cfg.kernels.soft_ce,
                          loss=t.loss, kl_scale=t.lk_kl_scale, kl_decay=t.lk_kl_decay, eta=t.lk_eta,
-                         cod_ratio=t.cod_ratio, cod_ratio_min=t.cod_ratio_min, cod_seed=cfg.run.seed)
+                         cod_ratio=t.cod_ratio, cod_ratio_min=t.cod_ratio_min, cod_seed=cfg.run.seed,
+                         long_context_tokens=t.long_context_tokens)
 
     def cod_key(self, ttt: TTTConfig, step):
         """P-EAGLE's COD sampling key for train step `step`; None: every row is kept (EAGLE-3)."""

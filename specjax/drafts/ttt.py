@@ -24,6 +24,17 @@ the teacher left, so all K steps read the same unshifted teacher buffer (no K sh
 kept alive as residuals). Sums over rows are unchanged by the relabelling. The same objective written
 in the loss frame with plain fp32 logits is the reference in tests/unit/test_ttt_reference.py.
 
+Long context (TTTConfig.long_context_tokens, train.long_context_tokens): from that row length T on,
+two things change, neither the function: (1) each TTT step is rematerialised (jax.checkpoint, nothing
+saved): its backward recomputes the step's draft layer from the step's inputs (the embedding rows, the
+hidden state and the earlier steps' keys and values, all kept anyway) instead of keeping its MLP
+([T, intermediate] x a few) and attention activations for all K steps at once; (2) with the soft CE, no
+softcap and the target's final hidden state (not a cached top-k teacher), the [B,T,Vd] fp32 teacher
+logits are never formed: the fused soft CE takes the final hidden state and the lm_head's draft-vocab
+rows and computes each [rows, vocab tile] teacher block where it needs it (one more GEMM per tile
+forward and backward). Below the threshold the step is the faster one that keeps both.
+benchmarks/results/long_context_plan.md has the memory figures.
+
 LK losses (TTTConfig.loss other than "soft_ce"; specjax.drafts.lk_losses): the step's objective needs
 the whole draft distribution of each row, so those steps compute the draft logits in the loss frame
 (fp32 [B,T,Vd]) under jax.checkpoint (recomputed in the backward instead of kept), not through the
@@ -78,6 +89,8 @@ class TTTConfig:
     cod_ratio: float = 0.7
     cod_ratio_min: float = 0.2
     cod_seed: int = 0  # the COD key of train step s is fold_in(key(cod_seed), s) (run.seed)
+    # rows of this many tokens or more take the long-context path (module doc); 0: always
+    long_context_tokens: int = 32768
 
 
 def shift_left(x: jnp.ndarray, n: int, fill=0) -> jnp.ndarray:
@@ -158,6 +171,18 @@ def teacher_from_hidden(final_hidden_btd, lm_head_vd, draft_ids, vocab_chunk: in
     return teacher, chunked_argmax(flat, lm_head_vd, vocab_chunk, softcap=softcap).reshape(B, T)
 
 
+def teacher_argmax(final_hidden_btd, lm_head_vd, vocab_chunk: int, softcap: float | None = None):
+    """The target's full-vocab argmax [B,T] alone (teacher_from_hidden's second entry), in vocab chunks."""
+    B, T, D = final_hidden_btd.shape
+    flat = final_hidden_btd.reshape(B * T, D)
+    return chunked_argmax(flat, lm_head_vd, vocab_chunk, softcap=softcap).reshape(B, T)
+
+
+def uses_long_context(ttt: TTTConfig, seq_len: int) -> bool:
+    """Whether rows of `seq_len` tokens take the long-context path (module doc)."""
+    return seq_len >= ttt.long_context_tokens
+
+
 def ttt_loss(
     draft_params: dict,
     cfg: Eagle3Config,
@@ -184,10 +209,20 @@ def ttt_loss(
     aux_hidden = tuple(sg(a) for a in aux_hidden)
     lk = ttt.loss != "soft_ce"
     needs_lse = ttt.loss in ("lk_alpha", "lk_lambda")
-    teacher = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk, with_lse=needs_lse,
-                                  softcap=logit_softcap)
-    teacher_logits, target_argmax = sg(teacher[0]), teacher[1]
-    target_lse = sg(teacher[2]) if needs_lse else None
+    long = uses_long_context(ttt, T)
+    # long context: the soft CE computes the teacher tiles from the final hidden state (module doc)
+    tile_teacher = long and not lk and logit_softcap is None and not isinstance(final_hidden, TopKTeacher)
+    if tile_teacher:
+        teacher_hidden = sg(final_hidden)
+        teacher_head = sg(jnp.take(lm_head, draft_ids, axis=0)).astype(final_hidden.dtype)  # [Vd, D]
+        teacher_logits, target_argmax = None, teacher_argmax(teacher_hidden, sg(lm_head), ttt.vocab_chunk)
+        target_lse = None
+    else:
+        teacher = teacher_from_hidden(sg(final_hidden), sg(lm_head), draft_ids, ttt.vocab_chunk,
+                                      with_lse=needs_lse, softcap=logit_softcap)
+        teacher_logits, target_argmax = sg(teacher[0]), teacher[1]
+        target_lse = sg(teacher[2]) if needs_lse else None
+        teacher_hidden = teacher_head = None
     params = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), draft_params)
     # draft.train_embedding: the draft's own embedding, trained; else the target's, frozen
     own_embedding = "embed_tokens" in params
@@ -206,6 +241,15 @@ def ttt_loss(
         keeps = cod_row_masks(cod_key, step_masks, ttt.cod_ratio, ttt.cod_ratio_min)
         trained = [m * c for m, c in zip(step_masks, keeps)]
         n_trained = jnp.maximum(sum(jnp.sum(m) for m in trained), 1.0)
+
+    def one_step(params, emb, h, kv_caches, positions, seg):
+        return draft_step(params, cfg, emb, h, positions, seg, kv_caches, attention_impl=ttt.attention_impl)
+
+    if long:  # recomputed in the backward from its inputs, nothing else kept (module doc)
+        remat_step = jax.checkpoint(one_step)
+        run_step = lambda params, emb, h, kv_caches: remat_step(params, emb, h, kv_caches, positions, seg)
+    else:
+        run_step = lambda params, emb, h, kv_caches: one_step(params, emb, h, kv_caches, positions, seg)
     kv_caches: list = [[] for _ in range(cfg.num_layers)]  # per layer: (k, v) of each earlier step
     losses, accs, lmask_sums, pmask_sums, ces, alphas = [], [], [], [], [], []
     for k in range(ttt.ttt_steps):
@@ -218,7 +262,7 @@ def ttt_loss(
                 emb, h = mask_emb, mask_h
         if not parallel or k == 0:
             emb = embed_sg(jnp.take(embed_table, shift_left(input_ids, 1 + k), axis=0)).astype(compute_dtype)
-        h, kvs = draft_step(params, cfg, emb, h, positions, seg, kv_caches, attention_impl=ttt.attention_impl)
+        h, kvs = run_step(params, emb, h, kv_caches)
         for cache, kv in zip(kv_caches, kvs):
             cache.append(kv)
         if not parallel:
@@ -242,6 +286,7 @@ def ttt_loss(
             hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
             ce, pred = fused_linear_soft_ce(
                 shift_right(hn, 1 + k), params["lm_head"]["kernel"].T, teacher_logits=teacher_logits,
+                teacher_hidden=teacher_hidden, teacher_head=teacher_head,
                 mask=shift_right(loss_rows, 1 + k), return_argmax=True, implementation=ttt.soft_ce_impl)
             losses.append(jnp.sum(ce) / (n_trained if parallel else B * T))
             pred_target = pred + jnp.take(d2t, pred).astype(pred.dtype)

@@ -165,3 +165,28 @@ def test_summary_ratios_of_a_variant():
     assert "specjax:q_block=512 / specforge 8.000" in v and "specjax:q_block=512 / specjax 2.000" in v
     (sj,) = [t for t in text if t.split()[2] == "specjax"]
     assert "specjax / specforge 4.000" in sj
+
+
+def test_maxlen_search_from_65536_tries_131072_second():
+    """--maxlen-start 65536 (the H200 long-context run): doubling reaches 131072 on the second try, then
+    bisects in multiples of the quantum between the last fit and the first failure."""
+    args = argparse.Namespace(tokens_per_step=32768, steps=4, warmup=1, only_seq=None, sharegpt=False, profile=False,
+                              maxlen=True, maxlen_cap_s=1e9, maxlen_start=65536, sharegpt_steps=2,
+                              worker_budget_s=1e9, jobs="maxlen")
+    (job,) = tt.build_plan("llama3_8b", False, args)["jobs"]
+    assert job["start"] == 65536 and job["limit"] == 262144
+    tried = []
+
+    def try_len(T):
+        tried.append(T)
+        if T > 150000:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return {}
+
+    res = tt.maxlen_search(job, try_len)
+    assert tried[:3] == [65536, 131072, 262144]
+    assert res["max_seq_ok"] == 147456 and res["min_seq_failed"] == 151552
+    assert all(T % job["quantum"] == 0 for T in tried)
+    assert tt.specjax_variant("specjax:long_context=0") == {"long_context": 0}
+    with pytest.raises(ValueError):
+        tt.specjax_variant("specjax:long_context=")
