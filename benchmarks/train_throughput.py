@@ -573,6 +573,21 @@ def specjax_variant(system: str) -> dict:
     return out
 
 
+def split_systems(text: str) -> list[str]:
+    """--systems' comma list, where a variant's own options are comma-separated too: an item with "="
+    and no ":" continues the system before it ("specjax,specjax:moe=mgpu,draft=p_eagle,specforge" is
+    three systems)."""
+    systems: list[str] = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and ":" not in item:
+            if not systems or ":" not in systems[-1]:
+                raise ValueError(f"--systems {text!r}: option {item!r} follows no 'specjax:' variant")
+            systems[-1] += "," + item
+        else:
+            systems.append(item)
+    return systems
+
+
 def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     import jax
     import jax.numpy as jnp
@@ -1223,7 +1238,7 @@ def main(argv=None):
         return _worker_main(args.worker, args.plan, args.rows)
     if args.tiny:  # SpecForge wraps norms/RoPE in torch.compile: eager on CPU smoke runs
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    systems = [s for s in args.systems.split(",") if s]
+    systems = split_systems(args.systems)
     out_dir = args.out or ("/tmp/train_throughput_tiny" if args.tiny else "train_throughput_out")
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.time()

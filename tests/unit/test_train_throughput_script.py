@@ -190,3 +190,13 @@ def test_maxlen_search_from_65536_tries_131072_second():
     assert tt.specjax_variant("specjax:long_context=0") == {"long_context": 0}
     with pytest.raises(ValueError):
         tt.specjax_variant("specjax:long_context=")
+
+
+def test_systems_list_keeps_a_variants_options_together():
+    assert tt.split_systems("specjax,specjax:moe=mgpu,draft=p_eagle,specforge") == [
+        "specjax", "specjax:moe=mgpu,draft=p_eagle", "specforge"]
+    assert tt.split_systems("specjax:q_block=512") == ["specjax:q_block=512"]
+    assert tt.specjax_variant(tt.split_systems("specjax:moe=mgpu,draft=p_eagle")[0]) == {"moe": "mgpu",
+                                                                                         "draft": "p_eagle"}
+    with pytest.raises(ValueError, match="follows no 'specjax:' variant"):
+        tt.split_systems("specjax,moe=mgpu")
