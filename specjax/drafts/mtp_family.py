@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +33,21 @@ import numpy as np
 from specjax.config_fields import ConfigError, DraftSection, ranged
 from specjax.drafts import mtp
 from specjax.drafts.family import DraftFamily, ServePlan, register, target_states
-from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, export_dtype, manifest_extra,
-                                           numpy_dtype, read_head_files, write_head_folder)
+from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, HeadTensors, export_dtype,
+                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
+from specjax_converters.head_formats import written_head_check
+from specjax_converters.head_rules import ExportValidationError, errors
+from specjax_converters.mtp_validate import check_mtp_head, is_mtp_config
 
 log = logging.getLogger("specjax")
 
 FORMAT, VARIANT = "specjax-mtp", "mtp"
-MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
-             "Qwen3_5MoeForCausalLM")
+
+
+class MtpHead(NamedTuple):
+    params: dict  # numpy fp32 leaves, the tree of specjax.drafts.mtp.init_params
+    config: mtp.MtpConfig
+    vocab: object  # the identity DraftVocab over the target vocab
 
 
 @dataclass(frozen=True)
@@ -210,9 +217,10 @@ class MtpFamily(DraftFamily):
             raise ValueError(f"MTP export: the target config is {arch!r}, the layer was trained for "
                              f"{draft_cfg.target.architecture!r}. Fix: export with the run's target config.json")
         tensors = mtp.file_tensors_of_params(params, draft_cfg, numpy_dtype(dtype))
-        bad = sorted(n for n, a in tensors.items() if not np.all(np.isfinite(a.astype(np.float32))))
-        if bad:
-            raise ValueError(f"MTP export: non-finite values in {bad[:5]}. Fix: export an earlier checkpoint")
+        config = mtp_hf_config(target_hf_config)
+        findings = check_mtp_head(config, HeadTensors.from_arrays(tensors), target_config=target_hf_config)
+        if errors(findings):
+            raise ExportValidationError(findings, "MTP export")
 
         def replaceable(path):
             names = set(os.listdir(path)) if os.path.isdir(path) else None
@@ -221,18 +229,13 @@ class MtpFamily(DraftFamily):
         def refuse(path):
             raise ValueError(f"MTP export: {path} exists and is not an earlier export. Fix: choose a new folder")
 
-        def check_written(folder):
-            params_back, _, _ = self.load_head(folder)
-            del params_back
-
-        return write_head_folder(out_dir, tensors, mtp_hf_config(target_hf_config), replaceable=replaceable,
-                                 refuse_existing=refuse, check_written=check_written, format=FORMAT, variant=VARIANT,
-                                 dtype=dtype, draft_config=mtp.config_to_dict(draft_cfg),
-                                 target_config=target_hf_config, extra=extra)
+        return write_head_folder(out_dir, tensors, config, replaceable=replaceable, refuse_existing=refuse,
+                                 check_written=written_head_check(target_hf_config, (), "MTP export"), format=FORMAT,
+                                 variant=VARIANT, dtype=dtype, draft_config=mtp.config_to_dict(draft_cfg),
+                                 target_config=target_hf_config, warnings=findings, extra=extra)
 
     def recognises_head(self, head_config: Mapping) -> bool:
-        archs = head_config.get("architectures") or [""]
-        return str(archs[0]) in MTP_ARCHS
+        return is_mtp_config(head_config)
 
     def load_head(self, folder: str):
         """(params, MtpConfig, identity DraftVocab) of an MTP export (or of a target checkpoint with MTP tensors)."""
@@ -241,16 +244,15 @@ class MtpFamily(DraftFamily):
 
         folder = os.path.abspath(os.path.expanduser(os.fspath(folder)))
         conf, tensors, manifest, _ = read_head_files(folder)
+        bad = errors(check_mtp_head(conf, tensors, check_finite=False))
+        if bad:
+            raise ValueError(f"{folder} is not an MTP export specjax can read:\n" + "\n".join(f"  {f}" for f in bad))
         target = get_target_class(conf).config_class.from_hf(conf)
         saved = (manifest or {}).get("draft_config") or {}
         cfg = mtp.MtpConfig(target=target, num_steps=int(saved.get("num_steps", mtp.SPECULATORS_NUM_STEPS)),
                             step_weight_beta=float(saved.get("step_weight_beta", mtp.SPECULATORS_STEP_WEIGHT_BETA)))
-        cfg.validate()
-        missing = sorted(set(mtp.file_tensor_names(cfg)) - set(tensors.names))
-        if missing:
-            raise ValueError(f"{folder} is not an MTP export specjax can read: missing {missing[:8]}")
         params = mtp.params_from_file_tensors(cfg, lambda n: np.asarray(tensors.array(n), np.float32))
-        return params, cfg, DraftVocab.identity(cfg.vocab_size)
+        return MtpHead(params, cfg, DraftVocab.identity(cfg.vocab_size))
 
     def vllm_speculative_config(self, draft: str, head_config: Optional[Mapping], num_spec_tokens: int) -> dict:
         return {"method": "mtp", "model": draft, "num_speculative_tokens": int(num_spec_tokens)}

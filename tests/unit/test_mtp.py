@@ -152,3 +152,125 @@ def test_unsupported_target_is_refused_naming_the_fix():
                                        "num_key_value_heads": 2})
     with pytest.raises(ValueError, match="has none specjax can train.*Fix: use another draft.type"):
         mtp.MtpConfig(target=llama).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3 and GLM-4.5: transformers' decoder layer inside vLLM's MTP wrapper
+# ---------------------------------------------------------------------------------------------
+def deepseek_like_hf(kind):
+    common = dict(vocab_size=V, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                  first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5, rms_norm_eps=1e-6,
+                  max_position_embeddings=128, num_nextn_predict_layers=1)
+    if kind == "deepseek_v3":
+        return transformers.DeepseekV3Config(intermediate_size=48, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                             num_key_value_heads=4, rope_interleave=True,
+                                             qk_rope_head_dim=4, v_head_dim=8, **common), "DeepseekV3ForCausalLM"
+    return transformers.Glm4MoeConfig(intermediate_size=48, num_key_value_heads=2, head_dim=8, attention_bias=True,
+                                      use_qk_norm=True, **common), "Glm4MoeForCausalLM"
+
+
+def torch_deepseek_like_reference(kind, hf_cfg, native, prefix, embed, head, ids, hidden, steps):
+    """vLLM 0.32's DeepSeekMultiTokenPredictorLayer / Glm4MoeMultiTokenPredictorLayer math around
+    transformers' decoder layer at index num_hidden_layers: K teacher-forced steps' logits."""
+    sp = import_speculators_mtp()
+    if kind == "deepseek_v3":
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+        layer_cls, norm_cls, rope_cls = m.DeepseekV3DecoderLayer, m.DeepseekV3RMSNorm, m.DeepseekV3RotaryEmbedding
+    else:
+        from transformers.models.glm4_moe import modeling_glm4_moe as m
+        layer_cls, norm_cls, rope_cls = m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
+    hf_cfg._attn_implementation = "eager"
+    layer = layer_cls(hf_cfg, layer_idx=hf_cfg.num_hidden_layers).float().eval()
+    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+    block = {n[len(prefix):]: torch.from_numpy(a) for n, a in native.items()
+             if not n[len(prefix):].startswith(own)}
+    missing, unexpected = layer.load_state_dict(sp.MTPConverter._fuse_moe_experts(block), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = norm_cls(hf_cfg.hidden_size, eps=hf_cfg.rms_norm_eps)
+        norms[name].weight.data = torch.from_numpy(native[prefix + name + ".weight"])
+    eh_proj = torch.from_numpy(native[prefix + "eh_proj.weight"])
+    T_ = ids.shape[1]
+    pos = torch.arange(T_)[None]
+    mask = torch.full((T_, T_), float("-inf")).triu(1)[None, None]
+    pe = rope_cls(hf_cfg)(torch.zeros(1, T_, hf_cfg.hidden_size), pos)
+    e_all, h = torch.from_numpy(embed), torch.from_numpy(hidden)
+    ids_t = torch.from_numpy(ids).long()
+    out = []
+    with torch.no_grad():
+        for k in range(steps):
+            nxt = torch.cat([ids_t[:, k + 1:], torch.zeros(1, k + 1, dtype=torch.long)], dim=1)
+            e = e_all[nxt]
+            if k == 0:
+                e = torch.where((pos == 0)[..., None], torch.zeros(()), e)
+            u = torch.cat([norms["enorm"](e), norms["hnorm"](h)], dim=-1) @ eh_proj.T
+            hp = layer(u, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+            hp = hp[0] if isinstance(hp, tuple) else hp
+            normed = norms["shared_head.norm"](hp)
+            out.append((normed @ torch.from_numpy(head).T).numpy())
+            h = normed if kind == "deepseek_v3" else hp
+    return out
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_deepseek_and_glm_mtp_equal_transformers_layer_in_vllms_wrapper(kind):
+    hf_cfg, arch = deepseek_like_hf(kind)
+    cfg = mtp.MtpConfig(target=target_config(hf_cfg, arch), num_steps=K)
+    assert cfg.file_prefix == "model.layers.2." and mtp.recycles_normed(cfg) == (kind == "deepseek_v3")
+    params = random_params(cfg, 7)
+    # the router's correction bias steers the choice only: large, so a wrong routing shows
+    params["ffn"]["router"]["e_score_correction_bias"] = 2.0 * params["ffn"]["router"]["e_score_correction_bias"]
+    rng = np.random.RandomState(8)
+    embed, head = (rng.randn(V, 32).astype(np.float32) for _ in range(2))
+    ids, hidden, _ = batch(9, 32)
+    native = mtp.file_tensors_of_params(params, cfg, np.float32)
+    assert {"model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "model.layers.2.eh_proj.weight",
+            "model.layers.2.shared_head.norm.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
+            "model.layers.2.mlp.gate.e_score_correction_bias", "model.layers.2.input_layernorm.weight"} <= set(native)
+    ref = torch_deepseek_like_reference(kind, hf_cfg, native, cfg.file_prefix, embed, head, ids, hidden, K)
+    with jax.default_matmul_precision("highest"):
+        outs = mtp.mtp_forward(params, cfg, input_ids=jnp.asarray(ids), positions=jnp.arange(T, dtype=jnp.int32)[None],
+                               segment_ids=jnp.ones((1, T), jnp.int32), final_hidden=jnp.asarray(hidden),
+                               embed_table=jnp.asarray(embed))
+    valid = T - K - 1
+    errs = [rel(mtp.logits_of(o, jnp.asarray(head))[:, :valid], r[:, :valid]) for o, r in zip(outs, ref)]
+    assert max(errs) < REL_TOL, errs
+
+
+# ---------------------------------------------------------------------------------------------
+# cached chain drafting == the forward, step by step
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "deepseek_v3", "glm4_moe"])
+def test_draft_chain_equals_the_forward(kind):
+    """draft_chain's K tokens (the one layer over its cache, as vLLM chains it) equal the uncached
+    training-forward layer run over the pending rows plus the drafted rows (each reading the previous
+    step's recycled state and drafted token at the next position), argmax by argmax; logits to 1e-5."""
+    hf_cfg, arch = qwen_hf(True) if kind == "qwen3_5_moe" else deepseek_like_hf(kind)
+    cfg = mtp.MtpConfig(target=target_config(hf_cfg, arch))
+    params = random_params(cfg, 11)
+    rng = np.random.RandomState(12)
+    embed, head = (jnp.asarray(rng.randn(V, 32).astype(np.float32)) for _ in range(2))
+    ids, hidden, _ = batch(13, 32)
+    n, k = T - 2, 3
+    dp = dict(params, target_lm_head=head)
+    with jax.default_matmul_precision("highest"):
+        toks, _, _ = mtp.draft_chain(dp, embed, jnp.zeros((V,), jnp.int32), mtp.init_decode_cache(cfg, 32, jnp.float32),
+                                     jnp.asarray(ids[:, 1:n + 1]), (jnp.asarray(hidden[:, :n]),), jnp.int32(n),
+                                     jnp.int32(0), jax.random.key(0), 1.0, dcfg=cfg, k=k, sample=False)
+        rows_tok, rows_h = list(ids[0, 1:n + 1]), list(hidden[0, :n])
+        want = []
+        for j in range(k):
+            m = len(rows_tok)
+            pos = jnp.arange(m, dtype=jnp.int32)[None]
+            emb = embed[jnp.asarray(rows_tok)][None]
+            emb = jnp.where((pos == 0)[..., None], 0.0, emb) if mtp.masks_first_position(cfg) else emb
+            inputs = mtp.forward_inputs(cfg, jnp.zeros((1, m), jnp.int32), pos, jnp.ones((1, m), jnp.int32),
+                                        jnp.float32)
+            rec, normed, _ = mtp.mtp_step(params, cfg, emb, jnp.asarray(np.stack(rows_h))[None], inputs)
+            tok = int(jnp.argmax(mtp.logits_of(normed, head)[0, -1]))
+            want.append(tok)
+            rows_tok.append(tok)
+            rows_h.append(np.asarray(rec[0, -1]))
+    assert [int(t) for t in toks] == want
