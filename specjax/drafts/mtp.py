@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafts.weights import leaf, nest
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import rope_tables
 from specjax.targets import deepseek_v3, glm4_moe, qwen3_next
@@ -183,28 +184,12 @@ def mtp_weights(cfg: MtpConfig) -> list[MtpWeight]:
         if cfg.layout == QWEN3_NEXT and spec.path[0] == "layers" and spec.path[1] not in (
                 "input_layernorm", "post_attention_layernorm"):
             continue
-        leaf = spec.path[-1]
-        init = norm_init if leaf == "scale" else ("zeros" if leaf in ("bias", "e_score_correction_bias") else "normal")
+        name = spec.path[-1]
+        init = norm_init if name == "scale" else ("zeros" if name in ("bias", "e_score_correction_bias") else "normal")
         rows.append(MtpWeight((groups[spec.path[0]],) + spec.path[1:],
                               layer_prefix + spec.hf_name[len("model.layers.{i}."):], spec.shape[1:], spec.axes[1:],
                               spec.transpose, init, spec.dtype, spec.expert_stacked))
     return own + rows
-
-
-def nest(pairs) -> dict:
-    tree: dict = {}
-    for path, value in pairs:
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
-def get_leaf(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def init_params(cfg: MtpConfig, key: jax.Array, *, std: float = 0.02, dtype=jnp.float32) -> dict:
@@ -319,9 +304,9 @@ def cast_params(params: dict, cfg: MtpConfig, dtype) -> dict:
     fixed = {w.path: w.dtype for w in mtp_weights(cfg) if w.dtype}
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = []
-    for kp, leaf in flat:
+    for kp, x in flat:
         path = tuple(k.key for k in kp)
-        out.append((path, leaf.astype(fixed.get(path, dtype))))
+        out.append((path, x.astype(fixed.get(path, dtype))))
     return nest(out)
 
 
@@ -485,7 +470,7 @@ def file_tensors_of_params(params: dict, cfg: MtpConfig, np_dtype) -> dict[str, 
     """The checkpoint-named tensors of the param tree (inverse of params_from_file_tensors)."""
     out = {}
     for w in mtp_weights(cfg):
-        arr = np.asarray(get_leaf(params, w.path), np.float32)
+        arr = np.asarray(leaf(params, w.path), np.float32)
         if arr.shape != tuple(w.shape):
             raise ValueError(f"MTP export: {'.'.join(w.path)} has shape {arr.shape}, expected {tuple(w.shape)}")
         parts = [(w.file_name.replace("{e}", str(e)), arr[e]) for e in range(w.shape[0])] if w.expert_stacked \
