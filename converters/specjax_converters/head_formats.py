@@ -4,7 +4,8 @@ folder with its format's rules.
 `FORMATS` lists each format's `HeadFormat` (specjax_converters.head_rules), most specific first: a
 DSpark drafter (dspark_validate: architectures ["Qwen3DSparkModel"]), a DFlash block drafter
 (dflash_validate), a DFlash 2 and an XPress head (dflash2_validate / xpress_validate: speculators'
-layouts), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]) and EAGLE-3
+layouts), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]), an MTP export
+(mtp_validate: a target config.json whose MTP layer specjax trains) and EAGLE-3
 (eagle3_validate: EAGLE-3 / EAGLE-3.1 / P-EAGLE,
 the Llama-EAGLE3 and speculators layouts), which takes every folder no earlier format recognises.
 `format_of(config)` is the format of a config.json; `written_head_check` is every exporter's check of
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from specjax.hf_config_checks import check_config_fields, read_config_json
 from specjax_converters import (dflash2_validate, dflash_validate, dspark_validate, eagle1_validate, eagle3_validate,
-                                xpress_validate)
+                                mtp_validate, xpress_validate)
 from specjax_converters.head_files import CONFIG_FILE, MANIFEST_FILE, Finding, read_head_files
 from specjax_converters.head_rules import ExportValidationError, HeadFormat, errors
 
@@ -26,7 +27,7 @@ __all__ = ["FORMATS", "errors", "format_of", "validate_folder", "written_head_ch
 
 FORMATS: tuple[HeadFormat, ...] = (dspark_validate.HEAD_FORMAT, dflash_validate.HEAD_FORMAT,
                                    dflash2_validate.HEAD_FORMAT, xpress_validate.HEAD_FORMAT,
-                                   eagle1_validate.HEAD_FORMAT, eagle3_validate.HEAD_FORMAT)
+                                   eagle1_validate.HEAD_FORMAT, mtp_validate.HEAD_FORMAT, eagle3_validate.HEAD_FORMAT)
 
 
 def format_of(config: Mapping) -> HeadFormat:

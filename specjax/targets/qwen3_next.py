@@ -506,6 +506,17 @@ def ffn(params: dict, cfg: Qwen3NextTargetConfig, h, is_moe, slot, kinds: set):
     return jax.lax.cond(is_moe, moe, dense, h, slot)
 
 
+def decoder_layer(params: dict, cfg: Qwen3NextTargetConfig, x, norm_scales, mix, is_moe, fslot, ffn_kinds: set):
+    """One layer: x + mix(norm(x)), then + ffn(norm(x)) with the feed-forward at ``fslot`` (:func:`ffn`).
+    ``mix(h) -> (out, cache)`` is the layer's token mixer (:func:`mixer` at its slot); returns (x, cache).
+    The multi-token-prediction layer (specjax.drafts.mtp) is this layer around a full-attention mixer."""
+    h = norm(x, norm_scales[0], cfg)
+    out, cache = mix(h)
+    x = x + out.astype(x.dtype)
+    h = norm(x, norm_scales[1], cfg)
+    return x + ffn(params, cfg, h, is_moe, fslot, ffn_kinds), cache
+
+
 def run_layers(params: dict, cfg: Qwen3NextTargetConfig, carry, inputs: StackInputs, aux_ids: Sequence[int]):
     """Every layer, split at the taps (taps may sit on either mixer type).
 
@@ -521,15 +532,16 @@ def run_layers(params: dict, cfg: Qwen3NextTargetConfig, carry, inputs: StackInp
 
         def step(carry, xs):
             (x, cache), (i, full, mslot, is_moe, fslot) = carry, xs
-            h = norm(x, norms["input_layernorm"]["scale"][i], cfg)
-            if len(mixers) == 1:
-                out, cache = mixer(next(iter(mixers)), params, cfg, h, inputs, cache, mslot)
-            else:  # training forward only (no cache): both branches return [B,T,D]
-                out = jax.lax.cond(full, lambda h, s: mixer(FULL, params, cfg, h, inputs, None, s)[0],
-                                   lambda h, s: mixer(LINEAR, params, cfg, h, inputs, None, s)[0], h, mslot)
-            x = x + out.astype(x.dtype)
-            h = norm(x, norms["post_attention_layernorm"]["scale"][i], cfg)
-            return x + ffn(params, cfg, h, is_moe, fslot, ffn_kinds), cache
+
+            def mix(h):
+                if len(mixers) == 1:
+                    return mixer(next(iter(mixers)), params, cfg, h, inputs, cache, mslot)
+                # training forward only (no cache): both branches return [B,T,D]
+                return jax.lax.cond(full, lambda h, s: mixer(FULL, params, cfg, h, inputs, None, s)[0],
+                                    lambda h, s: mixer(LINEAR, params, cfg, h, inputs, None, s)[0], h, mslot), None
+
+            scales = (norms["input_layernorm"]["scale"][i], norms["post_attention_layernorm"]["scale"][i])
+            return decoder_layer(params, cfg, x, scales, mix, is_moe, fslot, ffn_kinds)
 
         xs = (np.asarray(layers, np.int32), np.asarray([cfg.layer_types[i] == FULL for i in layers]),
               np.asarray([cfg.mixer_slot(i) for i in layers], np.int32), np.asarray([cfg.is_moe(i) for i in layers]),

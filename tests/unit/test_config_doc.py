@@ -71,7 +71,7 @@ def test_help_shows_every_key_with_its_description(capsys):
     i = lines.index("    max_rows: int | null = null")
     assert lines[i + 1].startswith("        Read only the first N rows")
     assert "  draft, type dflash (DFlash):" in lines
-    assert ("type: 'eagle3' | 'p_eagle' | 'dflash' | 'jetspec' | 'dspark' | 'eagle' | 'dflash2' | 'xpress' "
+    assert ("type: 'eagle3' | 'p_eagle' | 'dflash' | 'jetspec' | 'dspark' | 'eagle' | 'dflash2' | 'xpress' | 'mtp' "
             "= 'eagle3'") in _squash("\n".join(lines))  # the choices wrap at width 100
 
 
