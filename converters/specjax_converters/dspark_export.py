@@ -4,11 +4,12 @@ Layout (the keys and why: specjax_converters.dspark_validate's module doc):
   model.safetensors  the DFlash backbone's tensors as dflash_export writes them (no embed_tokens, no
                      `model.` prefix, d2t/t2d when the draft vocab is smaller) plus the DSpark heads
                      (specjax.drafts.dspark_weights.DSPARK_HEADS: markov_head.markov_w1.weight [V, r],
-                     markov_head.markov_w2.weight [Vd, r], confidence_head.proj.weight [1, H(+r)] and
-                     .bias [1]), all weights in one float dtype
+                     markov_head.markov_w2.weight [Vd, r], the gated head's markov_head.gate_proj /
+                     the rnn head's markov_head.joint_proj weight and bias, confidence_head.proj.weight
+                     [1, H(+r)] and .bias [1]), all weights in one float dtype
   config.json        dflash_export's Qwen3 decoder config without its dflash_config block, with
                      architectures ["Qwen3DSparkModel"] and the top-level mask_token_id, target_layer_ids,
-                     markov_rank, markov_head_type "vanilla", block_size, sample_from_anchor,
+                     markov_rank, markov_head_type (the config's), block_size, sample_from_anchor,
                      enable_confidence_head, confidence_head_with_markov, use_aux_hidden_state
   specjax_manifest.json  format "specjax-dspark", variant "dspark", the DSparkConfig, the target config
 Every rule of dspark_validate runs before anything is written and again on the written folder before
@@ -24,7 +25,7 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dspark_weights import DSPARK_HEADS
 from specjax_converters.dflash_export import dflash_hf_config, dflash_state_dict
-from specjax_converters.dspark_validate import ARCHITECTURE, MARKOV_HEAD_TYPE, check_dspark_head
+from specjax_converters.dspark_validate import ARCHITECTURE, check_dspark_head
 from specjax_converters.head_files import earlier_export, manifest_extra, write_head_folder
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
@@ -65,7 +66,7 @@ def dspark_hf_config(cfg, target_hf_config: Mapping, dtype: str = "bfloat16") ->
     conf["architectures"] = [ARCHITECTURE]
     conf.update(
         mask_token_id=int(cfg.mask_token_id), target_layer_ids=[int(i) for i in cfg.aux_layer_ids],
-        use_aux_hidden_state=True, markov_rank=int(cfg.markov_rank), markov_head_type=MARKOV_HEAD_TYPE,
+        use_aux_hidden_state=True, markov_rank=int(cfg.markov_rank), markov_head_type=str(cfg.markov_head_type),
         sample_from_anchor=bool(cfg.sample_from_anchor), enable_confidence_head=bool(cfg.enable_confidence_head),
         confidence_head_with_markov=bool(cfg.confidence_head_with_markov))
     return conf

@@ -38,6 +38,7 @@ def read_dspark_head(folder: str) -> DFlashHead:
     view = backbone_view(conf)
     try:
         cfg = as_dspark(config_from_hf(view, folder), markov_rank=int(conf["markov_rank"]),
+                        markov_head_type=conf.get("markov_head_type", "vanilla"),
                         enable_confidence_head=bool(conf.get("enable_confidence_head", False)),
                         confidence_head_with_markov=bool(conf.get("confidence_head_with_markov", False)))
     except ValueError as e:

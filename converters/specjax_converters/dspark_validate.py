@@ -11,13 +11,16 @@ level the keys vLLM's DSpark path reads:
                            get_eagle3_aux_layers_from_config: eagle_aux_hidden_state_layer_ids, then
                            dflash_config.target_layer_ids, then dspark_target_layer_ids, then these win)
   markov_rank              the Markov head's rank (Qwen3DSparkModel always builds the head)
-  markov_head_type         "vanilla" (the only head vLLM builds: markov_w1 + markov_w2)
+  markov_head_type         speculators' "vanilla", "gated" (+ markov_head.gate_proj) or "rnn"
+                           (+ markov_head.joint_proj); absent = vanilla. vLLM 0.32 builds only the
+                           vanilla head (qwen3_dspark.py; config/speculative.py refuses the others for
+                           Qwen3-Omni DSpark): a gated / rnn head is a warning (speculators loads it)
   block_size               vLLM's default num_speculative_tokens for dspark (config/speculative.py)
   sample_from_anchor       read by the DSpark speculator (absent = true): N query slots, slot 0 drafts
   enable_confidence_head, confidence_head_with_markov   the confidence head and its input width
   draft_vocab_size / vocab_size / target_hidden_size    as for DFlash
 weights: DSPARK_WEIGHTS (specjax.drafts.dspark_weights): the DFlash backbone's names plus
-markov_head.markov_w1/markov_w2 and confidence_head.proj.weight/bias; d2t when the draft vocab is
+markov_head.markov_w1/markov_w2 (+ gate_proj or joint_proj) and confidence_head.proj.weight/bias; d2t when the draft vocab is
 smaller (vLLM refuses a reduced-vocab DSpark head without d2t or lm_head).
 
 The backbone's rules are dflash_validate's, run on the DFlash view of the head (`backbone_view`: the
@@ -30,16 +33,16 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from specjax.drafts import weights
-from specjax.drafts.dspark_weights import DSPARK_HEADS
+from specjax.drafts.dspark_weights import DSPARK_HEADS, MARKOV_HEAD_TYPES
 from specjax_converters import dflash_validate
 from specjax_converters.head_files import Finding, HeadTensors
 from specjax_converters.head_rules import HeadFormat, check_weight_dtypes
 
-__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "HEAD_PREFIXES", "MARKOV_HEAD_TYPE", "backbone_view", "check_dspark_head",
+__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "HEAD_PREFIXES", "VLLM_MARKOV_HEAD_TYPE", "backbone_view", "check_dspark_head",
            "dspark_shape", "is_dspark_config"]
 
 ARCHITECTURE = "Qwen3DSparkModel"
-MARKOV_HEAD_TYPE = "vanilla"
+VLLM_MARKOV_HEAD_TYPE = "vanilla"  # the one Markov head vLLM 0.32's Qwen3DSparkModel builds
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
 # backbone rules that do not apply to a DSpark head (vLLM's DFlash-only refusals)
 _NOT_DSPARK = {"dflash.architectures", "dflash.sample_from_anchor", "dflash.config"}
@@ -61,6 +64,8 @@ def dspark_shape(config: Mapping):
     base = dflash_validate.dflash_shape(backbone_view(config))
     return types.SimpleNamespace(**vars(base), vocab_size=int(config["vocab_size"]),
                                  markov_rank=int(config["markov_rank"]),
+                                 markov_gated=config.get("markov_head_type") == "gated",
+                                 markov_rnn=config.get("markov_head_type") == "rnn",
                                  enable_confidence_head=bool(config.get("enable_confidence_head", False)),
                                  confidence_head_with_markov=bool(config.get("confidence_head_with_markov", False)))
 
@@ -114,11 +119,14 @@ def check_dspark_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any],
     if _pos_int(r) is None:
         bad("dspark.markov_rank", "markov_rank", f"{r!r}: must be a positive integer (vLLM always builds the Markov "
             "head with this rank)", "write the rank the head was trained with (draft.markov_rank)")
-    mtype = config.get("markov_head_type", MARKOV_HEAD_TYPE)
-    if mtype != MARKOV_HEAD_TYPE:
+    mtype = config.get("markov_head_type", VLLM_MARKOV_HEAD_TYPE)
+    if mtype not in MARKOV_HEAD_TYPES:
+        bad("dspark.markov_head_type", "markov_head_type", f"{mtype!r} is not one of speculators' Markov heads "
+            f"({', '.join(MARKOV_HEAD_TYPES)})", "write the markov_head_type the head was trained with")
+    elif mtype != VLLM_MARKOV_HEAD_TYPE:
         bad("dspark.markov_head_type", "markov_head_type", f"{mtype!r}: vLLM 0.32's Qwen3DSparkModel builds only the "
-            "vanilla head (markov_w1, markov_w2); a gated/rnn head's weights would not load",
-            f'write "markov_head_type": "{MARKOV_HEAD_TYPE}" (train a vanilla head)')
+            "vanilla head (markov_w1, markov_w2), so it cannot load this head (speculators 0.9 can)",
+            "train with draft.markov_head_type=vanilla to serve the head with vLLM", "warning")
     sfa = config.get("sample_from_anchor")
     if sfa is None:
         bad("dspark.sample_from_anchor", "sample_from_anchor", "absent: vLLM's DSpark speculator then drafts from the "
@@ -159,7 +167,7 @@ def check_dspark_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any],
                 "export every tensor of the DSpark key set (specjax.drafts.dspark_weights)")
         elif tuple(tensors.shape(k)) != e.file_shape:
             bad("shapes", k, f"shape {tuple(tensors.shape(k))} but config.json implies {e.file_shape}",
-                "export the config the weights were trained with (markov_rank, vocab sizes, "
+                "export the config the weights were trained with (markov_rank, markov_head_type, vocab sizes, "
                 "confidence_head_with_markov)")
     for k in heads:
         if k in expected:
@@ -168,8 +176,8 @@ def check_dspark_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any],
             bad("dspark.confidence_head", k, "present but enable_confidence_head is not true: vLLM drops it",
                 'write "enable_confidence_head": true, or drop the tensor', "warning")
         else:
-            bad("keys.unknown", k, "not part of vLLM's vanilla DSpark heads (markov_w1, markov_w2, confidence_head.proj)",
-                "remove it from the export")
+            bad("keys.unknown", k, f"not part of a {mtype!r} DSpark head's tensors (specjax.drafts.dspark_weights)",
+                "remove it from the export, or write the markov_head_type it belongs to")
     check_weight_dtypes(config, tensors, [k for k in expected if k in tensors], bad, check_finite,
                         {k: e.file_shape for k, e in expected.items()})
     return out

@@ -95,7 +95,7 @@ from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 
 __all__ = [
     "DFLASH_VOCAB_TENSORS", "DFLASH_WEIGHTS", "DFlashConfig", "DFlashLossConfig", "JetSpecConfig", "OBJECTIVES",
-    "anchor_candidates", "append_context", "attend_blocks", "block_metrics", "block_positions",
+    "anchor_candidates", "append_context", "attend_blocks", "block_hidden", "block_metrics", "block_positions",
     "block_slot_mask", "block_teacher_logits", "block_token_ids",
     "config_from_dict", "config_from_target", "config_to_dict", "context_kv", "context_visibility",
     "context_states", "spread_aux_layer_ids", "dflash_attention", "dflash_attention_reference",
@@ -675,6 +675,17 @@ def propose_block(params: dict, cfg: DFlashConfig, cache: dict, *, embed_table, 
     (the cache holds the context rows of every earlier position). Returns (target token ids
     [B, K], draft logits [B, K, Vd]) for the trained slots (K = cfg.num_draft_tokens); `d2t`
     ([Vd] offsets) maps draft ids to target ids, None = the full vocab."""
+    x = block_hidden(params, cfg, cache, embed_table=embed_table, last_token_b=last_token_b,
+                     last_position_b=last_position_b)
+    logits = draft_logits(params, cfg, x)[:, cfg.first_trained_slot:]
+    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = draft if d2t is None else draft + jnp.take(jnp.asarray(d2t), draft).astype(jnp.int32)
+    return tokens, logits
+
+
+def block_hidden(params: dict, cfg: DFlashConfig, cache: dict, *, embed_table, last_token_b, last_position_b):
+    """The pre-norm states [B, S, H] of every slot of the block [last_token_b, mask, ...] at
+    `last_position_b` [B] against the context cache (propose_block's network)."""
     B = last_token_b.shape[0]
     S = cfg.block_size
     ids = jnp.concatenate([last_token_b[:, None].astype(jnp.int32),
@@ -689,7 +700,4 @@ def propose_block(params: dict, cfg: DFlashConfig, cache: dict, *, embed_table, 
         q, k_blk, v_blk = block_qkv(layer, cfg, xn, pos)
         x = layer_output(layer, cfg, x, attend_blocks(q, cache["k"][i], cache["v"][i], k_blk, v_blk, visible,
                                                       causal=cfg.causal))
-    logits = draft_logits(params, cfg, x)[:, 0, cfg.first_trained_slot:]
-    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = draft if d2t is None else draft + jnp.take(jnp.asarray(d2t), draft).astype(jnp.int32)
-    return tokens, logits
+    return x[:, 0]

@@ -6,7 +6,13 @@ Network. The backbone is specjax.drafts.dflash unchanged (context rows from the 
 a block [anchor, mask, ..., mask] through Qwen3 decoder layers with bidirectional attention inside the
 block): `hn = norm(h)` per slot and base logits `lm_head(hn)` over the draft vocab. DSpark adds:
   Markov head    e_i = markov_w1[prev_i] (a rank-r code of the previous token, target vocab) and
-                 logits_i = lm_head(hn_i) + markov_w2(e_i) (a draft-vocab bias, no bias term).
+                 logits_i = lm_head(hn_i) + markov_w2(u_i) (a draft-vocab bias, no bias term), where u_i
+                 depends on markov_head_type (speculators' MarkovHead.block_bias):
+                   vanilla  u_i = e_i
+                   gated    u_i = sigmoid(gate_proj([hn_i, e_i])) * e_i
+                   rnn      a state s (zero before slot 0) carried across the block's slots in order:
+                            [g; c; o] = joint_proj([s_{i-1}, e_i, hn_i]), g = sigmoid(g),
+                            s_i = g * s_{i-1} + (1 - g) * tanh(c), u_i = tanh(o)
   confidence     c_i = proj([hn_i, e_i]) (or proj(hn_i) without confidence_head_with_markov): one logit
                  per slot, the head's estimate of the slot's acceptance probability (vLLM reads it for
                  its adaptive verification only; decoding does not use it).
@@ -26,13 +32,15 @@ Teacher forcing feeds the real previous tokens to the Markov head; decoding feed
 
 Decoding (`draft_block`). One backbone pass over the block gives every slot's base logits (the block is
 the anchor + k-1 mask slots with sample_from_anchor, else the anchor + k mask slots, as vLLM builds it);
-then, left to right, d_i = argmax(base_i + markov_w2(markov_w1[prev])) with prev = the newest token for
-the first slot and d_{i-1} (a target id) after it: vLLM's DSparkSpeculator._sample_sequential. Sampling
-draws each d_i from softmax((base_i + bias_i) / T), which is the draft's conditional distribution given
-the earlier drafts, so rejection sampling against q_i stays exact.
+then, left to right, d_i = argmax(base_i + markov_w2(u_i)) with prev = the newest token for the first
+slot and d_{i-1} (a target id) after it: vLLM's DSparkSpeculator._sample_sequential for the vanilla head,
+the same chain with the gated / rnn u_i (the rnn state carried along; without sample_from_anchor the
+undrafted anchor slot updates it first, as in training, its prev the anchor). Sampling draws each d_i from
+softmax((base_i + bias_i) / T), the draft's conditional distribution given the earlier drafts, so
+rejection sampling against q_i stays exact.
 
-Not implemented: speculators' "gated" / "rnn" Markov heads (vLLM 0.32's Qwen3DSparkModel builds only
-the vanilla one), the compound losses other than kl_div, D-PACE weights, dspark_draft_topk.
+Not implemented: the compound losses other than kl_div, D-PACE weights, dspark_draft_topk. vLLM 0.32
+serves only the vanilla Markov head (Qwen3DSparkModel has no gate_proj / joint_proj).
 """
 from __future__ import annotations
 
@@ -46,13 +54,13 @@ import jax.numpy as jnp
 
 from specjax.drafts import dflash, weights
 from specjax.drafts.dflash import DFlashConfig, DFlashLossConfig
-from specjax.drafts.dspark_weights import DSPARK_HEADS, DSPARK_WEIGHTS
+from specjax.drafts.dspark_weights import DSPARK_HEADS, DSPARK_WEIGHTS, MARKOV_HEAD_TYPES
 from specjax.drafts.eagle3 import init_params
 from specjax.layers.norms import rms_norm
 
 __all__ = ["DSPARK_WEIGHTS", "DSparkConfig", "DSparkLossConfig", "DSPARK_FIELDS", "as_dspark", "config_from_dict",
            "config_to_dict", "draft_block", "dspark_heads", "dspark_logits", "dspark_loss", "init_draft_params",
-           "markov_prev_tokens", "param_logical_axes"]
+           "markov_inputs", "markov_prev_tokens", "markov_step", "param_logical_axes"]
 
 _CONF_DENOM_EPS = 1e-8  # speculators' DSpark confidence term adds this to the per-row mask count
 _KL_DENOM_EPS = 1e-5  # and its loss_function this (dflash_loss's)
@@ -63,6 +71,7 @@ class DSparkConfig(DFlashConfig):
     """A DFlashConfig (the backbone) plus the Markov and confidence heads; slot 0 drafts by default."""
     sample_from_anchor: bool = True  # DSpark's default: block_size draft tokens per block
     markov_rank: int = 256  # r, the rank of the Markov bias markov_w2 @ markov_w1
+    markov_head_type: str = "vanilla"  # speculators' markov_head_type: "vanilla", "gated" or "rnn"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True  # the confidence head also reads the Markov code
 
@@ -71,13 +80,25 @@ class DSparkConfig(DFlashConfig):
         if not isinstance(self.markov_rank, int) or self.markov_rank < 1:
             raise ValueError(f"DSparkConfig.markov_rank={self.markov_rank!r}: must be a positive integer (vLLM's "
                              "Qwen3DSparkModel always builds the Markov head). Fix: set markov_rank >= 1.")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"DSparkConfig.markov_head_type={self.markov_head_type!r}: not one of "
+                             f"{', '.join(MARKOV_HEAD_TYPES)} (speculators 0.9's Markov heads). Fix: pick one of them.")
         if self.confidence_head_with_markov and not self.enable_confidence_head:
             raise ValueError("DSparkConfig.confidence_head_with_markov=True without enable_confidence_head: there is "
                              "no confidence head to feed. Fix: set confidence_head_with_markov=False or "
                              "enable_confidence_head=True.")
 
 
-DSPARK_FIELDS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+    @property
+    def markov_gated(self) -> bool:  # the weight table's `when` for gate_proj
+        return self.markov_head_type == "gated"
+
+    @property
+    def markov_rnn(self) -> bool:  # the weight table's `when` for joint_proj
+        return self.markov_head_type == "rnn"
+
+
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 def as_dspark(base: DFlashConfig, **heads) -> DSparkConfig:
@@ -123,12 +144,40 @@ def markov_prev_tokens(cfg: DSparkConfig, block_tokens):
     return jnp.concatenate([block_tokens[..., :1], block_tokens[..., :-1]], axis=-1)
 
 
+def _linear(p: dict, x):
+    return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
+
+
+def markov_step(m: dict, cfg: DSparkConfig, state, code, hn):
+    """One slot of the Markov head (`m`: params["markov_head"]): (the next rnn state, u, the rank-r
+    input of markov_w2) from the state before the slot [..., r] (passed through unless rnn), the
+    previous token's code e = markov_w1[prev] [..., r] and the slot's normed state hn [..., H]."""
+    if cfg.markov_head_type == "vanilla":
+        return state, code
+    if cfg.markov_head_type == "gated":
+        return state, jax.nn.sigmoid(_linear(m["gate_proj"], jnp.concatenate([hn, code], axis=-1))) * code
+    gate, cand, out = jnp.split(_linear(m["joint_proj"], jnp.concatenate([state, code, hn], axis=-1)), 3, axis=-1)
+    gate = jax.nn.sigmoid(gate)
+    return gate * state + (1.0 - gate) * jnp.tanh(cand), jnp.tanh(out)
+
+
+def markov_inputs(m: dict, cfg: DSparkConfig, code, hn):
+    """u [..., S, r] of a block's slots (axis -2, in order) from their codes [..., S, r] and normed
+    states [..., S, H]; the rnn head scans the slots from a zero state."""
+    if not cfg.markov_rnn:
+        return markov_step(m, cfg, None, code, hn)[1]
+    state = jnp.zeros(code.shape[:-2] + code.shape[-1:], code.dtype)
+    _, u = jax.lax.scan(lambda s, x: markov_step(m, cfg, s, *x), state,
+                        (jnp.moveaxis(code, -2, 0), jnp.moveaxis(hn, -2, 0)))
+    return jnp.moveaxis(u, 0, -2)
+
+
 def dspark_heads(params: dict, cfg: DSparkConfig, hn, prev_ids):
-    """(Markov bias [..., Vd] fp32, confidence logit [...] or None) of normed slot states `hn`
-    [..., H] whose previous tokens are `prev_ids` [...] (target ids)."""
+    """(Markov bias [..., S, Vd] fp32, confidence logit [..., S] or None) of a block's normed slot
+    states `hn` [..., S, H] whose previous tokens are `prev_ids` [..., S] (target ids)."""
     m = params["markov_head"]
-    code = jnp.take(m["markov_w1"]["embedding"], prev_ids, axis=0).astype(hn.dtype)  # [..., r]
-    bias = jnp.einsum("...r,rv->...v", code, m["markov_w2"]["kernel"].astype(hn.dtype),
+    code = jnp.take(m["markov_w1"]["embedding"], prev_ids, axis=0).astype(hn.dtype)  # [..., S, r]
+    bias = jnp.einsum("...r,rv->...v", markov_inputs(m, cfg, code, hn), m["markov_w2"]["kernel"].astype(hn.dtype),
                       preferred_element_type=jnp.float32)
     if not cfg.enable_confidence_head:
         return bias, None
@@ -140,8 +189,8 @@ def dspark_heads(params: dict, cfg: DSparkConfig, hn, prev_ids):
 
 
 def dspark_logits(params: dict, cfg: DSparkConfig, h, prev_ids):
-    """(Markov-corrected logits [..., Vd] fp32, confidence logits or None) of the backbone's
-    pre-norm slot states `h` [..., H]."""
+    """(Markov-corrected logits [..., S, Vd] fp32, confidence logits or None) of the backbone's
+    pre-norm slot states `h` [..., S, H] of a block."""
     hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)
     bias, conf = dspark_heads(params, cfg, hn, prev_ids)
     return dflash.draft_logits(params, cfg, h) + bias, conf
@@ -219,14 +268,23 @@ def draft_block(dp, embed, d2t, ccache, pend_aux, pend_count, start, last_tok, k
     pos = start + jnp.arange(pend_aux[0].shape[1], dtype=jnp.int32)[None, :]
     ccache = dflash.append_context(dp, dcfg, ccache, pend_aux, pos, jnp.reshape(pend_count, (1,)))
     # the block vLLM builds for num_speculative_tokens = k (slots attend to each other: no longer block)
-    bcfg = dataclasses.replace(dcfg, block_size=k + dcfg.first_trained_slot)
-    _, base = dflash.propose_block(dp, bcfg, ccache, embed_table=embed, last_token_b=jnp.reshape(last_tok, (1,)),
-                                   last_position_b=jnp.reshape(start + pend_count, (1,)), d2t=d2t)
+    f = dcfg.first_trained_slot
+    bcfg = dataclasses.replace(dcfg, block_size=k + f)
+    h = dflash.block_hidden(dp, bcfg, ccache, embed_table=embed, last_token_b=jnp.reshape(last_tok, (1,)),
+                            last_position_b=jnp.reshape(start + pend_count, (1,)))[0]  # [k + f, H]
+    base = dflash.draft_logits(dp, bcfg, h)
+    hn = rms_norm(h, dp["norm"]["scale"], dcfg.rms_norm_eps)
     m = dp["markov_head"]
+    prev0 = jnp.asarray(last_tok, jnp.int32).reshape(())
+    state = jnp.zeros((dcfg.markov_rank,), jnp.float32)
+    if f:  # the undrafted anchor slot (prev: the anchor) runs first: the rnn state it leaves feeds slot 1
+        state, _ = markov_step(m, dcfg, state, m["markov_w1"]["embedding"][prev0], hn[0])
 
-    def step(prev, inputs):
-        base_i, key_i = inputs
-        logits = base_i + jnp.einsum("r,rv->v", m["markov_w1"]["embedding"][prev], m["markov_w2"]["kernel"])
+    def step(carry, inputs):
+        prev, state = carry
+        base_i, hn_i, key_i = inputs
+        state, u = markov_step(m, dcfg, state, m["markov_w1"]["embedding"][prev], hn_i)
+        logits = base_i + jnp.einsum("r,rv->v", u, m["markov_w2"]["kernel"])
         if sample:
             scaled = logits / temperature
             d = jax.random.categorical(key_i, scaled)
@@ -234,8 +292,7 @@ def draft_block(dp, embed, d2t, ccache, pend_aux, pend_count, start, last_tok, k
         else:
             d, q = jnp.argmax(logits), jnp.zeros((1,), jnp.float32)
         tok = (d + d2t[d]).astype(jnp.int32)
-        return tok, (tok, q)
+        return (tok, state), (tok, q)
 
-    _, (drafts, q) = jax.lax.scan(step, jnp.asarray(last_tok, jnp.int32).reshape(()),
-                                  (base[0, :k], jax.random.split(key, k)))
+    _, (drafts, q) = jax.lax.scan(step, (prev0, state), (base[f:], hn[f:], jax.random.split(key, k)))
     return drafts, q, ccache

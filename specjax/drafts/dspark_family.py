@@ -7,7 +7,8 @@ the target's rows of the draft vocab, the anchors, the context cache); the draft
 `dspark.DSparkConfig`, the loss `dspark.dspark_loss` (forward KL on the Markov-corrected logits plus
 draft.confidence_alpha x the confidence BCE), decoding `dspark.draft_block` (one backbone pass, then
 the Markov chain left to right). With draft.sample_from_anchor (the default, DSpark's convention)
-slot 0 drafts too, so one block drafts block_size tokens.
+slot 0 drafts too, so one block drafts block_size tokens. draft.markov_head_type picks speculators'
+Markov head (vanilla, gated, rnn); vLLM 0.32 builds only the vanilla one, so serve_plan refuses the others.
 
 Head: the folder vLLM 0.32 loads as `Qwen3DSparkModel` (specjax_converters.dspark_export, validated by
 specjax_converters.dspark_validate), served with `"method": "dspark"`. vLLM runs that method only in
@@ -28,6 +29,7 @@ from specjax.drafts.dflash_family import DFlashFamily, DFlashObjective, block_lo
 from specjax.drafts.family import DraftFamily, ServePlan, register, target_config_for_serving
 from specjax_converters.dspark_export import export_dspark
 from specjax_converters.dspark_import import read_dspark_head
+from specjax_converters.dspark_validate import VLLM_MARKOV_HEAD_TYPE
 from specjax_converters.head_formats import format_of
 from specjax_converters.target_facts import target_text_config
 
@@ -54,6 +56,10 @@ class DSparkSection(DraftSection):
                                                "after its own (DSpark's convention)")
     markov_rank: int = ranged(256, ge=1, doc="Rank r of the Markov bias markov_w2 @ markov_w1 (target vocab -> r -> "
                                              "draft vocab)")
+    # vanilla: the first-order bias; gated: the bias of a code gated by the slot's hidden state; rnn: a
+    # recurrent state over the block's slots (speculators 0.9's MarkovHead); vLLM 0.32 serves vanilla only
+    markov_head_type: str = described("vanilla", "Markov head: vanilla, gated or rnn (speculators' "
+                                                 "markov_head_type; vLLM 0.32 serves vanilla only)")
     confidence_head: bool = described(True, "Train the per-position acceptance (confidence) head")
     confidence_head_with_markov: bool = described(True, "The confidence head also reads the Markov code of the "
                                                         "previous token")
@@ -76,7 +82,7 @@ class DSparkFamily(DFlashFamily):
         d = cfg.draft
         try:
             return dspark.as_dspark(super().make_draft_config(cfg, target, aux_ids), markov_rank=d.markov_rank,
-                                    enable_confidence_head=d.confidence_head,
+                                    markov_head_type=d.markov_head_type, enable_confidence_head=d.confidence_head,
                                     confidence_head_with_markov=d.confidence_head and d.confidence_head_with_markov)
         except ValueError as e:
             raise ValueError(f"draft.type={self.draft_type}: {e} (the draft.* key of the same name sets it)") from None
@@ -131,6 +137,11 @@ class DSparkFamily(DFlashFamily):
 
     def serve_plan(self, draft_abs: str, target: str, num_spec_tokens: int) -> ServePlan:
         head = read_dspark_head(draft_abs)  # raises ValueError naming what is wrong
+        if head.config.markov_head_type != VLLM_MARKOV_HEAD_TYPE:
+            return ServePlan(error=f"error: {draft_abs} is a DSpark head with markov_head_type "
+                                   f"{head.config.markov_head_type!r}; vLLM 0.32 builds only the "
+                                   f"{VLLM_MARKOV_HEAD_TYPE!r} Markov head (qwen3_dspark.py: markov_w1, markov_w2), "
+                                   "so it cannot load this one; train with draft.markov_head_type=vanilla to serve it")
         target_config, _ = target_config_for_serving(target, None)
         if target_config is not None:
             tc = target_text_config(target_config)

@@ -3,10 +3,13 @@ confidence heads, forward KL + confidence BCE) on the tiny target (fp32, the jit
 loss falls over a few steps, run_meta.json names the family, the export at the end is a Qwen3DSparkModel
 folder the validator passes, specjax.eval reads it back and decodes losslessly (greedy: the target's
 own greedy tokens, with drafts of block_size tokens from the anchor), serve_cmd prints vLLM's dspark
-method for it."""
+method for it. Each of speculators' Markov heads (draft.markov_head_type vanilla, gated, rnn); serve_cmd
+refuses the gated / rnn heads (vLLM 0.32 builds only the vanilla one)."""
 import json
 import os
 import sys
+
+import pytest
 
 from specjax.drafts.dspark import DSparkConfig
 
@@ -18,7 +21,8 @@ RUN = ("draft.type=dspark", "draft.block_size=3", "draft.markov_rank=8", "train.
 PROMPT = [3, 17, 25, 40, 8]
 
 
-def test_dspark_head_trains_exports_and_decodes(tiny_target, tmp_path):
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_dspark_head_trains_exports_and_decodes(tiny_target, tmp_path, head_type):
     from specjax.eval.generate import generate
     from specjax.eval.spec_decode import SpecDecoder, load_draft
     from specjax.serve_cmd import build
@@ -28,7 +32,7 @@ def test_dspark_head_trains_exports_and_decodes(tiny_target, tmp_path):
     from specjax_converters.head_formats import errors, validate_folder
 
     run = tmp_path / "run"
-    head = train(inprocess_config(tiny_target, run, *RUN)).export_dir
+    head = train(inprocess_config(tiny_target, run, *RUN, f"draft.markov_head_type={head_type}")).export_dir
     records = read_metrics(str(run))
     losses = [r["loss"] for r in records]
     assert len(losses) == 8 and sum(losses[-3:]) < sum(losses[:3]), losses
@@ -37,15 +41,20 @@ def test_dspark_head_trains_exports_and_decodes(tiny_target, tmp_path):
     assert json.loads((run / "run_meta.json").read_text())["draft_family"] == "dspark"
     conf = json.load(open(os.path.join(head, "config.json")))
     assert conf["architectures"] == ["Qwen3DSparkModel"] and conf["block_size"] == 3 and conf["sample_from_anchor"]
+    assert conf["markov_head_type"] == head_type
     findings, info = validate_folder(head, target=tiny_target)
     assert info["layout"] == "dspark" and not errors(findings), [str(f) for f in findings]
 
     draft = load_draft(head)
     assert type(draft.config) is DSparkConfig and draft.config.num_draft_tokens == 3
+    assert draft.config.markov_head_type == head_type
     target = load_target(tiny_target, dtype="float32")
     greedy = generate(target, [PROMPT], max_new_tokens=12)[0][:12]
     for k in (3, 2):
         assert SpecDecoder(target, draft, num_spec_tokens=k).generate(PROMPT, max_new_tokens=12).tokens == greedy
 
     code, text = build(head, tiny_target, engine="vllm")
-    assert code == 0 and '"method": "dspark"' in text and '"num_speculative_tokens": 3' in text, text
+    if head_type == "vanilla":
+        assert code == 0 and '"method": "dspark"' in text and '"num_speculative_tokens": 3' in text, text
+    else:
+        assert code != 0 and "markov_head_type" in text and '"method"' not in text, text

@@ -18,12 +18,14 @@ def _tv(a, b):
     return 0.5 * float(np.abs(np.asarray(a) - np.asarray(b)).sum())
 
 
-def assert_second_token_follows_target(target, logits_fn, *, n=2000, temp=2.0, prompt=(3, 1, 4)):
-    """`logits_fn(seqs)`: uncached fp32 logits [len(seqs), T, V] of equal-length token lists."""
+def assert_second_token_follows_target(target, logits_fn, *, n=2000, temp=2.0, prompt=(3, 1, 4), draft=None):
+    """`logits_fn(seqs)`: uncached fp32 logits [len(seqs), T, V] of equal-length token lists. `draft`:
+    the drafter (default: a random EAGLE-3 head); its lm_head kernel is scaled by 10 (peaked, so that it
+    disagrees with p)."""
     prompt = list(prompt)
     V = target.config.vocab_size
-    draft = random_draft(target, seed=1)
-    draft.params["lm_head"]["kernel"] = draft.params["lm_head"]["kernel"] * 10.0  # peaked, and it disagrees with p
+    draft = random_draft(target, seed=1) if draft is None else draft
+    draft.params["lm_head"]["kernel"] = draft.params["lm_head"]["kernel"] * 10.0
     dec = SpecDecoder(target, draft, num_spec_tokens=2)
     p1 = np.asarray(jax.nn.softmax(np.asarray(logits_fn([prompt + [0]]))[0, len(prompt) - 1] / temp))
     nxt = np.asarray(logits_fn([prompt + [t] for t in range(V)]))[:, len(prompt)]

@@ -7,9 +7,10 @@ bias and confidence head, `compute_metrics` with the eager kl_div and tv losses)
 (two documents with restarting positions, right padding), our anchors handed to its anchor draw, our
 weights loaded through the export state dict with strict=True (so a file name or shape vLLM's and
 speculators' loaders would not accept fails here). Compared: the Markov-corrected logits of every
-block, the total loss, its KL and confidence terms, and the gradient of every weight. TOLERANCE:
-max|ours - ref| / max|ref| <= 1e-5 per tensor, |loss - ref| / |ref| <= 1e-5 (measured: logits ~3e-7, loss <= 9e-8,
-gradients <= 2.3e-6). A perturbed Markov weight breaks it.
+block, the total loss, its KL and confidence terms, and the gradient of every weight, for each of
+speculators' Markov heads (markov_head_type vanilla, gated, rnn). TOLERANCE: max|ours - ref| / max|ref|
+<= 1e-5 per tensor, |loss - ref| / |ref| <= 1e-5 (measured: logits <= 3.5e-7, loss <= 2.1e-7, gradients
+<= 2.3e-6 vanilla, 1.8e-6 gated, 3.7e-6 rnn). A perturbed Markov, gate or recurrence weight breaks it.
 """
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ TOL = 1e-5
 R = 6  # markov rank
 
 
-def dspark_cfg(sample_from_anchor=True, confidence=True, with_markov=True, block_size=4):
+def dspark_cfg(sample_from_anchor=True, confidence=True, with_markov=True, block_size=4, head_type="vanilla"):
     return P.as_dspark(make_cfg(block_size=block_size, sample_from_anchor=sample_from_anchor), markov_rank=R,
-                       enable_confidence_head=confidence, confidence_head_with_markov=confidence and with_markov)
+                       markov_head_type=head_type, enable_confidence_head=confidence,
+                       confidence_head_with_markov=confidence and with_markov)
 
 
 def dspark_params(cfg, seed=0):
@@ -90,7 +92,7 @@ def speculators_model(sp, cfg, params, vocab, batch):
     rows = batch["lm_head_full"] if vocab is None else batch["lm_head_full"][vocab.draft_ids]
     return speculators_block_model(
         sp, cfg, "dspark", exported(params, cfg, vocab), embed=batch["embed"], verifier_norm=batch["verifier_norm"],
-        verifier_head=rows, markov_rank=cfg.markov_rank, markov_head_type="vanilla",
+        verifier_head=rows, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
         enable_confidence_head=cfg.enable_confidence_head, confidence_head_with_markov=cfg.confidence_head_with_markov)
 
 
@@ -153,10 +155,12 @@ def compare(cfg, *, seed=0, num_anchors=6, gamma=4.0, alpha=0.7, perturb=None):
     return errs, (m, ref_m), set(ref_grads), set(our_grads)
 
 
-@pytest.mark.parametrize("sample_from_anchor,confidence,with_markov",
-                         [(True, True, True), (False, True, False), (True, False, False)])
-def test_forward_loss_grads_equal_speculators(sample_from_anchor, confidence, with_markov):
-    cfg = dspark_cfg(sample_from_anchor, confidence, with_markov)
+@pytest.mark.parametrize("head_type,sample_from_anchor,confidence,with_markov",
+                         [("vanilla", True, True, True), ("vanilla", False, True, False), ("vanilla", True, False, False),
+                          ("gated", True, True, True), ("gated", False, False, False),
+                          ("rnn", True, True, True), ("rnn", False, True, False)])
+def test_forward_loss_grads_equal_speculators(head_type, sample_from_anchor, confidence, with_markov):
+    cfg = dspark_cfg(sample_from_anchor, confidence, with_markov, head_type=head_type)
     errs, (m, ref_m), graded, files = compare(cfg)
     assert graded == files - {"d2t", "t2d"}  # every exported weight has a reference gradient
     print({k: f"{v:.1e}" for k, v in errs.items()})
@@ -175,12 +179,25 @@ def test_comparison_can_fail():
     assert errs["logits"] > TOL and errs["loss"] > TOL and errs["confidence_loss"] > TOL
 
 
+@pytest.mark.parametrize("head_type,weight", [("gated", "markov_head.gate_proj.weight"),
+                                              ("rnn", "markov_head.joint_proj.weight")])
+def test_comparison_can_fail_per_head_type(head_type, weight):
+    """A perturbed gate / recurrence weight moves the Markov-corrected logits and the loss."""
+    errs, _, _, _ = compare(dspark_cfg(head_type=head_type), perturb=weight)
+    assert errs["logits"] > TOL and errs["loss"] > TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # decoding: one backbone pass, then the Markov chain left to right
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_proposer_is_the_markov_chain_over_the_training_forward(sample_from_anchor):
-    cfg = dspark_cfg(sample_from_anchor)
+def test_proposer_is_the_markov_chain_over_the_training_forward(sample_from_anchor, head_type):
+    """Greedy: each draft is the argmax of the training forward's Markov-corrected logits of its slot with
+    the earlier drafts as the block's tokens (dspark_logits, teacher forcing on the drafts), and for the
+    vanilla head vLLM's DSparkSpeculator._sample_sequential by hand. Sampled: each q_i is the softmax of
+    those logits (temperature 0.7) given the sampled drafts."""
+    cfg = dspark_cfg(sample_from_anchor, head_type=head_type)
     vocab = make_vocab(VD)
     params = dspark_params(cfg)
     batch = make_batch(1, 24, docs=((21,),), pad=3)
@@ -193,18 +210,39 @@ def test_proposer_is_the_markov_chain_over_the_training_forward(sample_from_anch
     base = np.asarray(D.draft_logits(params, cfg, h))[0, 0, cfg.first_trained_slot:]
     w1, w2 = (np.asarray(params["markov_head"][n][leaf]) for n, leaf in (("markov_w1", "embedding"),
                                                                            ("markov_w2", "kernel")))
-    want, prev = [], int(ids[0, a])
-    for i in range(k):  # vLLM's DSparkSpeculator._sample_sequential
-        d = int(np.argmax(base[i] + w1[prev] @ w2))
-        prev = d + int(vocab.d2t[d])
-        want.append(prev)
-    cache = D.append_context(params, cfg, D.init_context_cache(cfg, 1, 32), [x[:, :a - 2] for x in aux],
-                             pos[:, :a - 2])
-    pend = [jnp.pad(x[:, a - 2:a], ((0, 0), (0, 3), (0, 0))) for x in aux]  # 2 valid pending rows + stale ones
-    drafts, q, _ = P.draft_block(params, jnp.asarray(batch["embed"]), jnp.asarray(vocab.d2t, jnp.int32), cache, pend,
-                                 jnp.int32(2), jnp.int32(a - 2), ids[0, a], jax.random.key(0), jnp.float32(1.0),
-                                 dcfg=cfg, k=k, sample=False)
-    assert np.asarray(drafts).tolist() == want
+    d2t = np.asarray(vocab.d2t)
+
+    def forward_logits(drafts):  # the training forward with the block's tokens [x_a, d_0, d_1, ...]
+        block = np.zeros((1, 1, cfg.block_size), np.int32)
+        block[0, 0, 0], block[0, 0, 1:1 + len(drafts)] = int(ids[0, a]), drafts[:cfg.block_size - 1]
+        logits, _ = P.dspark_logits(params, cfg, h, P.markov_prev_tokens(cfg, jnp.asarray(block)))
+        return np.asarray(logits)[0, 0, cfg.first_trained_slot:]
+
+    want = []
+    for i in range(k):
+        d = int(np.argmax(forward_logits(want)[i]))
+        want.append(d + int(d2t[d]))
+    if head_type == "vanilla":  # vLLM's DSparkSpeculator._sample_sequential
+        by_hand, prev = [], int(ids[0, a])
+        for i in range(k):
+            d = int(np.argmax(base[i] + w1[prev] @ w2))
+            prev = d + int(d2t[d])
+            by_hand.append(prev)
+        assert by_hand == want
+
+    def propose(sample, key=0, temperature=1.0):
+        cache = D.append_context(params, cfg, D.init_context_cache(cfg, 1, 32), [x[:, :a - 2] for x in aux],
+                                 pos[:, :a - 2])
+        pend = [jnp.pad(x[:, a - 2:a], ((0, 0), (0, 3), (0, 0))) for x in aux]  # 2 valid pending rows + stale ones
+        drafts, q, _ = P.draft_block(params, jnp.asarray(batch["embed"]), jnp.asarray(d2t, jnp.int32), cache, pend,
+                                     jnp.int32(2), jnp.int32(a - 2), ids[0, a], jax.random.key(key),
+                                     jnp.float32(temperature), dcfg=cfg, k=k, sample=sample)
+        return np.asarray(drafts).tolist(), np.asarray(q)
+
+    assert propose(False)[0] == want
+    drafts, q = propose(True, key=3, temperature=0.7)
+    want_q = np.asarray(jax.nn.softmax(forward_logits(drafts) / 0.7, axis=-1))
+    np.testing.assert_allclose(q, want_q, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,6 +261,12 @@ def test_family_lookups_and_config():
         dataclasses.replace(cfg, markov_rank=0).validate()
     with pytest.raises(ValueError, match="confidence_head_with_markov.*Fix"):
         dataclasses.replace(cfg, enable_confidence_head=False).validate()
+    with pytest.raises(ValueError, match="markov_head_type='lstm'.*vanilla, gated, rnn.*Fix"):
+        dataclasses.replace(cfg, markov_head_type="lstm").validate()
+    rnn = dspark_cfg(head_type="rnn")
+    assert family_from_meta("dspark").config_from_dict(fam.config_to_dict(rnn)) == rnn
+    assert fam.param_logical_axes(rnn)["markov_head"]["joint_proj"]["kernel"] == (None, None)
+    assert "gate_proj" not in fam.param_logical_axes(rnn)["markov_head"]
     axes = fam.param_logical_axes(cfg)
     assert axes["markov_head"]["markov_w2"]["kernel"] == (None, "draft_vocab")
 
@@ -276,10 +320,52 @@ def test_export_validate_read_back(tmp_path):
         found, _ = validate_folder(str(d), target=TARGET)
         return {f.rule for f in errors(found)}, [str(f) for f in errors(found)]
 
-    assert "dspark.markov_head_type" in broken(lambda c: c.update(markov_head_type="gated"))[0]
+    assert "dspark.markov_head_type" in broken(lambda c: c.update(markov_head_type="lstm"))[0]
+    rules, text = broken(lambda c: c.update(markov_head_type="gated"))  # a vanilla head's tensors
+    assert "keys.missing" in rules and any("markov_head.gate_proj.weight" in t for t in text)
     assert "keys.missing" in broken(edit_tensors=lambda t: t.pop("markov_head.markov_w1.weight"))[0]
     assert "shapes" in broken(lambda c: c.update(confidence_head_with_markov=False))[0]
     assert "dspark.dflash_config" in broken(lambda c: c.update(dflash_config={"mask_token_id": 3}))[0]
     rules, text = broken(lambda c: c.update(target_layer_ids=[0, 5]))
     assert "dspark.target_layer_ids" in rules and any("Fix:" in s for s in text)
     assert "keys.unknown" in broken(edit_tensors=lambda t: t.update({"markov_head.gate_proj.weight": np.zeros(2, np.float32)}))[0]
+
+
+@pytest.mark.parametrize("head_type", ["gated", "rnn"])
+def test_export_read_back_gated_rnn(tmp_path, head_type):
+    """The gated / rnn head's config field and tensors (speculators' names and HF [out, in] shapes)
+    round-trip; the validator passes them with a warning (vLLM 0.32 builds only the vanilla head) and
+    serve_cmd refuses them; a missing recurrence / gate tensor is an error."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from specjax.drafts.families import family_for_folder
+    from specjax_converters.dspark_export import export_dspark
+    from specjax_converters.dspark_validate import check_dspark_head
+    from specjax_converters.head_formats import errors, validate_folder
+
+    cfg = dspark_cfg(head_type=head_type)
+    vocab = make_vocab(VD)
+    params = jax.device_get(dspark_params(cfg))
+    out = export_dspark(params, cfg, TARGET, tmp_path / "head", vocab=vocab, dtype="float32")
+    conf = json.load(open(f"{out}/config.json"))
+    assert conf["markov_head_type"] == head_type
+    tensors = load_file(f"{out}/model.safetensors")
+    name = {"gated": "markov_head.gate_proj", "rnn": "markov_head.joint_proj"}[head_type]
+    other = {"gated": "markov_head.joint_proj", "rnn": "markov_head.gate_proj"}[head_type]
+    shape = {"gated": (R, H + R), "rnn": (3 * R, 2 * R + H)}[head_type]
+    assert tensors[f"{name}.weight"].shape == shape and tensors[f"{name}.bias"].shape == shape[:1]
+    assert not any(k.startswith(other) for k in tensors)
+    findings, info = validate_folder(out, target=TARGET)
+    assert info["layout"] == "dspark" and not errors(findings), [str(f) for f in findings]
+    assert any(f.rule == "dspark.markov_head_type" and f.level == "warning" for f in findings)
+
+    fam = family_for_folder(out)
+    params2, cfg2, vocab2 = fam.load_head(out)
+    assert cfg2 == cfg and np.array_equal(vocab2.draft_ids, vocab.draft_ids)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
+    assert "markov_head_type" in fam.serve_plan(out, "unused-target", 4).error
+
+    missing = {k: v for k, v in tensors.items() if not k.startswith(name)}
+    assert {f.rule for f in errors(check_dspark_head(conf, missing))} == {"keys.missing"}

@@ -9,7 +9,8 @@ gradient of every weight, with a reduced draft vocab (d2t maps the rounds' argma
 with the full vocab and sample_from_anchor. TOLERANCE: max|ours - ref| / max|ref| <= 1e-5 per tensor,
 |loss - ref| / |ref| <= 1e-5. A perturbed refiner weight breaks it.
 (2) Decoding: the Jacobi passes of the proposer equal passes run by hand on the training forward's
-states; lossless speculative decoding.
+states; lossless speculative decoding; sampled (temperature 1.0): the device loop draws what the host
+decoder draws with the same seeds, and the second new token follows the target's marginal.
 (3) The family and the head: lookups, run_meta, config keys, export -> validate -> read back ->
 speculators' XPressDraftModel.from_pretrained; serve_cmd prints no engine command.
 (4) Training end to end on the tiny target: the loss falls, the export validates, decoding is lossless.
@@ -209,6 +210,36 @@ def test_lossless_speculative_decoding(target_and_draft):
     res = SpecDecoder(target, Draft(params, cfg, vocab), num_spec_tokens=cfg.num_draft_tokens).generate(
         prompt, max_new_tokens=n)
     assert res.tokens == want[:n] and sum(res.accept_lengths) == n - 1
+
+
+def test_sampled_loop_equals_host_decoder(target_and_draft):
+    """Temperature 1.0: the batched device loop's rows are the host decoder's draws with the same
+    seeds (row r: seed + r), token for token and accept length for accept length. The refiner's
+    weights are scaled by 0.3 (its Jacobi passes still run): with the fixture's large ones the drafts
+    are almost never accepted at this temperature, and the accept path would go unchecked."""
+    from specjax.eval.spec_decode import Draft, SpecDecoder
+    from specjax.eval.spec_loop import SpecLoop
+
+    _, target, cfg, params, vocab = target_and_draft
+    prompts = [[5, 17, 3, 9, 11, 2, 40], [1, 8, 30], [12, 2, 2, 7, 19]]
+    milder = {**params, "refiner_head": jax.tree_util.tree_map(lambda a: 0.3 * a, params["refiner_head"])}
+    dec = SpecDecoder(target, Draft(milder, cfg, vocab), num_spec_tokens=cfg.num_draft_tokens)
+    got = SpecLoop(dec).generate(prompts, max_new_tokens=10, temperature=1.0, seed=5)
+    for r, (row, prompt) in enumerate(zip(got, prompts)):
+        want = dec.generate(prompt, max_new_tokens=10, temperature=1.0, seed=5 + r)
+        assert (row.tokens, list(row.accept_lengths)) == (want.tokens, list(want.accept_lengths))
+    assert sum(sum(row.accepted_per_position) for row in got) > 0
+
+
+def test_sampled_decoding_follows_the_target(target_and_draft):
+    """Temperature 1.0 with a peaked XPress head (lm_head x 10, Jacobi passes on): the second new token
+    (the first a verification step emits) follows the target's marginal (eval/_sampling.py's bound)."""
+    from eval._sampling import assert_second_token_follows_target
+    from specjax.eval.spec_decode import Draft
+
+    _, target, cfg, params, vocab = target_and_draft
+    draft = Draft({**params, "lm_head": dict(params["lm_head"])}, cfg, vocab)  # the helper scales lm_head
+    assert_second_token_follows_target(target, lambda seqs: target(jnp.asarray(seqs)).logits, temp=1.0, draft=draft)
 
 
 # ---------------------------------------------------------------------------------------------
