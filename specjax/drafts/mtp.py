@@ -288,6 +288,31 @@ def logits_of(h_btd, lm_head_vd, softcap=None):
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
+CE_ROWS = 512  # token rows per chunk of token_ce: a [512, V] fp32 logits block at a time (V = 248k: 0.5 GB)
+
+
+def token_ce(h_btd, lm_head_vd, labels_bt, softcap=None, rows: int = CE_ROWS):
+    """(cross-entropy [B, T], argmax [B, T]) of the logits h @ lm_head^T against `labels`, formed `rows`
+    token rows at a time and recomputed in the backward (jax.checkpoint), so a full-vocab [B, T, V] fp32
+    logits tensor never exists (the target's vocab: 248k for Qwen3.5, 129k for DeepSeek)."""
+    B, T, D = h_btd.shape
+    n = B * T
+    c = min(int(rows), n)
+    pad = (-n) % c
+    h = jnp.pad(h_btd.reshape(n, D), ((0, pad), (0, 0)))
+    lab = jnp.pad(labels_bt.reshape(n).astype(jnp.int32), (0, pad))
+
+    @jax.checkpoint
+    def chunk(args):
+        hc, lc = args
+        logits = logits_of(hc[None], lm_head_vd, softcap)[0]
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, lc[:, None], axis=-1)[:, 0]
+        return ce, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    ce, am = jax.lax.map(chunk, (h.reshape(-1, c, D), lab.reshape(-1, c)))
+    return ce.reshape(-1)[:n].reshape(B, T), am.reshape(-1)[:n].reshape(B, T)
+
+
 def forward_inputs(cfg: MtpConfig, input_ids, positions, segment_ids, dtype):
     """The target decoder's own per-call inputs (mask, RoPE, segments) for the training forward."""
     return get_target_class(cfg.target.architecture).decoder.forward_inputs(cfg.target, input_ids, positions,
@@ -344,16 +369,15 @@ def mtp_loss(params: dict, cfg: MtpConfig, *, input_ids, loss_mask, segment_ids,
     total = jnp.zeros((), jnp.float32)
     accs, counts, losses = [], [], []
     for k, (w, h) in enumerate(zip(step_weights(cfg.step_weight_beta, cfg.num_steps), outs)):
-        logits = logits_of(h, sg(lm_head), logit_softcap)
         labels = shift_left(ids, k + 2)
+        ce, pred = token_ce(h, sg(lm_head), labels, logit_softcap)
         rows = (shift_left(loss_mask.astype(jnp.float32), k + 2) * (shift_left(seg, k + 2, fill=-1) == seg)
                 * (seg > 0)).astype(jnp.float32)
         n = jnp.maximum(jnp.sum(rows), 1.0)
-        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
         step = jnp.sum(ce * rows) / n
         total = total + w * step
         losses.append(sg(step))
-        accs.append(sg(jnp.sum((jnp.argmax(logits, -1) == labels) * rows) / n))
+        accs.append(sg(jnp.sum((pred == labels) * rows) / n))
         counts.append(jnp.sum(rows))
     acc = jnp.stack(accs)
     metrics = {"loss": total, "acc_k": acc, "loss_k": jnp.stack(losses), "mask_tokens_k": jnp.stack(counts),

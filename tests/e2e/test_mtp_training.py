@@ -3,11 +3,11 @@ tokenizer, fp32) whose checkpoint carries mtp.* tensors: the run starts from tho
 trains the layer (speculators' 3-step weighted token CE) and the loss falls over 40 steps, run_meta.json
 names the family, the export at the end holds exactly the checkpoint's MTP tensor names and shapes with
 config.json declaring one MTP layer, and specjax.eval reads it back and decodes a chain of 3 MTP steps
-losslessly (equal to the target's greedy output, also in the batched device loop). Acceptance is not
-asserted: the tiny target is random, so the
-demo data's tokens (the labels) are not its predictions, and a regenerated corpus does not help
-either (its answers are random bytes that do not re-tokenize to the tokens it drew);
-tests/unit/test_mtp.py checks the drafted chain against the forward step by step.
+losslessly (equal to the target's greedy output, also in the batched device loop). The tiny target is
+random, so the demo data's tokens (the labels of the run) are not its predictions and the run's head is
+not accepted; the layer fine-tuned further on the target's own greedy continuations (token ids) is
+(accepted drafts > 0 on a prompt it trained on). tests/unit/test_mtp.py checks the drafted chain against
+the forward step by step.
 A checkpoint without mtp.* tensors trains from the target layers' init (the log says so)."""
 import json
 import logging
@@ -106,6 +106,46 @@ def test_mtp_layer_trains_exports_and_decodes(tiny_target, tmp_path, caplog):
 
     code, text = build(head, target_dir, engine="vllm")
     assert code == 0 and '"method": "mtp"' in text and '"num_speculative_tokens": 3' in text, text
+
+    # trained on the target's own greedy continuations (token ids, so the labels are its predictions),
+    # the layer is accepted: the draft's quality, not only its losslessness
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from specjax.drafts import mtp
+    from specjax.eval.spec_decode import Draft
+
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 320, 8).tolist() for _ in range(16)]
+    ids = jnp.asarray([p + g[:40] for p, g in zip(prompts, generate(target, prompts, max_new_tokens=40))], jnp.int32)
+    B, T = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    seg = jnp.ones((B, T), jnp.int32)
+    final, _ = target.forward(target.params, ids, aux_layer_ids=(), positions=pos, segment_ids=seg)
+    mask = seg.at[:, :8].set(0)  # the continuation's tokens are the labels
+    kw = dict(input_ids=ids, loss_mask=mask, segment_ids=seg, positions=pos, final_hidden=final,
+              embed_table=target.embed_table(target.params), lm_head=target.lm_head_weight(target.params))
+    opt = optax.adam(1e-2)
+    params = draft.params
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state):
+        (loss, _), g = jax.value_and_grad(lambda p: mtp.mtp_loss(p, draft.config, **kw), has_aux=True)(params)
+        updates, state = opt.update(g, state)
+        return optax.apply_updates(params, updates), state, loss
+
+    first = None
+    for _ in range(150):
+        params, state, loss = step(params, state)
+        first = float(loss) if first is None else first
+    assert float(loss) < 0.5 * first, (first, float(loss))
+    tuned = SpecDecoder(target, Draft(params=params, config=draft.config, vocab=draft.vocab), num_spec_tokens=3)
+    prompt = prompts[0]
+    res = tuned.generate(prompt, max_new_tokens=16)
+    assert res.tokens == generate(target, [prompt], max_new_tokens=16)[0][:16]
+    assert sum(res.accepted_per_position) > 0, res.accepted_per_position
 
 
 def test_checkpoint_without_mtp_tensors_starts_from_random_layer(tiny_target, tmp_path, caplog):

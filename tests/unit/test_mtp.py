@@ -274,3 +274,31 @@ def test_draft_chain_equals_the_forward(kind):
             rows_tok.append(tok)
             rows_h.append(np.asarray(rec[0, -1]))
     assert [int(t) for t in toks] == want
+
+
+@pytest.mark.parametrize("softcap", [None, 7.0])
+def test_token_ce_in_row_chunks_equals_the_dense_form(softcap):
+    """mtp.token_ce (rows at a time, recomputed in the backward) gives the dense [B, T, V] form's
+    cross-entropy, argmax and gradient with respect to h (fp32, 1e-6 rel), with a last chunk that is
+    padding in part (B*T = 2*13 rows, chunks of 8), and builds no [B, T, V]-sized array."""
+    rng = np.random.RandomState(3)
+    h = jnp.asarray(rng.randn(2, 13, 16).astype(np.float32))
+    head = jnp.asarray(rng.randn(50, 16).astype(np.float32))
+    labels = jnp.asarray(rng.randint(0, 50, (2, 13)).astype(np.int32))
+    w = jnp.asarray(rng.rand(2, 13).astype(np.float32))
+
+    def dense(h):
+        logits = mtp.logits_of(h, head, softcap)
+        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+        return ce, jnp.argmax(logits, -1)
+
+    with jax.default_matmul_precision("highest"):
+        ce, am = mtp.token_ce(h, head, labels, softcap, rows=8)
+        ce_d, am_d = dense(h)
+        g = jax.grad(lambda h: jnp.sum(mtp.token_ce(h, head, labels, softcap, rows=8)[0] * w))(h)
+        g_d = jax.grad(lambda h: jnp.sum(dense(h)[0] * w))(h)
+    assert rel(ce, ce_d) < 1e-6 and rel(g, g_d) < 1e-6
+    assert np.array_equal(np.asarray(am), np.asarray(am_d))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda h: jnp.sum(mtp.token_ce(h, head, labels, softcap, rows=8)[0])))(h)
+    sizes = [int(np.prod(v.aval.shape)) for eq in jaxpr.jaxpr.eqns for v in eq.outvars if hasattr(v.aval, "shape")]
+    assert max(sizes) < 2 * 13 * 50, max(sizes)  # the largest block is one chunk's [8, 50] (sub-jaxprs aside)
