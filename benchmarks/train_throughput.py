@@ -17,6 +17,10 @@
     PYTHONPATH=kernels:. python benchmarks/train_throughput.py --tiny
     # specjax variants side by side (kernels.moe, draft type), e.g. the MoE kernel inside the train step
     ... python3 benchmarks/train_throughput.py --models qwen3_30b_a3b --systems specjax,specjax:moe=mgpu ...
+    # the frozen target's projection GEMMs in FP8 (target.compute_dtype fp8; Hopper) against bf16 and SpecForge;
+    # the aux-state errors of the same switch: benchmarks/fp8_target.py
+    ... python3 benchmarks/train_throughput.py --models llama3_8b --systems specjax,specjax:target_fp8=1,specforge \
+        --jobs fixed_4096 --out DIR
 
 Both systems train an EAGLE-3 draft (Vd=32000, K=7 TTT steps, 0.8^k weights, AdamW lr 1e-4, clip 0.5,
 fp32 master weights, bf16 compute) against a frozen target with random bf16 weights of a real model's
@@ -477,6 +481,19 @@ def jax_random_params(target, dtype, seed):
     return tree
 
 
+def target_random_params(target, dtype, seed):
+    """`jax_random_params` of the target's checkpoint layout; with target.compute_dtype fp8, those same
+    weights then quantized on the device as a loaded checkpoint's are (specjax.targets.fp8_compute)."""
+    from specjax.targets.fp8_compute import checkpoint_config, fp8_compute_params, is_fp8
+
+    stored = type(target)(checkpoint_config(target.config), target.hf_config, None)
+    params = jax_random_params(stored, dtype, seed)
+    if is_fp8(target.config):
+        params = fp8_compute_params(params, type(target).weight_specs(target.config),
+                                    getattr(target.config, "weight_quant", None))
+    return params
+
+
 def fill_hf_target_shared(model, hf: dict, seed: int) -> int:
     """Overwrite a transformers model's weights with the values `jax_random_params` gives specjax
     (same generator, placed through specjax's weight map: transposes, layer slots, and the expert stack
@@ -556,18 +573,21 @@ def specjax_variant(system: str) -> dict:
     (moe: kernels.moe implementation; draft: eagle3 | p_eagle; q_block: the target attention's query
     block, which bounds its score buffer where the plain path runs: gpt-oss's sinks; long_context:
     train.long_context_tokens, the row length from which the TTT steps are rematerialised and the teacher
-    formed per vocab tile), so variants run side by side."""
+    formed per vocab tile; target_fp8=1: target.compute_dtype fp8, the target's projection GEMMs in e4m3
+    with scales, specjax/targets/fp8_compute.py), so variants run side by side."""
     name, _, opts = system.partition(":")
     if name != "specjax":
         raise ValueError(f"not a specjax system: {system!r}")
     out = {}
     for kv in filter(None, opts.split(",")):
         key, _, value = kv.partition("=")
-        if key not in ("moe", "draft", "q_block", "long_context") or not value:
+        if key not in ("moe", "draft", "q_block", "long_context", "target_fp8") or not value:
             raise ValueError(f"system {system!r}: options are moe=<kernels.moe>, draft=eagle3|p_eagle, "
-                             f"q_block=<kernels.target_attention_q_block> and "
-                             f"long_context=<train.long_context_tokens>")
-        out[key] = int(value) if key in ("q_block", "long_context") else value
+                             f"q_block=<kernels.target_attention_q_block>, "
+                             f"long_context=<train.long_context_tokens> and target_fp8=0|1")
+        out[key] = int(value) if key in ("q_block", "long_context", "target_fp8") else value
+    if out.get("target_fp8", 0) not in (0, 1):
+        raise ValueError(f"system {system!r}: target_fp8 must be 0 or 1")
     if out.get("draft", "eagle3") not in ("eagle3", "p_eagle"):
         raise ValueError(f"system {system!r}: draft must be eagle3 or p_eagle")
     return out
@@ -608,8 +628,10 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
     kw = {"moe_implementation": variant["moe"]} if "moe" in variant else {}
     if "q_block" in variant:
         kw["attention_q_block"] = variant["q_block"]
+    if variant.get("target_fp8"):
+        kw["compute_dtype"] = "fp8"
     target = make_target(hf, **kw)
-    tparams = jax_random_params(target, dtype, plan["seed"])
+    tparams = target_random_params(target, dtype, plan["seed"])
     aux = default_aux_ids(hf["num_hidden_layers"])
     parallel = variant.get("draft") == "p_eagle"  # same FLOPs: P-EAGLE computes every row of every depth
     dcfg = eagle3.config_from_target(target.config, draft_vocab_size=plan["Vd"], aux_layer_ids=aux,
@@ -683,7 +705,9 @@ def run_specjax(plan: dict, emit, system: str = "specjax") -> None:
                 "skipped": sum(float(m["skipped"]) for m in ms)}
 
     emit({"event": "setup", "system": system, "setup_s": setup_s, "aux_ids": list(aux),
-          "backend": jax.default_backend(), "jax": jax.__version__})
+          "backend": jax.default_backend(), "jax": jax.__version__,
+          "target_compute_dtype": getattr(target.config, "compute_dtype", "bfloat16"),
+          "target_param_bytes": int(sum(x.nbytes for x in jax.tree.leaves(tparams)))})
     t_worker = time.perf_counter() - setup_s
     for job in plan["jobs"]:
         t_job = time.perf_counter()

@@ -61,6 +61,12 @@ class TargetConfig(CheckedSection):
                               "tokenizer unless data.tokenizer)")
     dtype: Literal["bfloat16", "float32"] = described(
         "bfloat16", "Dtype the target's weights are loaded in; float32 also runs the train step in float32")
+    # fp8: the weights of the dense projections (attention q/k/v/o, MLP gate/up/down) kept in float8 e4m3
+    # with a scale per output channel, each token's activations quantized with its own scale, float32
+    # accumulation; attention, norms, embedding and lm_head stay in target.dtype (specjax/targets/fp8_compute.py)
+    compute_dtype: Literal["bfloat16", "fp8"] = described(
+        "bfloat16", "Target projection GEMMs: bfloat16 (in target.dtype) or fp8 (e4m3 with scales; Llama, Qwen3, "
+                    "Mistral)")
     # output-of-layer-k ids (HF hidden_states[k+1]); None -> the family's default taps
     aux_layer_ids: Optional[tuple[int, ...]] = ranged(
         None, ge=0, doc="Target layers the draft reads, as output-of-layer-k ids; null: the draft type's "

@@ -66,6 +66,8 @@ def resolve_hf_config(
 
 # a quantized checkpoint's static activation scales (for FP8 GEMM kernels; the target computes in the
 # load dtype, so they are not read) and compressed-tensors' packed-weight shapes (the weight map has them)
+# target.compute_dtype: the dense projections in the params dtype, or FP8 GEMMs (targets/fp8_compute.py)
+COMPUTE_DTYPES = ("bfloat16", "fp8")
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".activation_scale", ".weight_shape")  # (and a packed weight's shape)
 
 
@@ -219,6 +221,9 @@ class Target:
     # an MoE family's routed-expert weights (the weight-path prefix); its config has
     # num_experts_per_tok and num_routed_experts
     routed_experts_path: tuple[str, ...] = ()
+    # the family's blocks run every dense projection through layers/linear.dense and its weight map
+    # goes through fp8_compute.device_weight_specs: target.compute_dtype fp8 is accepted
+    fp8_compute: bool = False
 
     def __init__(self, config: Any, hf_config: Mapping[str, Any], params: Any, arch: str | None = None):
         self.config = config
@@ -232,8 +237,20 @@ class Target:
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any], **overrides) -> Any:
         """The config for an HF config dict; ``overrides`` are config fields, or the kernel keywords
-        of ``kernel_choices.KEYWORDS`` (``moe_implementation=``, ``attention_q_block=``, ...)."""
-        return cls.config_class.from_hf(hf_config, **KernelChoices.take_keywords(overrides))
+        of ``kernel_choices.KEYWORDS`` (``moe_implementation=``, ``attention_q_block=``, ...), or
+        ``compute_dtype=`` (target.compute_dtype: "bfloat16", or "fp8" for a family with ``fp8_compute``)."""
+        overrides = KernelChoices.take_keywords(overrides)
+        compute_dtype = overrides.pop("compute_dtype", "bfloat16")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"target.compute_dtype={compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
+        if compute_dtype != "bfloat16":  # fp8: targets/fp8_compute.py
+            if not cls.fp8_compute:
+                supported = sorted(a for a, c in registry.ARCHITECTURES.items() if getattr(c, "fp8_compute", False))
+                raise ValueError(
+                    f"target.compute_dtype=fp8 is not implemented for {cls.__name__}: the FP8 target GEMMs run for "
+                    f"{', '.join(supported)}. Fix: set target.compute_dtype: bfloat16 for this target")
+            overrides["compute_dtype"] = compute_dtype
+        return cls.config_class.from_hf(hf_config, **overrides)
 
     @classmethod
     def init(cls, config: Any, key: jax.Array, dtype=jnp.float32) -> "Target":

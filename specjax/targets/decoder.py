@@ -59,8 +59,9 @@ def attention_ffn_block(attn_params: dict, cfg: Any, x_btd, inputs: StackInputs,
 
 
 def swiglu(p: dict) -> Callable:
-    """The SwiGLU feed-forward of params {"gate_proj", "up_proj", "down_proj": {"kernel"}}, as h -> out."""
-    return lambda h: swiglu_mlp(h, p["gate_proj"]["kernel"], p["up_proj"]["kernel"], p["down_proj"]["kernel"])
+    """The SwiGLU feed-forward of params {"gate_proj", "up_proj", "down_proj": {"kernel"}} (or FP8
+    kernels with their scales: layers/linear.py), as h -> out."""
+    return lambda h: swiglu_mlp(h, p["gate_proj"], p["up_proj"], p["down_proj"])
 
 
 def tap_split(run_span: Callable, carry, num_layers: int, aux_ids: Sequence[int]):

@@ -35,7 +35,8 @@ from specjax.targets.layers import decoding
 from specjax.targets.layers.attention import AttentionConfig
 from specjax.targets.layers.scan import index_layer, scan_layers
 from specjax.targets.loading import write_safetensors
-from specjax.targets.quantized import Fp8BlockQuant, quantize_weight_specs, weight_quant_from_hf
+from specjax.targets.fp8_compute import checkpoint_config, device_weight_specs, fp8_compute_params, is_fp8
+from specjax.targets.quantized import Fp8BlockQuant, weight_quant_from_hf
 from specjax.targets.registry import model_type_of, register
 
 LLAMA_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
@@ -66,6 +67,7 @@ class LlamaTargetConfig:
     sliding_window: int | None = None
     weight_quant: Fp8BlockQuant | None = None  # an FP8 release's block-scaled weights (targets/quantized.py)
     kernels: KernelChoices = KernelChoices()  # runtime option, not part of the HF config
+    compute_dtype: str = "bfloat16"  # runtime option: "fp8" = FP8 projection GEMMs (targets/fp8_compute.py)
 
     @property
     def base_architecture(self) -> str:
@@ -211,15 +213,16 @@ def weight_specs(cfg: LlamaTargetConfig) -> list[WeightSpec]:
         if path[0] == "lm_head" and cfg.tie_word_embeddings:
             continue  # tied: logits use the embedding table, nothing on disk
         specs.append(WeightSpec(hf_name, path, transpose, shape, axes))
-    return quantize_weight_specs(specs, cfg.weight_quant)
+    return device_weight_specs(specs, cfg)
 
 
 # =============================================================================================
 # Init (toy targets for tests and smoke runs) and HF export (the inverse of the weight map)
 # =============================================================================================
 def init_params(cfg: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random params: normal(0, 0.02) matrices, ones for norm scales."""
-    specs = weight_specs(cfg)
+    """Random params: normal(0, 0.02) matrices, ones for norm scales (with fp8 compute: those, then
+    quantized as a loaded checkpoint is)."""
+    specs = weight_specs(checkpoint_config(cfg))
     keys = jax.random.split(key, len(specs))
     params: dict = {}
     for spec, k in zip(specs, keys):
@@ -228,7 +231,7 @@ def init_params(cfg: LlamaTargetConfig, key: jax.Array, dtype=jnp.float32) -> di
         else:
             value = (0.02 * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
         tree_set(params, spec.path, value)
-    return params
+    return fp8_compute_params(params, weight_specs(cfg), cfg.weight_quant) if is_fp8(cfg) else params
 
 
 def save_hf_checkpoint(
@@ -312,6 +315,7 @@ class LlamaTarget(Target):
 
     config_class = LlamaTargetConfig
     decoder = DECODER
+    fp8_compute = True  # attention and MLP projections go through layers/linear.dense
     weight_specs = staticmethod(weight_specs)
     init_params = staticmethod(init_params)
 

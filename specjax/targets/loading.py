@@ -26,6 +26,7 @@ from safetensors import safe_open
 from specjax.hf_config_checks import check_config_fields, check_name_inside, read_config_json
 from specjax.safetensors_io import read_safetensors_header
 from specjax.targets.base import Target, tree_get, tree_set
+from specjax.targets.fp8_compute import checkpoint_config, fp8_compute_params, is_fp8
 from specjax.targets.registry import get_target_class
 
 SINGLE_FILE = "model.safetensors"
@@ -266,7 +267,7 @@ def load_params(
                     t = np.concatenate([np.take(t, np.arange(0, t.shape[ax], 2), axis=ax),
                                         np.take(t, np.arange(1, t.shape[ax], 2), axis=ax)], axis=ax)
                 buf[index] = t  # numpy casts to the target dtype (round-to-nearest-even for bf16)
-            sharding = tree_get(shardings, spec.path) if shardings is not None else None
+            sharding = _sharding_at(shardings, spec.path)
             if sharding is None:
                 leaf = jax.device_put(buf)
             else:  # each process only materialises its addressable shards (multi-host safe)
@@ -274,6 +275,15 @@ def load_params(
             tree_set(params, spec.path, leaf)
             del buf
     return params
+
+
+def _sharding_at(shardings: Any, path) -> Any:
+    """The leaf's sharding, or None where the tree has none (no shardings; a stored scale that FP8
+    compute replaces, placed whole and then quantized away: fp8_compute_params)."""
+    try:
+        return None if shardings is None else tree_get(shardings, path)
+    except KeyError:
+        return None
 
 
 def embedding_and_head_paths(target_cls: type[Target], config: Any) -> set[tuple[str, ...]]:
@@ -297,7 +307,8 @@ def load_target(
     dtype: params/compute dtype ("bfloat16" or "float32"; the on-disk dtype is cast).
     shardings: optional pytree like the params (leaves jax.sharding.Sharding or None).
     embedding_and_head_only: read only the embedding and lm_head (a run fed from a state cache).
-    config_overrides: runtime config fields, e.g. ``kernels=KernelChoices(...)``, or the kernel keywords
+    config_overrides: runtime config fields, e.g. ``kernels=KernelChoices(...)``, ``compute_dtype="fp8"``
+    (FP8 projection GEMMs: targets/fp8_compute.py), or the kernel keywords
     ``moe_implementation=``, ``ssd_implementation=``, ``attention_implementation=``,
     ``attention_q_block=``, ``decode_attention_implementation=`` (Target.config_from_hf folds them
     into the config's KernelChoices).
@@ -306,5 +317,8 @@ def load_target(
     cls = get_target_class(hf_config)
     config = cls.config_from_hf(hf_config, **config_overrides)
     only = embedding_and_head_paths(cls, config) if embedding_and_head_only else None
-    params = load_params(hf_dir, cls, config, dtype=dtype, shardings=shardings, only=only)
+    params = load_params(hf_dir, cls, checkpoint_config(config), dtype=dtype, shardings=shardings, only=only)
+    if is_fp8(config):  # the checkpoint as stored, then its projections quantized on the device
+        params = fp8_compute_params(params, cls.weight_specs(config), getattr(config, "weight_quant", None),
+                                    shardings)
     return cls(config, hf_config, params)

@@ -174,6 +174,9 @@ def _base_report(step: LoweredStep) -> dict:
     n = lambda tree: int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
     return {"mesh": dict(step.mesh.shape), "devices": step.mesh.size, "batch": list(step.batch),
             "architecture": step.target.arch, "target_params": n(step.target.params),
+            "target_param_bytes": int(sum(math.prod(x.shape) * x.dtype.itemsize
+                                          for x in jax.tree_util.tree_leaves(step.target.params))),
+            "target_compute_dtype": getattr(step.target.config, "compute_dtype", "bfloat16"),
             "draft_params": n(step.draft_params)}
 
 
@@ -231,7 +234,8 @@ def compile_step(cfg: Config, platform: str | None = None, tpu_chip: str | None 
 def format_report(report: dict) -> str:
     gib = lambda b: f"{b / 2**30:.3f} GiB"
     lines = [f"mesh {report['mesh']} ({report['devices']} devices), batch {report['batch']}",
-             f"target {report['architecture']}: {report['target_params']:,} params, "
+             f"target {report['architecture']}: {report['target_params']:,} params "
+             f"({gib(report['target_param_bytes'])} of weights, GEMMs in {report['target_compute_dtype']}), "
              f"draft params {report['draft_params']:,}"]
     if report.get("kernels"):
         lines.append("kernels: " + ", ".join(f"{op}={'/'.join(names)}" for op, names in report["kernels"].items()))

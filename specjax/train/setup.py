@@ -148,10 +148,11 @@ def load_prepared_target(cfg: Config, mesh=None):
     hf = read_hf_config(path)
     cls = get_target_class(hf)
     kernels = KernelChoices.of(cfg.kernels)
-    shardings = None if mesh is None else target_shardings(cls, cls.config_from_hf(hf, kernels=kernels), mesh,
-                                                           cfg.parallelism.target_excluded_axes)
+    compute = cfg.target.compute_dtype
+    shardings = None if mesh is None else target_shardings(
+        cls, cls.config_from_hf(hf, kernels=kernels, compute_dtype=compute), mesh, cfg.parallelism.target_excluded_axes)
     # fed from a state cache, the step reads only the embedding and lm_head of the target
-    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, kernels=kernels,
+    return load_target(path, dtype=cfg.target.dtype, shardings=shardings, kernels=kernels, compute_dtype=compute,
                        embedding_and_head_only=cfg.target.source == "cache")
 
 
@@ -170,7 +171,7 @@ def abstract_target(cfg: Config, hf: Mapping[str, Any] | None = None, dtype: str
     if hf is None:
         hf = read_hf_config(cfg.target.path)
     cls = get_target_class(hf)
-    tconfig = cls.config_from_hf(hf, kernels=KernelChoices.of(cfg.kernels))
+    tconfig = cls.config_from_hf(hf, kernels=KernelChoices.of(cfg.kernels), compute_dtype=cfg.target.compute_dtype)
     return cls(tconfig, hf, abstract_params(cls, tconfig, dtype or cfg.target.dtype))
 
 
@@ -187,7 +188,8 @@ def check_draft_fits_target(cfg: Config) -> None:
         return
     hf = read_hf_config(cfg.target.path)
     cls = get_target_class(hf)
-    target = cls(cls.config_from_hf(hf), hf, None)  # shapes only: no weights are read
+    # shapes only: no weights are read (compute_dtype: an fp8 target of a family without it is refused here)
+    target = cls(cls.config_from_hf(hf, compute_dtype=cfg.target.compute_dtype), hf, None)
     vocab_size = int(target.config.vocab_size)
     if cfg.draft.draft_vocab_size > vocab_size:
         raise ValueError(f"draft.draft_vocab_size={cfg.draft.draft_vocab_size} is larger than the target's vocab "

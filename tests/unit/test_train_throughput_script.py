@@ -200,3 +200,22 @@ def test_systems_list_keeps_a_variants_options_together():
                                                                                          "draft": "p_eagle"}
     with pytest.raises(ValueError, match="follows no 'specjax:' variant"):
         tt.split_systems("specjax,moe=mgpu")
+
+
+def test_tiny_run_with_the_fp8_target():
+    """specjax:target_fp8=1 (target.compute_dtype fp8): the same random weights quantized, the train
+    step runs on them and the draft still trains; the setup row reports the smaller target bytes."""
+    assert tt.specjax_variant("specjax:target_fp8=1") == {"target_fp8": 1}
+    with pytest.raises(ValueError, match="target_fp8 must be 0 or 1"):
+        tt.specjax_variant("specjax:target_fp8=2")
+    args = argparse.Namespace(tokens_per_step=128, steps=4, warmup=1, only_seq=None, sharegpt=False,
+                              profile=False, maxlen=False, maxlen_cap_s=10, sharegpt_steps=2, worker_budget_s=1e9)
+    plan = tt.build_plan("llama3_8b", True, args)
+    rows = tt.run_inprocess(plan, systems=("specjax", "specjax:target_fp8=1"))
+    setup = {r["system"]: r for r in rows if r.get("event") == "setup"}
+    assert setup["specjax:target_fp8=1"]["target_compute_dtype"] == "fp8"
+    assert setup["specjax:target_fp8=1"]["target_param_bytes"] < setup["specjax"]["target_param_bytes"]
+    (line,) = tt.summarise(plan, rows, systems=("specjax", "specjax:target_fp8=1"))
+    r = line["specjax:target_fp8=1"]
+    assert "error" not in r, r
+    assert r["finite"] and r["decreasing"] and r["tokens_per_s"] > 0

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import mesh as meshlib
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import RopeSpec, apply_rope, inverse_frequencies, rope_cos_sin
+from specjax.targets.layers.linear import dense
 from specjax_kernels.dtypes import accum_dtype
 from specjax_kernels.selection import record_choice, target_platform
 from specjax_kernels.ttt_attention import ttt_attention
@@ -96,7 +97,7 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
     b, t, _ = h_btd.shape
 
     def proj(name, x):
-        y = x @ p[name]["kernel"]
+        y = dense(x, p[name])
         return y + p[name]["bias"] if spec.bias else y
 
     q = proj("q_proj", h_btd).reshape(b, t, spec.num_heads, spec.head_dim)
@@ -117,7 +118,7 @@ def attention_block(p: dict, spec: AttentionConfig, h_btd, mask, rope=None, *, c
         o = dot_product_attention(q, k, v, mask, scale=spec.scale, q_block=spec.q_block,
                                   implementation=spec.implementation, sinks=sinks)
     if spec.output_gate:
-        o = jax.nn.sigmoid((h_btd @ p["gate_proj"]["kernel"]).reshape(b, t, spec.num_heads, spec.head_dim)) * o
+        o = jax.nn.sigmoid(dense(h_btd, p["gate_proj"]).reshape(b, t, spec.num_heads, spec.head_dim)) * o
     return proj("o_proj", o.reshape(b, t, -1)), cache
 
 
