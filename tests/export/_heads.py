@@ -292,7 +292,7 @@ def speculators_head(sp, folder, verifier_dir, *, fc_norm=False, norm_output=Fal
     return model.float().eval()
 
 
-def import_speculators(package: str, model: str, config: str, **extra):
+def import_speculators_model(package: str, model: str, config: str, **extra):
     """speculators 0.9.0's pieces for comparing a block draft (DFlash and its kin) with ours: torch, the
     DFlash core (select_anchors), its eager losses, `Model` / `Config` (the classes `model` / `config`
     of speculators.models.<package>), SpeculatorsConfig, VerifierConfig and the greedy proposal config

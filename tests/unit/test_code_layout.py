@@ -178,3 +178,26 @@ if __name__ == "__main__":
         print(f"family branch: {f}:{line}: {text}")
     print(f"import circles: {len(circles)}; underscore imports across files: {len(underscored)}; "
           f"draft-family branches outside the family modules: {len(branches)}")
+
+
+def redefined_top_level_names(source: str) -> list[str]:
+    """Functions and classes a module defines twice at its top level (the later one silently wins)."""
+    seen, twice = set(), []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append(node.name)
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_name_twice():
+    found = []
+    for top in ("specjax", "kernels", "converters", "tests", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    found += [f"{os.path.relpath(path, REPO)}: {n}" for n in redefined_top_level_names(open(path).read())]
+    assert not found, found
+    assert redefined_top_level_names("def f():\n    pass\n\n\ndef f(x):\n    pass\n") == ["f"]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+from export._heads import (import_speculators_model, jitter_params, speculators_anchors, speculators_block_model,
                            speculators_inputs)
 from specjax.drafts import dflash
 from specjax.drafts import dflash2 as D2
@@ -120,7 +120,7 @@ def loss_and_grads(params, cfg, loss_cfg, kw):
 # (1) speculators
 # ---------------------------------------------------------------------------------------------
 def import_speculators_dflash2():
-    return import_speculators("dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig",
+    return import_speculators_model("dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig",
                               candidates="speculators.models.dflash2.metrics:selector_training_candidates")
 
 

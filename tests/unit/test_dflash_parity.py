@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+from export._heads import (import_speculators_model, jitter_params, speculators_anchors, speculators_block_model,
                            speculators_inputs)
 from specjax.drafts import dflash as D
 from specjax.drafts.vocab import DraftVocab
@@ -124,7 +124,7 @@ def exported(params, cfg, vocab) -> dict:
 def import_speculators_dflash():
     """speculators' DFlash model without its training-data stack: `speculators/__init__` imports
     `datasets` (only its offline loader uses it); a stand-in sits in sys.modules during the import."""
-    return import_speculators("dflash", "DFlashDraftModel", "DFlashSpeculatorConfig",
+    return import_speculators_model("dflash", "DFlashDraftModel", "DFlashSpeculatorConfig",
                               metrics="speculators.models.metrics")
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import import_speculators, speculators_block_model
+from export._heads import import_speculators_model, speculators_block_model
 from specjax.drafts import dflash as D
 from specjax.drafts import dspark as P
 from specjax.layers.norms import rms_norm
@@ -85,7 +85,7 @@ def ours(params, cfg, batch, anchors, valid, vocab, gamma, alpha):
 
 
 def import_speculators_dspark():
-    return import_speculators("dspark", "DSparkDraftModel", "DSparkSpeculatorConfig")
+    return import_speculators_model("dspark", "DSparkDraftModel", "DSparkSpeculatorConfig")
 
 
 def speculators_model(sp, cfg, params, vocab, batch):

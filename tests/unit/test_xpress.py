@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from export._heads import (import_speculators, jitter_params, speculators_anchors, speculators_block_model,
+from export._heads import (import_speculators_model, jitter_params, speculators_anchors, speculators_block_model,
                            speculators_inputs)
 from specjax.drafts import dflash
 from specjax.drafts import xpress as X
@@ -83,7 +83,7 @@ def loss_and_grads(params, cfg, loss_cfg, kw):
 # (1) speculators
 # ---------------------------------------------------------------------------------------------
 def import_speculators_xpress():
-    return import_speculators("xpress", "XPressDraftModel", "XPressSpeculatorConfig")
+    return import_speculators_model("xpress", "XPressDraftModel", "XPressSpeculatorConfig")
 
 
 def speculators_model(sp, cfg, params, batch, vocab):
