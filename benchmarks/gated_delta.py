@@ -112,8 +112,9 @@ def bench_rule(shape, b, t, docs, iters, chunks, out, with_reference=True):
     print("rel err vs reference", out["rel_err_vs_reference"], flush=True)
 
 
-def bench_ssd(shape, b, t, docs, iters, out):
-    """Mamba-2 SSD with the same per-head state: H = Hv heads, P = Dv, N = Dk, G = Hk groups."""
+def ssd_inputs(shape, b, t):
+    """Mamba-2 SSD inputs with the same per-head state: H = Hv heads, P = Dv, N = Dk, G = Hk groups:
+    (x, dt, A, B, C)."""
     ks = jax.random.split(jax.random.key(1), 4)
     h, p, n, grp = shape["hv"], shape["dv"], shape["dk"], shape["hk"]
     x = jax.random.normal(ks[0], (b, t, h, p), jnp.bfloat16)
@@ -121,6 +122,13 @@ def bench_ssd(shape, b, t, docs, iters, out):
     a = -jnp.arange(1, h + 1, dtype=jnp.float32)
     bm = jax.random.normal(ks[2], (b, t, grp, n), jnp.bfloat16)
     cm = jax.random.normal(ks[3], (b, t, grp, n), jnp.bfloat16)
+    return x, dt, a, bm, cm
+
+
+def bench_ssd(shape, b, t, docs, iters, out):
+    """Mamba-2 SSD with the same per-head state (ssd_inputs)."""
+    x, dt, a, bm, cm = ssd_inputs(shape, b, t)
+    h, p, n, grp = shape["hv"], shape["dv"], shape["dk"], shape["hk"]
     seg = packed_segments(b, t, docs)
     for chunk in (64, 128):
         f = jax.jit(lambda *args, c=chunk: ssd(*args[:5], chunk_size=c, segment_ids=args[5], implementation="xla"))
@@ -149,13 +157,7 @@ def bench_train(shape, b, t, docs, iters, chunk, out):
                "compile_s": round(first, 3), "ms": 1e3 * sec, "tok_per_s": b * t / sec}
         print(row, flush=True)
         out.setdefault("rows", []).append(row)
-    ks = jax.random.split(jax.random.key(1), 4)
-    h, p, n, grp = shape["hv"], shape["dv"], shape["dk"], shape["hk"]
-    x = jax.random.normal(ks[0], (b, t, h, p), jnp.bfloat16)
-    dt = jax.nn.softplus(jax.random.normal(ks[1], (b, t, h), jnp.float32) - 2.0)
-    a = -jnp.arange(1, h + 1, dtype=jnp.float32)
-    bm = jax.random.normal(ks[2], (b, t, grp, n), jnp.bfloat16)
-    cm = jax.random.normal(ks[3], (b, t, grp, n), jnp.bfloat16)
+    x, dt, a, bm, cm = ssd_inputs(shape, b, t)
     for c in (64, 128):
         f = jax.jit(jax.grad(lambda x, dt, bm, cm, c=c: jnp.sum(
             ssd(x, dt, a, bm, cm, chunk_size=c, segment_ids=seg, implementation="xla") * w), argnums=(0, 1, 2, 3)))

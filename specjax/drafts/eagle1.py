@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from specjax import mesh as meshlib
 from specjax.drafts import eagle3, weights
 from specjax.drafts.eagle1_weights import EAGLE1_WEIGHTS
-from specjax.drafts.eagle3_decoding import tree_walk
+from specjax.drafts.eagle3_decoding import chain_draw, tree_walk
 from specjax.drafts.ttt import chunked_argmax
 from specjax.layers.rope import RopeSpec, apply_rope, rope_tables
 from specjax.targets.layers.attention import cache_attention_mask, dot_product_attention
@@ -280,13 +280,7 @@ def draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, k
     toks, qs = [], []
     for j in range(k):
         logits = draft_logits(dp, h)[:, 0]  # [1, V]
-        if sample:
-            key, sub = jax.random.split(key)
-            scaled = logits / temperature
-            d = jax.random.categorical(sub, scaled, axis=-1)
-            qs.append(jax.nn.softmax(scaled, axis=-1)[0])
-        else:
-            d = jnp.argmax(logits, axis=-1)
+        d, key = chain_draw(logits, key, temperature, sample, qs)
         tok = (d + d2t[d]).astype(jnp.int32)
         toks.append(tok[0])
         if j == k - 1:

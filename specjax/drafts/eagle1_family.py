@@ -21,9 +21,10 @@ from typing import ClassVar, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from specjax.config_fields import ConfigError, DraftSection, ranged
+from specjax.config_fields import DraftSection, ranged
 from specjax.drafts import eagle1, eagle3_decoding
-from specjax.drafts.family import DraftFamily, ServePlan, register, target_config_for_serving, target_states
+from specjax.drafts.family import (DraftFamily, ServePlan, check_one_layer_on_final_hidden, register,
+                                    target_config_for_serving, target_states)
 from specjax_converters.eagle1_export import VARIANT, export_eagle1, read_eagle1_head
 from specjax_converters.eagle1_validate import is_eagle1_config
 from specjax_converters.head_formats import errors, validate_folder
@@ -59,16 +60,7 @@ class Eagle1Family(DraftFamily):
 
     # -- the config ----------------------------------------------------------------------------
     def check_config(self, cfg) -> None:
-        if cfg.draft.num_layers != 1:
-            raise ConfigError(f"`draft.num_layers` = {cfg.draft.num_layers}: an EAGLE-1 head (draft.type=eagle) has "
-                              "one decoder layer. Fix: set draft.num_layers=1.")
-        if cfg.target.aux_layer_ids:
-            raise ConfigError(f"`target.aux_layer_ids` = {list(cfg.target.aux_layer_ids)}: an EAGLE-1 head reads the "
-                              "target's final hidden state, no intermediate taps. Fix: remove target.aux_layer_ids.")
-        if cfg.target.source == "cache" and cfg.precompute.teacher_top_k:
-            raise ConfigError("`precompute.teacher_top_k` > 0 with target.source=cache: an EAGLE-1 head regresses the "
-                              "target's final hidden state, which a top-k cache does not hold. Fix: build the cache "
-                              "with precompute.teacher_top_k=0.")
+        check_one_layer_on_final_hidden(cfg, "an EAGLE-1 head (draft.type=eagle)")
 
     # -- the draft config ----------------------------------------------------------------------
     def default_aux_layer_ids(self, cfg, target) -> tuple[int, ...]:

@@ -85,13 +85,7 @@ def draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, k
     toks, qs = [], []
     for j in range(k):
         logits = draft_logits(dp, dcfg, h)[:, 0]  # [1, Vd]
-        if sample:
-            key, sub = jax.random.split(key)
-            scaled = logits / temperature
-            d = jax.random.categorical(sub, scaled, axis=-1)
-            qs.append(jax.nn.softmax(scaled, axis=-1)[0])
-        else:
-            d = jnp.argmax(logits, axis=-1)
+        d, key = chain_draw(logits, key, temperature, sample, qs)
         tok = (d + d2t[d]).astype(jnp.int32)  # [1] target id
         toks.append(tok[0])
         if j == k - 1:
@@ -134,6 +128,18 @@ def draft_parallel(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start
         d = jnp.argmax(logits, axis=-1)
         q = jnp.zeros((k, 1), jnp.float32)
     return (d + d2t[d]).astype(jnp.int32), q, dcache
+
+
+def chain_draw(logits, key, temperature, sample: bool, qs: list):
+    """One chain step's draft-vocab pick from logits [1, Vd]: argmax, or with `sample` a draw from
+    softmax(logits / temperature) whose distribution row is appended to `qs` (the q of rejection
+    sampling). Returns (draft ids [1], the key for the next step)."""
+    if not sample:
+        return jnp.argmax(logits, axis=-1), key
+    key, sub = jax.random.split(key)
+    scaled = logits / temperature
+    qs.append(jax.nn.softmax(scaled, axis=-1)[0])
+    return jax.random.categorical(sub, scaled, axis=-1), key
 
 
 def rerank_tree(toks, parents, scores, total: int):

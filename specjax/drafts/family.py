@@ -66,6 +66,21 @@ class ServePlan:
     error: Optional[str] = None
 
 
+def check_one_layer_on_final_hidden(cfg, head: str) -> None:
+    """The config checks of a one-layer head that reads the target's final hidden state and no taps
+    (EAGLE-1, MTP): ConfigError naming `head` and the fix."""
+    if cfg.draft.num_layers != 1:
+        raise ConfigError(f"`draft.num_layers` = {cfg.draft.num_layers}: {head} has one decoder layer. Fix: set "
+                          "draft.num_layers=1.")
+    if cfg.target.aux_layer_ids:
+        raise ConfigError(f"`target.aux_layer_ids` = {list(cfg.target.aux_layer_ids)}: {head} reads the target's "
+                          "final hidden state, no intermediate taps. Fix: remove target.aux_layer_ids.")
+    if cfg.target.source == "cache" and cfg.precompute.teacher_top_k:
+        raise ConfigError(f"`precompute.teacher_top_k` > 0 with target.source=cache: {head} reads the target's final "
+                          "hidden state, which a top-k cache does not hold. Fix: build the cache with "
+                          "precompute.teacher_top_k=0.")
+
+
 class DraftFamily:
     """One draft method. Subclass it, set the class attributes, implement the methods, and
     `register` an instance; nothing else in specjax needs an edit.

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafts.eagle3_decoding import chain_draw
 from specjax.drafts.weights import leaf, nest
 from specjax.layers.norms import rms_norm
 from specjax.layers.rope import rope_tables
@@ -440,13 +441,7 @@ def draft_chain(dp, embed, d2t, dcache, pend_tok, pend_aux, pend_count, start, k
     toks, qs = [], []
     for j in range(k):
         logits = draft_logits(dp, normed)[:, 0]
-        if sample:
-            key, sub = jax.random.split(key)
-            scaled = logits / temperature
-            d = jax.random.categorical(sub, scaled, axis=-1)
-            qs.append(jax.nn.softmax(scaled, axis=-1)[0])
-        else:
-            d = jnp.argmax(logits, axis=-1)
+        d, key = chain_draw(logits, key, temperature, sample, qs)
         tok = (d + d2t[d]).astype(jnp.int32)
         toks.append(tok[0])
         if j == k - 1:

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config_fields import ConfigError, DraftSection, ranged
+from specjax.config_fields import DraftSection, ranged
 from specjax.drafts import mtp
-from specjax.drafts.family import DraftFamily, ServePlan, register, target_states
+from specjax.drafts.family import DraftFamily, ServePlan, check_one_layer_on_final_hidden, register, target_states
 from specjax_converters.head_files import (CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, HeadTensors, export_dtype,
                                            manifest_extra, numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
@@ -115,16 +115,7 @@ class MtpFamily(DraftFamily):
 
     # -- the config ----------------------------------------------------------------------------
     def check_config(self, cfg) -> None:
-        if cfg.draft.num_layers != 1:
-            raise ConfigError(f"`draft.num_layers` = {cfg.draft.num_layers}: draft.type=mtp trains the target's one "
-                              "MTP layer. Fix: set draft.num_layers=1.")
-        if cfg.target.aux_layer_ids:
-            raise ConfigError(f"`target.aux_layer_ids` = {list(cfg.target.aux_layer_ids)}: an MTP layer reads the "
-                              "target's final hidden state, no taps. Fix: remove target.aux_layer_ids.")
-        if cfg.target.source == "cache" and cfg.precompute.teacher_top_k:
-            raise ConfigError("`precompute.teacher_top_k` > 0 with target.source=cache: an MTP layer reads the "
-                              "target's final hidden state, which a top-k cache does not hold. Fix: build the cache "
-                              "with precompute.teacher_top_k=0.")
+        check_one_layer_on_final_hidden(cfg, "an MTP draft (draft.type=mtp: the target's one MTP layer)")
 
     # -- the draft config ----------------------------------------------------------------------
     def default_aux_layer_ids(self, cfg, target) -> tuple[int, ...]:
