@@ -99,3 +99,9 @@ def test_long_context_path_equals_the_default_fp64():
         cfg, params, batch = problem(norm_output=True, num_layers=2)
         assert_same(loss_and_grad(cfg, params, batch, jnp.float64, 0),
                     loss_and_grad(cfg, params, batch, jnp.float64, 10**9), 1e-10, fp64=True)
+
+
+def is_slow_case(test_name: str, params: dict) -> bool:
+    """tests/conftest.py marks the two-layer EAGLE-3.1 case slow: the default run keeps the one-layer
+    EAGLE-3 and P-EAGLE cases (fp32) and the fp64 case of the same path."""
+    return test_name == "test_long_context_path_equals_the_default_fp32" and params["layers"] == 2
