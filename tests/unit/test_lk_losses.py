@@ -161,7 +161,7 @@ def _reference_lk_ttt(draft_params, cfg, ttt, **batch):
 
 @pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda", "lk_hybrid"])
 def test_ttt_objective_with_each_lk_loss(loss):
-    cfg, params, batch = ttt_ref._problem(norm_output=False)
+    cfg, params, batch = ttt_ref.ttt_problem(norm_output=False)
     ttt = TTTConfig(ttt_steps=3, vocab_chunk=5, loss=loss, kl_scale=1.2, kl_decay=0.5, eta=2.0)
     (total, m), g = jax.jit(jax.value_and_grad(lambda p: ttt_loss(p, cfg, ttt, **batch), has_aux=True),
                             compiler_options={"xla_backend_optimization_level": 0})(params)  # -O0: faster compile

@@ -4,36 +4,24 @@ It must compute the same function as the default path: loss, per-step losses, ac
 gradient leaf, in fp64 to rtol 1e-10 (same math, another order) and in fp32 to rtol 1e-5 (gradients:
 1e-5 of each leaf's norm, as tests/unit/test_ttt_reference.py states for fp32). And it must be the
 other path: a remat in the jaxpr and no [B, T, Vd] teacher logits."""
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafts import eagle3
 from specjax.drafts.ttt import TTTConfig, ttt_loss, uses_long_context
-from specjax.layers.rope import RopeSpec
 
-H, V, VD, T = 32, 13, 6, 24
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_ttt_reference import ttt_problem  # noqa: E402
+
+T = 24  # ttt_problem's rows
 
 
 def problem(norm_output=False, parallel=False, num_layers=1):
-    cfg = eagle3.Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,
-                              aux_layer_ids=(0, 1, 2), rope=RopeSpec("default", 10000.0), norm_output=norm_output,
-                              parallel_drafting=parallel, mask_token_id=0 if parallel else None,
-                              num_layers=num_layers)
-    ks = jax.random.split(jax.random.key(3), 9)
-    ids = jnp.asarray(np.sort(np.random.default_rng(1).choice(V, VD, replace=False)), jnp.int32)
-    seg = jnp.asarray([[1] * 11 + [2] * 9 + [0] * 4, [1] * 24], jnp.int32)
-    pos = jnp.asarray([list(range(11)) + list(range(9)) + list(range(4)), list(range(24))], jnp.int32)
-    batch = dict(input_ids=jax.random.randint(ks[0], (2, T), 0, V),
-                 loss_mask=(jax.random.uniform(ks[1], (2, T)) > 0.2).astype(jnp.int32) * (seg > 0),
-                 segment_ids=seg, positions=pos,
-                 aux_hidden=tuple(jax.random.normal(ks[2 + i], (2, T, H)) for i in range(3)),
-                 final_hidden=3 * jax.random.normal(ks[5], (2, T, H)), embed_table=jax.random.normal(ks[6], (V, H)),
-                 lm_head=jax.random.normal(ks[7], (V, H)), draft_ids=ids,
-                 t2d=jnp.zeros((V,), bool).at[ids].set(True), d2t=ids - jnp.arange(VD))
-    return cfg, eagle3.init_draft_params(cfg, ks[8], std=0.2), batch
+    return ttt_problem(norm_output, parallel=parallel, num_layers=num_layers, seed=3)
 
 
 def cast(dtype, tree):
@@ -91,7 +79,7 @@ def test_long_context_path_equals_the_default_fp32(norm_output, parallel, layers
         names = [e.primitive.name for e in eqns(jaxpr)]
         assert names.count("remat2") == (4 if remat else 0), sorted(set(names))  # jax.checkpoint
         shapes = {tuple(v.aval.shape) for e in eqns(jaxpr) for v in e.outvars if hasattr(v.aval, "shape")}
-        assert ((2, T, VD) in shapes) == teacher
+        assert ((2, T, cfg.draft_vocab_size) in shapes) == teacher
 
 
 def test_long_context_path_equals_the_default_fp64():

@@ -52,13 +52,17 @@ def reference_ttt_loss(draft_params, cfg, ttt, *, input_ids, loss_mask, segment_
     return total, {"loss_k": losses, "acc_k": jnp.stack(accs)}
 
 
-def _problem(norm_output):
+def ttt_problem(norm_output, *, parallel=False, num_layers=1, seed=0):
+    """A small packed TTT batch (two rows: two documents and padding, one document), its EAGLE-3 config
+    and draft params; `parallel` gives P-EAGLE's config (mask token 0), `seed` other draws."""
     H, V, VD, T = 32, 13, 6, 24  # a small vocab, so untrained drafts still agree with the target on some rows
     cfg = eagle3.Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=64, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=VD,
-                              aux_layer_ids=(0, 1, 2), rope=RopeSpec("default", 10000.0), norm_output=norm_output)
-    ks = jax.random.split(jax.random.key(0), 9)
-    ids = jnp.asarray(np.sort(np.random.default_rng(0).choice(V, VD, replace=False)), jnp.int32)
+                              aux_layer_ids=(0, 1, 2), rope=RopeSpec("default", 10000.0), norm_output=norm_output,
+                              parallel_drafting=parallel, mask_token_id=0 if parallel else None,
+                              num_layers=num_layers)
+    ks = jax.random.split(jax.random.key(seed), 9)
+    ids = jnp.asarray(np.sort(np.random.default_rng(seed).choice(V, VD, replace=False)), jnp.int32)
     seg = jnp.asarray([[1] * 11 + [2] * 9 + [0] * 4, [1] * 24], jnp.int32)
     pos = jnp.asarray([list(range(11)) + list(range(9)) + list(range(4)), list(range(24))], jnp.int32)
     batch = dict(input_ids=jax.random.randint(ks[0], (2, T), 0, V),
@@ -94,7 +98,7 @@ def _leaves(tree):
 def test_ttt_loss_equals_the_loss_frame_reference_fp64():
     with jax.enable_x64(True):
         for norm_output in (False, True):  # EAGLE-3 and EAGLE-3.1
-            cfg, params, batch = _problem(norm_output)
+            cfg, params, batch = ttt_problem(norm_output)
             got = _run(ttt_loss, cfg, params, batch, jnp.float64)
             want = _run(reference_ttt_loss, cfg, params, batch, jnp.float64)
             assert want[0] > 0 and np.all(want[1] > 0) and np.any(want[2] > 0), want[:3]
@@ -110,7 +114,7 @@ def test_ttt_loss_equals_the_loss_frame_reference_fp64():
 
 def test_ttt_loss_equals_the_loss_frame_reference_fp32():
     for norm_output in (False, True):
-        cfg, params, batch = _problem(norm_output)
+        cfg, params, batch = ttt_problem(norm_output)
         got = _run(ttt_loss, cfg, params, batch, jnp.float32)
         want = _run(reference_ttt_loss, cfg, params, batch, jnp.float32)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
