@@ -284,12 +284,31 @@ def _start_bench_with_a_stalled_level_two(srv, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "specjax.bench", "--url", srv.url, "--prompts", str(prompts),
                              "--concurrency", "1,2", "--max-tokens", "9", "--warmup", "0", "--no-progress",
                              "--no-plots", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            preexec_fn=_default_sigint)
     t_end = time.monotonic() + 60
     while len(srv.bodies) < 4:  # level 1 is requests 1-3; the 4th is level 2's first, which stalls
         assert proc.poll() is None and time.monotonic() < t_end, proc.communicate(timeout=5)
         time.sleep(0.05)
     return proc, out
+
+
+def _default_sigint():
+    """In the bench's child before exec: SIGINT unblocked and at its default disposition, whatever the
+    test process inherited (a CI run once saw the child finish level 2 and exit 0 after the SIGINT,
+    as if it never arrived; a blocked or ignored SIGINT in the parent would do that)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    """The child's signal masks (/proc/PID/status: SigBlk, SigIgn, SigCgt; SIGINT is bit 1, 0x2), for a
+    failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return f"(no /proc status: {e})"
 
 
 def _stalling_server(release):
@@ -331,13 +350,14 @@ def test_a_bench_interrupted_in_level_two_saves_why(tmp_path):
     with _stalling_server(release) as srv:
         proc, out = _start_bench_with_a_stalled_level_two(srv, tmp_path)
         try:
+            state = _signal_state(proc.pid)
             proc.send_signal(signal.SIGINT)
             # a guard against a hang, not a speed bound: on 2 busy cores the save took over 20 s twice
             _, err = proc.communicate(timeout=90)
         finally:
             proc.kill()
             release.set()
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, f"child's signal state before the SIGINT: {state}\n{err[-2000:]}"
     assert "/results.json (status 'stopped: interrupted (Ctrl-C)')" in err
     results = json.load(open(out / "results.json"))
     assert results["status"] == "stopped: interrupted (Ctrl-C)"
