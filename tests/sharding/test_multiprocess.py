@@ -23,8 +23,7 @@ parallelism: {{data: 2, fsdp: 4}}
 
 
 def _env(devices, extra=None):
-    e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
-    e.pop("XLA_FLAGS", None)
+    e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))  # and conftest's XLA_FLAGS
     e.update(extra or {})
     return e
 
