@@ -118,7 +118,7 @@ def run_model(model: str, args, emit) -> None:
     from jax.sharding import NamedSharding
 
     from specjax import mesh as meshlib
-    from specjax.config import OptimConfig, PrecomputeConfig
+    from specjax.config import OptimConfig
     from specjax.data.state_cache import StateCache, state_bytes_per_token
     from specjax.drafts import eagle3
     from specjax.drafts.ttt import TTTConfig
@@ -223,7 +223,7 @@ def run_model(model: str, args, emit) -> None:
             # precompute (specjax.precompute's states_fn and write_split, as `python -m specjax.precompute` runs them)
             cache = StateCache.create(path, {"benchmark": "cache_throughput", "model": model}, {"train": n_rows},
                                       seq_length=T, num_aux=len(aux), hidden=hf["hidden_size"], dtype=cdtype,
-                                      rows_per_shard=PrecomputeConfig().rows_per_shard, teacher_top_k=k)
+                                      rows_per_shard=B, teacher_top_k=k)  # precompute's default: a shard per write
             if k not in states_fns:
                 states_fns[k] = states_fn(target, aux, k, vocab["draft_ids"] if k else None)
             states = states_fns[k]

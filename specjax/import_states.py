@@ -66,8 +66,8 @@ def read_dump_examples(dump: str) -> list:
 def import_dump(cfg: Config, dump: str, hidden_states: str | None = None, vllm_layer_ids=None, *,
                 progress: bool = True) -> str:
     """Write (or finish writing) target.cache_dir from the dump; returns its path."""
-    from specjax.data.vllm_states import FinalNorm, examples_sha, fill_cache, hs_path, open_or_create, vllm_layer_ids \
-        as default_layer_ids
+    from specjax.data.vllm_states import ROWS_PER_WRITE, FinalNorm, examples_sha, fill_cache, hs_path, open_or_create
+    from specjax.data.vllm_states import vllm_layer_ids as default_layer_ids
     from specjax.data.pipeline import first_fit_rows
     from specjax.train.cache_source import foreign_cache_fields
     from specjax.train.setup import resolve_aux_ids
@@ -101,7 +101,7 @@ def import_dump(cfg: Config, dump: str, hidden_states: str | None = None, vllm_l
     fields = foreign_cache_fields(cfg, aux_ids, f"hs-connectors:{examples_sha(examples)}")
     fields["dump.vllm_layer_ids"] = layer_ids
     cache = open_or_create(out, fields, {k: len(first_fit_rows(v, T)) for k, v in splits.items()}, T, len(aux_ids),
-                           norm.hidden_size, cfg.precompute.dtype, cfg.precompute.rows_per_shard)
+                           norm.hidden_size, cfg.precompute.dtype, cfg.precompute.rows_per_shard or ROWS_PER_WRITE)
     log.info("import_states: %d dataset rows (%d val) from %s -> %s (taps %s, vLLM layer ids %s)", len(examples),
              n_val, hs_dir, out, list(aux_ids), layer_ids)
     offset = {"train": 0, "val": len(splits["train"])}

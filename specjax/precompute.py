@@ -104,7 +104,8 @@ def precompute(cfg: Config, *, progress: bool = True) -> str:
         log.info("precompute: continuing the state cache in %s", out)
     else:
         cache = StateCache.create(out, fields, {k: len(v) for k, v in rows.items()}, seq_length=T, num_aux=A,
-                                  hidden=D, dtype=dtype, rows_per_shard=cfg.precompute.rows_per_shard,
+                                  hidden=D, dtype=dtype,
+                                  rows_per_shard=cfg.precompute.rows_per_shard or cfg.data.batch_size,
                                   teacher_top_k=top_k, extra=extra)
 
     per_token = state_bytes_per_token(A, D, dtype, top_k)

@@ -44,12 +44,13 @@ from specjax.data.pipeline import first_fit_rows
 from specjax.data.state_cache import StateCache, manifest_differences, state_bytes_per_token
 from specjax.safetensors_io import read_safetensors_header
 
-__all__ = ["HS_FILE", "FinalNorm", "StatesFile", "fill_cache", "hs_path", "read_states_file", "vllm_layer_ids",
+__all__ = ["HS_FILE", "ROWS_PER_WRITE", "FinalNorm", "StatesFile", "fill_cache", "hs_path", "read_states_file", "vllm_layer_ids",
            "vllm_python", "run_vllm_worker", "precompute_vllm", "open_or_create", "examples_sha"]
 
 log = logging.getLogger("specjax")
 
 HS_FILE = "hs_{}.safetensors"
+ROWS_PER_WRITE = 8  # rows per shard (and per write) of a cache filled from files, unless precompute.rows_per_shard
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "vllm_states_worker.py")
 # safetensors dtype -> numpy (ml_dtypes for the two numpy lacks)
@@ -140,11 +141,13 @@ class FinalNorm:
 
 def fill_cache(cache: StateCache, split: str, examples: Sequence, seq_length: int, file_of: Callable[[int], str],
                num_aux_ids: Sequence[int], layer_ids: Sequence[int], num_layers: int, final_norm: FinalNorm, *,
-               rows_per_write: int = 8, progress: bool = True, what: str = "example", first_index: int = 0) -> None:
-    """Write the rows of `split` not yet done: each row's examples (first-fit packed in order, as
-    packed_rows packs them) with their states from `file_of(i)` (example i of `examples`, named
-    first_index + i in errors). A file whose token ids are not the example's is refused, naming both."""
+               progress: bool = True, what: str = "example", first_index: int = 0) -> None:
+    """Write the rows of `split` not yet done, a shard's rows (the cache's rows_per_shard) per write: each
+    row's examples (first-fit packed in order, as packed_rows packs them) with their states from
+    `file_of(i)` (example i of `examples`, named first_index + i in errors). A file whose token ids are not
+    the example's is refused, naming both."""
     store = cache.split(split)
+    rows_per_write = int(cache.manifest["rows_per_shard"])
     rows = first_fit_rows(examples, seq_length)
     pending = np.flatnonzero(~store.done())
     if pending.size == 0:
@@ -251,7 +254,7 @@ def precompute_vllm(cfg, *, progress: bool = True) -> str:
     rows = {k: first_fit_rows(v, T) for k, v in splits.items()}
     layer_ids = vllm_layer_ids(aux_ids, norm.num_layers)
     cache = open_or_create(out, fields, {k: len(v) for k, v in rows.items()}, T, len(aux_ids), norm.hidden_size,
-                           dtype, cfg.precompute.rows_per_shard)
+                           dtype, cfg.precompute.rows_per_shard or ROWS_PER_WRITE)
     per_token = state_bytes_per_token(len(aux_ids), norm.hidden_size, dtype)
     n_rows = sum(len(v) for v in rows.values())
     log.info("precompute (vLLM): %d rows x %d tokens, taps %s (vLLM layer ids %s, the last pre-norm), %s: %s bytes "
