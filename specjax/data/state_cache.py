@@ -155,21 +155,33 @@ class CacheSplit:
             f.result()
         self.arrays["done"][rows].write(np.ones(rows.shape, np.uint8)).result()  # after the data, never before
 
-    def read_rows(self, rows, state_dtype=np.float32) -> dict[str, np.ndarray]:
-        """Rows `rows` (int [n]) stacked as `read` gives one: every array's rows requested at once."""
+    @property
+    def scale_keys(self) -> tuple[str, ...]:
+        """An FP8 cache's per-token scale arrays, one per stored state array (none otherwise)."""
+        hidden = ("aux_hidden",) if self.teacher_top_k else ("final_hidden", "aux_hidden")
+        return tuple(n.replace("hidden", "scale") for n in hidden) if self.fp8 else ()
+
+    def read_rows(self, rows, state_dtype=np.float32, dequantize: bool = True) -> dict[str, np.ndarray]:
+        """Rows `rows` (int [n]) stacked as `read` gives one: every array's rows requested at once.
+        ``dequantize=False`` leaves an FP8 cache's states as stored, float8_e4m3fn values beside their
+        float32 scales (``scale_keys``), for the device to dequantize (specjax.train.cache_source)."""
         rows = np.asarray(rows, np.int64)
         got = {k: f.result() for k, f in {k: self.arrays[k][rows].read() for k in self._names()}.items()}
-        return self._decoded(got, state_dtype)
+        return self._decoded(got, state_dtype, dequantize)
 
     def _names(self) -> list[str]:
         hidden = ["aux_hidden"] if self.teacher_top_k else ["final_hidden", "aux_hidden"]
         names = list(TOKEN_ARRAYS) + hidden + (list(TEACHER_ARRAYS) if self.teacher_top_k else [])
-        return names + ([n.replace("hidden", "scale") for n in hidden] if self.fp8 else [])
+        return names + list(self.scale_keys)
 
-    def _decoded(self, got: Mapping[str, np.ndarray], state_dtype) -> dict[str, np.ndarray]:
+    def _decoded(self, got: Mapping[str, np.ndarray], state_dtype, dequantize: bool = True) -> dict[str, np.ndarray]:
         out = {k: got[k].astype(np.int32) for k in TOKEN_ARRAYS}
         for name in ("aux_hidden",) if self.teacher_top_k else ("final_hidden", "aux_hidden"):
-            x = (dequantize_per_token(got[name], got[name.replace("hidden", "scale")]) if self.fp8 else got[name])
+            scale = name.replace("hidden", "scale")
+            if self.fp8 and not dequantize:
+                out[name], out[scale] = got[name], np.asarray(got[scale], np.float32)
+                continue
+            x = dequantize_per_token(got[name], got[scale]) if self.fp8 else got[name]
             out[name] = x.astype(state_dtype)
         for name in (TEACHER_ARRAYS if self.teacher_top_k else ()):
             out[name] = got[name]
@@ -203,6 +215,8 @@ class StateCache:
         entries (not compared as fields)."""
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"state cache dtype {dtype!r} is not one of {CACHE_DTYPES}")
+        if int(rows_per_shard) < 1:
+            raise ValueError(f"rows_per_shard={rows_per_shard}: a shard holds at least one row")
         if os.path.exists(os.path.join(path, MANIFEST)):
             raise FileExistsError(f"{path} already holds a state cache; open it (or remove it to start over)")
         os.makedirs(path, exist_ok=True)

@@ -1,7 +1,10 @@
 """Training from an offline state cache (target.source: cache): what a cache must have been written
 from (`cache_fields`), the packed rows it holds (`packed_rows`), the training iterator over its rows
 (`make_cache_iterator`: grain, shuffled per epoch, resumable with get_state / set_state as the online
-iterator) and the validation batches (`cache_val_batches`).
+iterator) and the validation batches (`cache_val_batches`). An FP8 cache's training rows reach the
+device as stored and are dequantized there (`place_host_rows`): on the host, the float8 -> float32
+conversion was the slowest part of a cache-fed step (one H100, Llama-3.1-8B shape, 4 x 4096:
+1.92 s a step from an FP8 cache against 0.61 s from a bf16 one and 0.59 s for the step alone).
 
 The rows are the prepared examples first-fit packed in order (as the validation batches are
 packed online); training shuffles whole rows per epoch. A cache records the fields below; a run
@@ -16,6 +19,7 @@ cache's rows instead of data.train_files (`examples_from_cache`).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -23,6 +27,8 @@ import os
 from collections.abc import Sequence
 
 import grain
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint as ckpt
@@ -36,7 +42,7 @@ log = logging.getLogger("specjax")
 
 __all__ = ["FOREIGN_CHECKED", "HostRows", "cache_fields", "cache_origin", "cache_val_batches", "check_cache_settings",
            "check_cache_vocab", "describe", "examples_from_cache", "foreign_cache_fields", "make_cache_iterator",
-           "open_checked_cache", "packed_rows", "target_fingerprint", "tokenizer_fingerprint"]
+           "open_checked_cache", "packed_rows", "place_host_rows", "target_fingerprint", "tokenizer_fingerprint"]
 
 # the fields a foreign (imported) cache is checked on: what this run's data config did not decide
 FOREIGN_CHECKED = ("target", "tokenizer", "data.seq_length", "aux_layer_ids", "precompute.teacher_top_k")
@@ -201,7 +207,11 @@ def open_checked_cache(cfg, fields: dict) -> StateCache:
 
 class HostRows(dict):
     """A batch holding only this process's rows of the global batch (a cache-fed run's host reads no
-    other host's states); the loop places it as this process's part of the global array as it is."""
+    other host's states); the loop places it as this process's part of the global array
+    (`place_host_rows`). From an FP8 cache its states are as stored, float8 values beside their
+    per-token scales (`*_scale`), which `place_host_rows` turns into `state_dtype` on the device."""
+
+    state_dtype: object = None
 
 
 class _ReadHostRows(grain.transforms.Map):
@@ -211,7 +221,30 @@ class _ReadHostRows(grain.transforms.Map):
 
     def map(self, rows):
         n = len(rows) // self.count
-        return HostRows(self.split.read_rows(rows[self.index * n:(self.index + 1) * n], self.state_dtype))
+        out = HostRows(self.split.read_rows(rows[self.index * n:(self.index + 1) * n], self.state_dtype,
+                                            dequantize=False))
+        out.state_dtype = self.state_dtype
+        return out
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantize(values, scale, dtype):
+    # the host decoder's arithmetic (state_cache.dequantize_per_token, then the cast): the same numbers
+    return (values.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def place_host_rows(rows: HostRows, sharding, keys: Sequence[str]) -> dict:
+    """`keys` of this process's rows as global arrays on `sharding` (the batch sharding: rows split over
+    the processes); an FP8 cache's states dequantized on the device to the rows' `state_dtype`."""
+    def put(k):
+        return jax.make_array_from_process_local_data(sharding, np.asarray(rows[k]))
+
+    out = {k: put(k) for k in keys}
+    for k in keys:
+        scale = k.replace("hidden", "scale")
+        if k.endswith("_hidden") and scale in rows:
+            out[k] = _dequantize(out[k], put(scale), dtype=np.dtype(rows.state_dtype))
+    return out
 
 
 def make_cache_iterator(cache: StateCache, batch_size: int, seed: int, state_dtype, process_index: int = 0,

@@ -36,7 +36,7 @@ from specjax.config import Config, config_to_dict
 from specjax.export import eval_manifest, export_from_state, train_metrics_at
 from specjax.report import write_report
 from specjax.run_files import EXPORT_DIR
-from specjax.train.cache_source import HostRows
+from specjax.train.cache_source import HostRows, place_host_rows
 from specjax.train.metrics import RUN_SPLIT, MetricsWriter, Smoothed, summarize, validation_line
 from specjax.train.run import Run, build_run
 from specjax.train.signals import StopSignal
@@ -121,7 +121,7 @@ def global_batch(np_batch: dict, sharding, keys=BATCH_KEYS) -> dict:
     its own devices, so training is the same whatever the number of processes; a cache-fed run's
     iterator yields only those rows (HostRows)."""
     if isinstance(np_batch, HostRows):
-        return {k: jax.make_array_from_process_local_data(sharding, np.asarray(np_batch[k])) for k in keys}
+        return place_host_rows(np_batch, sharding, keys)
     nproc, proc = jax.process_count(), jax.process_index()
     rows = np_batch["input_ids"].shape[0] // nproc
     return {k: jax.make_array_from_process_local_data(

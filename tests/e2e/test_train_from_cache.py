@@ -16,7 +16,9 @@ Bars (CPU):
     docs/training.md (m * max(-log q), per position, checked with a 1e-6 slack) and the teacher's
     change in L1 is exactly 2m (1e-5); a run with another draft vocabulary is refused naming the fix;
   - a cache-fed run learns (held-out loss falls) and, stopped and resumed, matches an uninterrupted
-    cache-fed run at every step (1e-6), the data position included.
+    cache-fed run at every step (1e-6), the data position included;
+  - an FP8 cache's training rows reach the devices as stored and are dequantized there to exactly (bit
+    for bit) the host decoder's numbers, in float32 and in bf16.
 """
 import jax
 import jax.numpy as jnp
@@ -305,7 +307,8 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(cache_dir, monkeyp
     cache = StateCache.open(cache_dir)
     read = []
     real = CacheSplit.read_rows
-    monkeypatch.setattr(CacheSplit, "read_rows", lambda self, rows, *a: (read.append(len(rows)), real(self, rows, *a))[1])
+    monkeypatch.setattr(CacheSplit, "read_rows",
+                        lambda self, rows, *a, **kw: (read.append(len(rows)), real(self, rows, *a, **kw))[1])
     one = make_cache_iterator(cache, 8, 3, np.float32)
     hosts = [make_cache_iterator(cache, 8, 3, np.float32, p, 2) for p in (0, 1)]
     for _ in range(3):
@@ -320,3 +323,40 @@ def test_each_process_reads_only_its_rows_of_the_global_batch(cache_dir, monkeyp
     again = make_cache_iterator(cache, 8, 3, np.float32, 1, 2)
     again.set_state(state)
     np.testing.assert_array_equal(next(again)["input_ids"], want["input_ids"])
+
+
+def test_fp8_cache_rows_are_dequantized_on_the_device_to_the_host_decoders_numbers(tiny_target, tmp_path):
+    """An FP8 cache's training rows leave the host as stored (float8 values, float32 per-token scales)
+    and the loop's placement dequantizes them on the devices: bit for bit the numbers the host decoder
+    (CacheSplit.read) gives, in the run's state dtype, on the batch sharding; a cache-fed run trains.
+    precompute.rows_per_shard=0 gives a shard per write (data.batch_size rows)."""
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax.data.state_cache import dequantize_per_token
+    from specjax.precompute import precompute
+    from specjax.train.cache_source import HostRows, make_cache_iterator
+    from specjax.train.loop import global_batch, train
+    from specjax.train.step import cached_batch_keys
+
+    fp8 = ("precompute.dtype=float8_e4m3fn", "precompute.rows_per_shard=0", "train.steps=3", "export.at_end=false")
+    precompute(_cfg(tiny_target, tmp_path / "unused", tmp_path / "states", *fp8), progress=False)
+    cache = StateCache.open(str(tmp_path / "states"))
+    assert cache.manifest["rows_per_shard"] == 8  # 0: a shard per write, data.batch_size rows
+    assert cache.split("train").scale_keys == ("final_scale", "aux_scale")
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("data",)), P("data"))
+    keys = cached_batch_keys(0)
+    for state_dtype in (np.float32, ml_dtypes.bfloat16):
+        rows = next(make_cache_iterator(cache, 8, 3, state_dtype))
+        assert isinstance(rows, HostRows) and rows["aux_hidden"].dtype == ml_dtypes.float8_e4m3fn
+        placed = global_batch(rows, sharding, keys)
+        assert set(placed) == set(keys)  # the scales are spent on the device
+        for name in ("final_hidden", "aux_hidden"):
+            host = dequantize_per_token(rows[name], rows[name.replace("hidden", "scale")]).astype(state_dtype)
+            got = np.asarray(placed[name])
+            assert got.dtype == np.dtype(state_dtype) and placed[name].sharding.is_equivalent_to(sharding, got.ndim)
+            bits = np.uint32 if state_dtype is np.float32 else np.uint16
+            np.testing.assert_array_equal(got.view(bits), host.view(bits), err_msg=name)
+            assert np.abs(host.astype(np.float32)).max() > 0.1  # states, not zeros
+    res = train(_cfg(tiny_target, tmp_path / "run", tmp_path / "states", *fp8, "target.source=cache"))
+    assert res.final_step == 3 and np.isfinite(res.last_metrics["loss"])
