@@ -160,7 +160,9 @@ def write_split(store, split_rows: list, states, params, batch_size: int, batch_
                 progress: bool = True, desc: str = "precompute") -> list:
     """Compute and write the rows of `split_rows` (token arrays [T] each) that `store` (a CacheSplit) does
     not hold yet, `batch_size` rows per call of `states` (states_fn); returns the top-k teacher's tail
-    masses on loss tokens (one array per batch; empty without a top-k teacher)."""
+    masses on loss tokens (one array per batch; empty without a top-k teacher). The next batch's forward
+    is dispatched before this batch is copied to the host and written, so the device computes while the
+    host writes (a batch's rows are marked done only after its own writes, as before)."""
     pending = np.flatnonzero(~store.done())
     tails = []
     if pending.size == 0:
@@ -168,15 +170,9 @@ def write_split(store, split_rows: list, states, params, batch_size: int, batch_
     B, T = batch_size, len(split_rows[0]["input_ids"])
     bar = tqdm(total=len(split_rows), initial=len(split_rows) - pending.size, desc=desc, unit="row",
                dynamic_ncols=True, disable=not progress)
-    for b0 in range(0, pending.size, B):
-        idx = pending[b0:b0 + B]
-        batch = {k: np.zeros((B, T), np.int32) for k in split_rows[0]}
-        for r, i in enumerate(idx):
-            for k in batch:
-                batch[k][r] = split_rows[i][k]
-        on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
-        final, aux, teacher, tail = jax.device_get(states(params, on_device["input_ids"], on_device["positions"],
-                                                          on_device["segment_ids"]))
+
+    def write(idx, batch, on_device_states):
+        final, aux, teacher, tail = jax.device_get(on_device_states)
         n = len(idx)
         if top_k:
             tails.append(tail[:n][batch["loss_mask"][:n] > 0])
@@ -184,6 +180,22 @@ def write_split(store, split_rows: list, states, params, batch_size: int, batch_
                 teacher["ids"], teacher["logits"], teacher["argmax"], teacher["lse"]))}
         store.write(idx, {k: v[:n] for k, v in batch.items()}, None if top_k else final[:n], aux[:n], teacher)
         bar.update(n)
+
+    in_flight = None
+    for b0 in range(0, pending.size, B):
+        idx = pending[b0:b0 + B]
+        batch = {k: np.zeros((B, T), np.int32) for k in split_rows[0]}
+        for r, i in enumerate(idx):
+            for k in batch:
+                batch[k][r] = split_rows[i][k]
+        on_device = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
+        dispatched = (idx, batch, states(params, on_device["input_ids"], on_device["positions"],
+                                         on_device["segment_ids"]))
+        if in_flight is not None:
+            write(*in_flight)
+        in_flight = dispatched
+    if in_flight is not None:
+        write(*in_flight)
     bar.close()
     return tails
 
