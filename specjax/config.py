@@ -334,7 +334,8 @@ class PrecomputeConfig(CheckedSection):
     dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = described(
         "bfloat16", "Stored dtype of the states (float8_e4m3fn: one scale per token and state)")
     # a shard file is rewritten whole by every write into it (tensorstore's zarr3 sharding), so a shard of
-    # many writes costs quadratic I/O: 64 rows written 4 at a time took 6x longer than 4-row shards
+    # many writes costs quadratic I/O: 64 rows written 4 at a time took 4.4x as long as into 4-row shards
+    # (benchmarks/results/cache_write.md)
     # 0: the rows of one write, data.batch_size for the JAX precompute and 8 for vLLM and imported states
     rows_per_shard: int = ranged(0, ge=0, doc="Packed rows per shard file of each array (0: the rows of one write)")
     # k > 0 stores the k largest draft-vocab logits (int32 ids, float32 values) and the full-vocab argmax and

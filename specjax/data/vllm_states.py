@@ -44,8 +44,8 @@ from specjax.data.pipeline import first_fit_rows
 from specjax.data.state_cache import StateCache, manifest_differences, state_bytes_per_token
 from specjax.safetensors_io import read_safetensors_header
 
-__all__ = ["HS_FILE", "ROWS_PER_WRITE", "FinalNorm", "StatesFile", "fill_cache", "hs_path", "read_states_file", "vllm_layer_ids",
-           "vllm_python", "run_vllm_worker", "precompute_vllm", "open_or_create", "examples_sha"]
+__all__ = ["HS_FILE", "ROWS_PER_WRITE", "FinalNorm", "StatesFile", "fill_cache", "hs_path", "read_states_file",
+           "vllm_layer_ids", "vllm_python", "run_vllm_worker", "precompute_vllm", "open_or_create", "examples_sha"]
 
 log = logging.getLogger("specjax")
 
