@@ -41,13 +41,17 @@ def test_sigterm_saves_and_resumes_to_the_same_trajectory(reference_run, tiny_ta
     assert_same_tensors(exported_tensors(str(out)), exported_tensors(reference_run), atol=1e-6)
 
 
-def test_sigkill_ten_times_then_finish_equals_uninterrupted(reference_run, tiny_target, tmp_path, repo_root):
+# ten kills under -m slow; four in the default run exercise the same kill points (start-up, restore,
+# mid-step, mid-save) at a third of the time
+@pytest.mark.parametrize("n_kills", [4, pytest.param(10, marks=pytest.mark.slow)])
+def test_sigkill_repeatedly_then_finish_equals_uninterrupted(reference_run, tiny_target, tmp_path, repo_root,
+                                                             n_kills):
     out = tmp_path / "run"
     # checkpoint every 2 steps so that many kills land inside a save
     cfg = write_config(tmp_path / "cfg.yaml", tiny_target, out, checkpoint={"every_steps": 2, "keep": 2})
     rng = random.Random(1234)
     kills, attempts = 0, 0
-    while kills < 10 and attempts < 25:
+    while kills < n_kills and attempts < 25:
         attempts += 1
         p = launch(cfg, repo_root)
         if rng.random() < 0.3:
@@ -61,7 +65,7 @@ def test_sigkill_ten_times_then_finish_equals_uninterrupted(reference_run, tiny_
             p.kill()
             kills += 1
         p.communicate(timeout=60)
-    assert kills == 10
+    assert kills == n_kills
     rc, log = run(cfg, repo_root)
     assert rc == 0, log
     assert_same_tensors(exported_tensors(str(out)), exported_tensors(reference_run), atol=1e-6)
