@@ -4,7 +4,8 @@ folder with its format's rules.
 `FORMATS` lists each format's `HeadFormat` (specjax_converters.head_rules), most specific first: a
 DSpark drafter (dspark_validate: architectures ["Qwen3DSparkModel"]), a DFlash block drafter
 (dflash_validate), a DFlash 2 and an XPress head (dflash2_validate / xpress_validate: speculators'
-layouts), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]), an MTP export
+layouts), an XPress head in vLLM 0.34's own layout (xpress_validate: architectures
+["Qwen3XPressModel"]), an EAGLE-1 head (eagle1_validate: architectures ["EagleLlamaForCausalLM"]), an MTP export
 (mtp_validate: a target config.json whose MTP layer specjax trains) and EAGLE-3
 (eagle3_validate: EAGLE-3 / EAGLE-3.1 / P-EAGLE,
 the Llama-EAGLE3 and speculators layouts), which takes every folder no earlier format recognises.
@@ -27,7 +28,8 @@ __all__ = ["FORMATS", "errors", "format_of", "validate_folder", "written_head_ch
 
 FORMATS: tuple[HeadFormat, ...] = (dspark_validate.HEAD_FORMAT, dflash_validate.HEAD_FORMAT,
                                    dflash2_validate.HEAD_FORMAT, xpress_validate.HEAD_FORMAT,
-                                   eagle1_validate.HEAD_FORMAT, mtp_validate.HEAD_FORMAT, eagle3_validate.HEAD_FORMAT)
+                                   xpress_validate.VLLM034_HEAD_FORMAT, eagle1_validate.HEAD_FORMAT,
+                                   mtp_validate.HEAD_FORMAT, eagle3_validate.HEAD_FORMAT)
 
 
 def format_of(config: Mapping) -> HeadFormat:

@@ -11,8 +11,16 @@ each slot prev [S] (target ids):
     x = x + (tril(mix_l) applied per channel over slots: x[k] += sum_{j<=k} L[:, k, j] * x[j])
     x = x + mlp_down(silu(mlp_gate(x)) * mlp_up(x))
     bias = readout(x)                                                           [S, Vd]
-and the refined logits are base + bias. prev (fill-in layout, sample_from_anchor false): slot 0 reads
-the token before the anchor (the anchor itself at a document start), slot k the token of slot k-1.
+and the refined logits are base + bias. prev (fill-in layout, sample_from_anchor false): slot k reads
+the token of slot k-1; slot 0 reads what `xpress_slot0_prev` says (`slot0_prev`), the same in training
+and decoding:
+  "before_anchor" (default) the token before the anchor (the anchor itself at a document start), as
+                  speculators 0.9's XPressDraftModel does (the speculators-layout export);
+  "anchor"        the anchor itself, as vLLM 0.34's XPress drafter does (its XPressSpeculator hands the
+                  anchor id in as the anchor's predecessor, v1/worker/gpu/spec_decode/xpress/
+                  speculator.py:87-90); such a head is exported in 0.34's own layout
+                  (specjax_converters.xpress_export), and 0.34 needs sample_from_anchor false and the
+                  full draft vocab for it.
 
 Training (speculators' XPressDraftModel.forward, eager losses):
   loss = L(base + bias(prev = real tokens))                              teacher-forced pass
@@ -44,11 +52,13 @@ from specjax.drafts.eagle3 import init_params
 from specjax.drafts.xpress_weights import REFINER_WEIGHTS, XPRESS_WEIGHTS
 from specjax.layers.norms import rms_norm
 
-__all__ = ["XPRESS_WEIGHTS", "XPressConfig", "XPressLossConfig", "as_xpress", "block_bias", "block_states",
-           "config_from_dict", "config_to_dict", "draft_block", "hidden_cache", "init_draft_params", "jacobi",
-           "param_logical_axes", "xpress_loss"]
+__all__ = ["SLOT0_PREV", "XPRESS_WEIGHTS", "XPressConfig", "XPressLossConfig", "as_xpress", "block_bias",
+           "block_states", "config_from_dict", "config_to_dict", "draft_block", "hidden_cache", "init_draft_params",
+           "jacobi", "param_logical_axes", "slot0_prev", "xpress_loss"]
 
 DENOM_EPS = 1e-5  # speculators' loss_function
+# slot 0's previous token: speculators' convention (the token before the anchor) or vLLM 0.34's (the anchor)
+SLOT0_PREV = ("before_anchor", "anchor")
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class XPressConfig(dflash.DFlashConfig):
     xpress_rank: int = 256
     xpress_mlp_ratio: int = 2
     num_jacobi_passes: int = 6
+    xpress_slot0_prev: str = "before_anchor"  # one of SLOT0_PREV (the module doc)
 
     def validate(self) -> None:
         super().validate()
@@ -64,6 +75,19 @@ class XPressConfig(dflash.DFlashConfig):
             if int(getattr(self, field)) < least:
                 raise ValueError(f"XPressConfig.{field}={getattr(self, field)!r}: must be >= {least}. Fix: set "
                                  f"{field} >= {least}.")
+        if self.xpress_slot0_prev not in SLOT0_PREV:
+            raise ValueError(f"XPressConfig.xpress_slot0_prev={self.xpress_slot0_prev!r}: not one of {SLOT0_PREV}. "
+                             "Fix: use before_anchor (speculators' convention) or anchor (vLLM 0.34's).")
+        if self.xpress_slot0_prev == "anchor":
+            if self.sample_from_anchor:
+                raise ValueError("XPressConfig.xpress_slot0_prev='anchor' with sample_from_anchor=True: the anchor "
+                                 "convention is vLLM 0.34's, whose XPress drafter refuses sample_from_anchor. Fix: "
+                                 "set sample_from_anchor false (or xpress_slot0_prev before_anchor).")
+            if self.draft_vocab_size != self.vocab_size:
+                raise ValueError(f"XPressConfig.xpress_slot0_prev='anchor' with draft_vocab_size="
+                                 f"{self.draft_vocab_size} < vocab_size={self.vocab_size}: the anchor convention is "
+                                 "vLLM 0.34's, whose XPress model needs the full draft vocab. Fix: set "
+                                 f"draft_vocab_size={self.vocab_size} (or xpress_slot0_prev before_anchor).")
 
 
 def as_xpress(cfg: dflash.DFlashConfig, **extra) -> XPressConfig:
@@ -77,7 +101,8 @@ def config_to_dict(cfg: XPressConfig) -> dict:
 
 def config_from_dict(d: dict) -> XPressConfig:
     d = dict(d)
-    own = {k: d.pop(k) for k in ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes") if k in d}
+    own = {k: d.pop(k) for k in ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes", "xpress_slot0_prev")
+           if k in d}
     return as_xpress(dflash.config_from_dict(d), **own)
 
 
@@ -124,10 +149,17 @@ def shifted_prev(first, tokens):
     return jnp.concatenate([first[..., None], tokens[..., :-1]], axis=-1)
 
 
+def slot0_prev(cfg: XPressConfig, anchor, before_anchor):
+    """Slot 0's previous token in the fill-in layout: the token before the anchor, or with
+    xpress_slot0_prev "anchor" (vLLM 0.34's convention) the anchor itself."""
+    return anchor if cfg.xpress_slot0_prev == "anchor" else before_anchor
+
+
 def jacobi(params: dict, cfg: XPressConfig, hn, base, anchor, before_anchor, to_target, passes: int):
     """`passes` refiner passes over blocks (hn [..., S, H], base logits [..., S, Vd]), seeded by the
     base argmax: returns each pass's refined logits (a list) and its argmax in target ids.
-    `to_target` maps draft ids to target ids; anchor / before_anchor [...] are target ids."""
+    `to_target` maps draft ids to target ids; anchor / before_anchor [...] are target ids (slot 0
+    reads `slot0_prev` of them)."""
     ref = params["refiner_head"]
     hc = hidden_cache(ref, hn)
     pred = to_target(jnp.argmax(jax.lax.stop_gradient(base), axis=-1))
@@ -136,7 +168,7 @@ def jacobi(params: dict, cfg: XPressConfig, hn, base, anchor, before_anchor, to_
         if cfg.sample_from_anchor:
             prev = shifted_prev(anchor, pred)
         else:
-            prev = shifted_prev(before_anchor, pred.at[..., 0].set(anchor))
+            prev = shifted_prev(slot0_prev(cfg, anchor, before_anchor), pred.at[..., 0].set(anchor))
         refined = base + block_bias(ref, prev, hc)
         rounds.append(refined)
         pred = to_target(jnp.argmax(jax.lax.stop_gradient(refined), axis=-1))
@@ -220,7 +252,7 @@ def xpress_loss(params: dict, cfg: XPressConfig, loss_cfg: XPressLossConfig, *, 
     same_doc = (anchors > 0) & (jnp.take_along_axis(seg, before, axis=1) == jnp.take_along_axis(seg, anchors, axis=1))
     before_tok = jnp.where(same_doc, jnp.take_along_axis(input_ids, before, axis=1).astype(jnp.int32), anchor_tok)
     ref = p["refiner_head"]
-    prev_tf = tokens if cfg.sample_from_anchor else shifted_prev(before_tok, tokens)
+    prev_tf = tokens if cfg.sample_from_anchor else shifted_prev(slot0_prev(cfg, anchor_tok, before_tok), tokens)
     logits_tf = base + block_bias(ref, prev_tf, hidden_cache(ref, hn))
     term = functools.partial(compound_term, teacher=teacher, slot_mask=slot_mask, decay=decay, count=count,
                              loss_cfg=loss_cfg)

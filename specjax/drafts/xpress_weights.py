@@ -11,13 +11,20 @@ XPRESS_WEIGHTS = DFLASH_WEIGHTS (specjax.drafts.dflash_weights) + these rows, na
   refiner_head.readout.weight      [Vd, r]     the logit bias over the draft vocab
 Kernels are stored HF [out, in]. specjax.drafts.xpress.init_draft_params starts mix_l at 0 (the
 table's init is a placeholder), as speculators does.
+
+XPRESS_VLLM034_WEIGHTS is the same table under vLLM 0.34's file names (its own XPress layout,
+Qwen3XPressForCausalLM.load_weights in model_executor/models/qwen3_xpress.py:331-374, key map
+:242-252): the backbone keeps DFlash's names, the refiner is `xpress_head.*` (VLLM034_REFINER_NAMES);
+mix.L is the same raw [r, S, S] mixer (0.34 folds it to L*tril + I after loading, :86-95).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from specjax.drafts.dflash_weights import DFLASH_WEIGHTS
 from specjax.drafts.weights import VD, Dim, DraftWeight, H
 
-__all__ = ["REFINER_WEIGHTS", "XPRESS_WEIGHTS"]
+__all__ = ["REFINER_WEIGHTS", "VLLM034_REFINER_NAMES", "XPRESS_VLLM034_WEIGHTS", "XPRESS_WEIGHTS"]
 
 VOCAB = Dim("V", lambda c: c.vocab_size)
 R = Dim("r", lambda c: c.xpress_rank)
@@ -41,3 +48,19 @@ REFINER_WEIGHTS: tuple[DraftWeight, ...] = tuple(
 )
 
 XPRESS_WEIGHTS: tuple[DraftWeight, ...] = DFLASH_WEIGHTS + REFINER_WEIGHTS
+
+# speculators' refiner file name -> vLLM 0.34's (qwen3_xpress.py:48-59 the modules, :242-252 the file keys)
+VLLM034_REFINER_NAMES = {
+    "refiner_head.token_embed.weight": "xpress_head.w1.weight",
+    "refiner_head.down_h.weight": "xpress_head.down_h.weight",
+    "refiner_head.down_g.weight": "xpress_head.down_g.weight",
+    "refiner_head.in_proj.weight": "xpress_head.in_proj.weight",
+    "refiner_head.mix_l": "xpress_head.mix.L",
+    "refiner_head.mlp_gate.weight": "xpress_head.mlp.gate_proj.weight",
+    "refiner_head.mlp_up.weight": "xpress_head.mlp.up_proj.weight",
+    "refiner_head.mlp_down.weight": "xpress_head.mlp.down_proj.weight",
+    "refiner_head.readout.weight": "xpress_head.w2.weight",
+}
+
+XPRESS_VLLM034_WEIGHTS: tuple[DraftWeight, ...] = DFLASH_WEIGHTS + tuple(
+    dataclasses.replace(row, file_name=VLLM034_REFINER_NAMES[row.file_name]) for row in REFINER_WEIGHTS)

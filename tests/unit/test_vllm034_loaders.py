@@ -13,9 +13,13 @@ For each DFlash 2 / DSpark export:
     config (stacked q/k/v and gate/up checked shard by shard), with an integer d2t and float weights;
   * every parameter 0.34 does not take from the target is in the file (0.34 would leave it unset
     without an error).
-A DSpark head with the gated Markov head fails the check (0.34 builds the first-order one only), and a
-speculators-layout XPress export is not read at all; its tensors do map, by renaming alone, onto 0.34's
-own XPress layout (XPRESS_FROM_SPECJAX). test_check_can_fail breaks one name, shape or key at a time.
+The same check runs on the XPress export of a head trained with draft.xpress_slot0_prev=anchor,
+which is written in 0.34's own XPress layout (Qwen3XPressModel): every key, the derived block / rank
+/ MLP width / passes / exact scoring (xpress_topc 0) / slot-0 convention / method, every tensor on a
+parameter of its shape. A DSpark head with the gated Markov head fails the check (0.34 builds the
+first-order one only), and a speculators-layout XPress export (the default, before_anchor) is not read
+at all; its tensors do map, by renaming alone, onto 0.34's layout (XPRESS_FROM_SPECJAX).
+test_check_can_fail breaks one name, shape or key at a time.
 """
 from __future__ import annotations
 
@@ -87,6 +91,16 @@ def export_xpress(out):
     from specjax.drafts.xpress_family import XPRESS
 
     cfg = xpress.as_xpress(_base(), xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=3)
+    return XPRESS.export(_params(xpress.XPRESS_WEIGHTS, cfg), cfg, None, TARGET, out, dtype="bfloat16"), cfg, XPRESS
+
+
+def export_xpress034(out, block_size=4):
+    """An XPress head trained with vLLM 0.34's slot-0 convention: exported in 0.34's own layout."""
+    from specjax.drafts import xpress
+    from specjax.drafts.xpress_family import XPRESS
+
+    cfg = xpress.as_xpress(_base(block_size=block_size), xpress_rank=8, xpress_mlp_ratio=3, num_jacobi_passes=2,
+                           xpress_slot0_prev="anchor")
     return XPRESS.export(_params(xpress.XPRESS_WEIGHTS, cfg), cfg, None, TARGET, out, dtype="bfloat16"), cfg, XPRESS
 
 
@@ -247,6 +261,27 @@ def check_dspark(conf, tensors, cfg, family, folder):
     return out + check_tensors(tensors, F.DSPARK_RENAMES, F.DSPARK_PARAMS, v)
 
 
+def check_xpress034(conf, tensors, cfg, family, folder):
+    out = check_keys(conf, F.XPRESS_KEYS, F.XPRESS_ABSENT)
+    if out:
+        return out
+    if conf["architectures"] != ["Qwen3XPressModel"]:
+        out.append(f"config: architectures {conf['architectures']}; 0.34 registers Qwen3XPressModel (registry.py:716)")
+    v = F.xpress_view(conf, TARGET["vocab_size"])
+    spec = family.vllm_speculative_config(folder, conf, 7)
+    out += _expect(v, {
+        "method": spec["method"], "target_layer_ids": list(cfg.aux_layer_ids), "mask_token_id": cfg.mask_token_id,
+        "causal": bool(cfg.causal), "sample_from_anchor": bool(cfg.sample_from_anchor), "H": cfg.hidden_size,
+        "V": cfg.vocab_size, "Vd": cfg.draft_vocab_size, "B": cfg.block_size, "r": cfg.xpress_rank,
+        "m": cfg.xpress_rank * cfg.xpress_mlp_ratio, "passes": cfg.num_jacobi_passes, "topc": 0,
+        "full_vocab": True, "slot0_prev": cfg.xpress_slot0_prev})
+    if v["query_slots"](spec["num_speculative_tokens"]) != v["B"]:
+        out.append(f"view: 0.34 drafts {v['query_slots'](spec['num_speculative_tokens'])} query slots for "
+                   f"num_speculative_tokens={spec['num_speculative_tokens']}; its refiner's mixer is "
+                   f"xpress_block_size={v['B']} wide")
+    return out + check_tensors(tensors, F.XPRESS_RENAMES, F.XPRESS_PARAMS, v)
+
+
 def _expect(view, want):
     return [f"view: 0.34 derives {k}={view[k]!r} from config.json; the head was trained with {w!r}"
             for k, w in want.items() if view[k] != w]
@@ -260,10 +295,10 @@ def heads(tmp_path_factory):
     root = tmp_path_factory.mktemp("v034")
     return {"dflash2": export_dflash2(root / "dflash2"), "dspark": export_dspark(root / "dspark"),
             "dspark_full": export_dspark(root / "dspark_full", vd=V, confidence=False, sample_from_anchor=False),
-            "xpress": export_xpress(root / "xpress")}
+            "xpress": export_xpress(root / "xpress"), "xpress034": export_xpress034(root / "xpress034")}
 
 
-CHECKS = {"dflash2": check_dflash2, "dspark": check_dspark, "dspark_full": check_dspark}
+CHECKS = {"dflash2": check_dflash2, "dspark": check_dspark, "dspark_full": check_dspark, "xpress034": check_xpress034}
 
 
 @pytest.mark.parametrize("kind", sorted(CHECKS))
@@ -345,6 +380,20 @@ MUTATIONS = [  # (head, what, edit(conf, tensors), a phrase the problems must co
     ("dspark", "a dflash_config block", _set("dflash_config", {"mask_token_id": 3}), "dflash_config is set"),
     ("dspark", "block_size off by one", _set("block_size", 5), "query slots"),
     ("dspark_full", "markov_rank a string", _set("markov_rank", "6"), "markov_rank='6' is not int"),
+    ("xpress034", "the embedding under speculators' name",
+     _rename("xpress_head.w1.weight", "xpress_head.token_embed.weight"),
+     "no parameter model.xpress_head.token_embed.weight"),
+    ("xpress034", "the raw mixer missing", lambda c, t: t.pop("xpress_head.mix.L"),
+     "parameter model.xpress_head.mix.L: not in the file"),
+    ("xpress034", "the readout transposed", lambda c, t: t.__setitem__("xpress_head.w2.weight", ("BF16", (8, V))),
+     "shape (8, 50)"),
+    ("xpress034", "xpress_mlp_hidden missing (0.34: 512)", _set("xpress_mlp_hidden", MISSING), "m=512"),
+    ("xpress034", "top-C scoring on", _set("xpress_topc", MISSING), "topc=512"),
+    ("xpress034", "block off the trained one", _set("xpress_block_size", 5), "B=5"),
+    ("xpress034", "mask token left in a dflash_config", _set("dflash_config", {"mask_token_id": 3}),
+     "dflash_config is set"),
+    ("xpress034", "taps written speculators-style only", _set("target_layer_ids", MISSING),
+     "target_layer_ids missing"),
 ]
 
 
@@ -364,5 +413,7 @@ def test_facts_cite_a_vllm_file_and_line():
     cite = re.compile(r"[\w/]+\.py:\d+")
     for table in (F.DFLASH2_KEYS, F.DSPARK_KEYS, F.XPRESS_KEYS):
         assert all(cite.search(src) for *_, src in table)
+    for table in (F.DFLASH2_ABSENT, F.DSPARK_ABSENT, F.XPRESS_ABSENT):
+        assert all(cite.search(src) for _, src in table)
     for table in (F.DFLASH2_PARAMS, F.DSPARK_PARAMS, F.XPRESS_PARAMS):
         assert all(cite.search(src) for _, _, src in table.values())

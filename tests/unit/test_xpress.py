@@ -14,12 +14,21 @@ decoder draws with the same seeds, and the second new token follows the target's
 (3) The family and the head: lookups, run_meta, config keys, export -> validate -> read back ->
 speculators' XPressDraftModel.from_pretrained; serve_cmd prints no engine command.
 (4) Training end to end on the tiny target: the loss falls, the export validates, decoding is lossless.
+(5) draft.xpress_slot0_prev=anchor (vLLM 0.34's convention): the loss equals the default's on a batch
+whose token before the anchor is the anchor (brute force); the proposer's last pass equals a NumPy
+float64 transcription of vLLM 0.34's Jacobi refinement (qwen3_xpress.py jacobi_refine_greedy with
+xpress_topc 0 and kernels.py's latent pass: slot 0 reads the anchor) on the weights of the 0.34-layout
+export, to 1e-5 in the drafted probabilities and token for token, while the reference with slot 0
+reading the token before the anchor (speculators') matches the default setting instead and not this
+one; decoding is lossless; the 0.34-layout export validates, reads back (same config, same params, same
+drafts) and serve_cmd prints 0.34's command (method dflash, block_size - 1 tokens).
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
+import shlex
 import warnings
 
 import jax
@@ -41,12 +50,12 @@ from test_dflash2 import HD, I, MASK, NH, NKV, TAPS, H, V, loss_inputs, make_bat
 TOL = 1e-5
 
 
-def make_cfg(vd=24, sample_from_anchor=False, block_size=4):
+def make_cfg(vd=24, sample_from_anchor=False, block_size=4, slot0_prev="before_anchor"):
     cfg = X.XPressConfig(hidden_size=H, num_layers=2, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
                          intermediate_size=I, vocab_size=V, draft_vocab_size=vd, aux_layer_ids=TAPS,
                          mask_token_id=MASK, block_size=block_size, rope=RopeSpec("default", 10000.0),
                          max_position_embeddings=256, num_target_layers=4, sample_from_anchor=sample_from_anchor,
-                         xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=3)
+                         xpress_rank=8, xpress_mlp_ratio=2, num_jacobi_passes=3, xpress_slot0_prev=slot0_prev)
     cfg.validate()
     return cfg
 
@@ -286,3 +295,218 @@ def test_family_and_head(target_and_draft, tmp_path):
     loaded = {k: v.numpy() for k, v in model.state_dict().items()}
     for k, v in speculators_state_dict(params, cfg, XPRESS_WEIGHTS, vocab, "float32").items():
         assert np.array_equal(loaded[k], v), k
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) draft.xpress_slot0_prev=anchor: vLLM 0.34's convention and layout
+# ---------------------------------------------------------------------------------------------
+def test_anchor_convention_settings():
+    import dataclasses
+
+    from specjax.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="full draft vocab"):
+        make_cfg(vd=24, slot0_prev="anchor")
+    with pytest.raises(ValueError, match="refuses sample_from_anchor"):
+        make_cfg(vd=V, sample_from_anchor=True, slot0_prev="anchor")
+    with pytest.raises(ValueError, match="not one of"):
+        dataclasses.replace(make_cfg(), xpress_slot0_prev="previous").validate()
+    run = load_config(None, ["draft.type=xpress", "draft.xpress_slot0_prev=anchor"])
+    assert run.draft.xpress_slot0_prev == "anchor"
+    assert load_config(None, ["draft.type=xpress"]).draft.xpress_slot0_prev == "before_anchor"
+    for bad, phrase in ((["draft.xpress_slot0_prev=previous"], "must be one of"),
+                        (["draft.xpress_slot0_prev=anchor", "draft.sample_from_anchor=true"], "refuses")):
+        with pytest.raises(ConfigError, match=phrase):
+            load_config(None, ["draft.type=xpress", *bad])
+
+
+def test_anchor_loss_is_the_default_loss_with_the_anchor_before_it():
+    """Brute force: with one block per row, slot 0 reading the anchor is slot 0 reading the token before
+    the anchor on a batch where that token is the anchor (nothing else reads it: the context comes from
+    the target's states, the teacher from its final states)."""
+    batch = make_batch(seed=2)
+    a = 6  # inside the first document, not its first token
+    assert batch["segment_ids"][0, a - 1] == batch["segment_ids"][0, a] and batch["input_ids"][0, a - 1] != \
+        batch["input_ids"][0, a]
+    anchors, valid = np.asarray([[a]]), np.asarray([[True]])
+    anchored, default = make_cfg(vd=V, slot0_prev="anchor"), make_cfg(vd=V)
+    params = make_params(default)
+    moved = dict(batch, input_ids=batch["input_ids"].copy())
+    moved["input_ids"][0, a - 1] = batch["input_ids"][0, a]
+    loss_a, m_a, g_a = ours(params, anchored, batch, anchors, valid, None)
+    loss_m, m_m, g_m = ours(params, default, moved, anchors, valid, None)
+    loss_d, _, _ = ours(params, default, batch, anchors, valid, None)
+    assert abs(loss_a - loss_m) <= 1e-6 * abs(loss_m) and rel_err(m_a["logits_tf"], m_m["logits_tf"]) <= 1e-6
+    assert rel_err(g_a["refiner_head"]["token_embed"]["embedding"], g_m["refiner_head"]["token_embed"]["embedding"]) \
+        <= 1e-6
+    assert abs(loss_a - loss_d) > 1e-4 * abs(loss_d)  # the setting matters on the real batch
+
+
+def vllm034_jacobi(sd, hn, base, anchor, am1, passes):
+    """NumPy float64 of vLLM 0.34's XPress refinement of one block with xpress_topc 0, written from
+    its code on the tensors of its own layout `sd` (file names, HF [out, in]): mix.L folded to
+    L*tril + I (qwen3_xpress.py:86-95); the hidden cache [down_h(h); down_g(mean h)] through in_proj's
+    first 2r columns (:97-101, 195); the block seeded [anchor, argmax base[1:]] (:132-146); each pass:
+    slot b reads blk[b - 1], slot 0 reads `am1` (kernels.py:136-138; 0.34 passes the anchor,
+    xpress/speculator.py:87-90), x = hc + w1[prev] @ in_proj[:, 2r:].T, u[b] = sum_j L[:, b, j] x[j],
+    x = u + SwiGLU(u), logits = base[1:] + x[1:] @ w2.T, blk[1:] = argmax (kernels.py:124-186,
+    qwen3_xpress.py:198-214). Returns (draft ids [B - 1], last pass's logits [B - 1, V])."""
+    f = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+    hn, base = np.asarray(hn, np.float64), np.asarray(base, np.float64)
+    B, r = hn.shape[0], f["xpress_head.down_h.weight"].shape[0]
+    L = f["xpress_head.mix.L"] * np.tril(np.ones((B, B))) + np.eye(B)
+    g = np.broadcast_to(hn.mean(0, keepdims=True), hn.shape)
+    hc = np.concatenate([hn @ f["xpress_head.down_h.weight"].T, g @ f["xpress_head.down_g.weight"].T], -1)
+    w_in = f["xpress_head.in_proj.weight"]
+    xh = hc @ w_in[:, :2 * r].T
+    blk = np.concatenate([[anchor], base[1:].argmax(-1)])
+    silu = lambda z: z / (1.0 + np.exp(-z))  # noqa: E731
+    logits = base[1:]
+    for _ in range(passes):
+        prev = np.concatenate([[am1], blk[:-1]])
+        x = xh + f["xpress_head.w1.weight"][prev] @ w_in[:, 2 * r:].T
+        u = np.einsum("rbj,jr->br", L, x)
+        x = u + (silu(u @ f["xpress_head.mlp.gate_proj.weight"].T) * (u @ f["xpress_head.mlp.up_proj.weight"].T)) \
+            @ f["xpress_head.mlp.down_proj.weight"].T
+        logits = base[1:] + x[1:] @ f["xpress_head.w2.weight"].T
+        blk = np.concatenate([[anchor], logits.argmax(-1)])
+    return blk[1:], logits
+
+
+@pytest.fixture(scope="module")
+def anchored_draft(target_and_draft):
+    """A full-vocab XPress head (0.34 needs it) with slot 0 reading the anchor, on the fixture's target."""
+    import dataclasses
+
+    _, target, small, _, _ = target_and_draft
+    cfg = dataclasses.replace(small, draft_vocab_size=target.config.vocab_size, num_jacobi_passes=3,
+                              xpress_slot0_prev="anchor")
+    cfg.validate()
+    params = make_params(cfg, seed=5)
+    params["lm_head"]["kernel"] = jnp.asarray(target.lm_head_weight(target.params), jnp.float32).T
+    return cfg, params, DraftVocab.identity(cfg.vocab_size)
+
+
+def softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_anchor_proposer_equals_vllm034_refinement(anchored_draft):
+    import dataclasses
+
+    from specjax_converters.xpress_export import xpress_vllm034_state_dict
+
+    cfg, params, vocab = anchored_draft
+    rng = np.random.default_rng(8)
+    T, anchor = 20, 11
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32)
+    ids = ids.at[0, anchor - 1].set((ids[0, anchor] + 1) % cfg.vocab_size)  # the token before differs
+    aux = [jnp.asarray(rng.standard_normal((1, T, cfg.hidden_size)), jnp.float32) for _ in cfg.aux_layer_ids]
+    embed = jnp.asarray(rng.standard_normal((cfg.vocab_size, cfg.hidden_size)), jnp.float32)
+    d2t = jnp.zeros((cfg.vocab_size,), jnp.int32)
+
+    def propose(c, sample):
+        return X.draft_block(params, embed, d2t, X.init_decode_cache(c, 32), ids[:, 1:anchor + 1],
+                             [x[:, :anchor] for x in aux], jnp.int32(anchor), jnp.int32(0), ids[0, anchor],
+                             jax.random.key(0), jnp.float32(1.0), dcfg=c, k=c.num_draft_tokens, sample=sample)[:2]
+
+    h = dflash.draft_forward(params, cfg, aux_hidden=aux, input_ids=ids, positions=jnp.arange(T)[None],
+                             segment_ids=jnp.ones((1, T), jnp.int32), anchors=jnp.asarray([[anchor]]),
+                             embed_table=embed)
+    hn = rms_norm(h, params["norm"]["scale"], cfg.rms_norm_eps)[0, 0]
+    base = hn @ params["lm_head"]["kernel"]
+    sd = xpress_vllm034_state_dict(jax.device_get(params), cfg, "float32")
+    want, logits = vllm034_jacobi(sd, hn, base, int(ids[0, anchor]), int(ids[0, anchor]), cfg.num_jacobi_passes)
+    other, other_logits = vllm034_jacobi(sd, hn, base, int(ids[0, anchor]), int(ids[0, anchor - 1]),
+                                         cfg.num_jacobi_passes)
+    default = dataclasses.replace(cfg, xpress_slot0_prev="before_anchor")
+    got, q = propose(cfg, False)[0], propose(cfg, True)[1]
+    q_default = propose(default, True)[1]
+    assert np.asarray(got).tolist() == want.tolist()
+    assert rel_err(q, softmax(logits)) <= TOL and rel_err(q_default, softmax(other_logits)) <= TOL
+    assert rel_err(q, softmax(other_logits)) > 1e-3  # the reference tells the two conventions apart
+
+
+def test_anchor_decoding_is_lossless_and_exports_in_vllm034_layout(target_and_draft, anchored_draft, tmp_path):
+    from specjax import serve_cmd
+    from specjax.drafts.families import family_for_folder
+    from specjax.drafts.xpress_family import XPRESS
+    from specjax.eval.generate import generate
+    from specjax.eval.spec_decode import Draft, SpecDecoder
+    from specjax.export import validate_cli
+    from specjax_converters.head_formats import errors, validate_folder
+
+    path, target, _, _, _ = target_and_draft
+    cfg, params, vocab = anchored_draft
+    prompt, n = [5, 17, 3, 9, 11, 2, 40], 13
+    want = generate(target, [prompt], max_new_tokens=n)[0]
+    res = SpecDecoder(target, Draft(params, cfg, vocab), num_spec_tokens=cfg.num_draft_tokens).generate(
+        prompt, max_new_tokens=n)
+    assert res.tokens == want[:n] and sum(res.accept_lengths) == n - 1
+
+    hf = json.load(open(os.path.join(path, "config.json")))
+    with pytest.raises(ValueError, match="layout of its draft.xpress_slot0_prev"):
+        XPRESS.export(jax.device_get(params), cfg, None, hf, tmp_path / "x", variant="vllm034")
+    out = XPRESS.export(jax.device_get(params), cfg, None, hf, tmp_path / "head", dtype="float32",
+                        extra_manifest={"target_path": path})
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert conf["architectures"] == ["Qwen3XPressModel"] and conf["xpress_topc"] == 0 and "dflash_config" not in conf
+    findings, info = validate_folder(out, target=path)
+    assert info["layout"] == "xpress_vllm034" and not errors(findings), [str(f) for f in findings]
+    assert validate_cli(out, path, out=open(os.devnull, "w")) == 0
+    assert family_for_folder(out) is XPRESS
+    head_params, head_cfg, head_vocab = XPRESS.load_head(out)
+    assert head_cfg == cfg and np.array_equal(head_vocab.draft_ids, vocab.draft_ids)
+    flat = jax.tree_util.tree_leaves_with_path
+    assert [p for p, _ in flat(head_params)] == [p for p, _ in flat(params)]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for (_, a), (_, b) in zip(flat(head_params), flat(params)))
+    again = SpecDecoder(target, Draft(head_params, head_cfg, head_vocab), num_spec_tokens=cfg.num_draft_tokens)
+    res2 = again.generate(prompt, max_new_tokens=n)
+    assert (res2.tokens, list(res2.accept_lengths)) == (res.tokens, list(res.accept_lengths))
+
+    code, text = serve_cmd.build(out, path, engine="vllm")
+    argv = shlex.split(next(line for line in text.splitlines() if "--speculative-config" in line))
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert code == 0 and spec == {"method": "dflash", "model": out, "num_speculative_tokens": cfg.block_size - 1}, text
+    assert "needs vLLM >= 0.34" in text and "triton-cpu" in text and "slot 0 reads the anchor" in text
+
+    # 0.34's top-C scoring (its default when the key is absent) would not draft as specjax.eval does
+    del conf["xpress_topc"]
+    json.dump(conf, open(os.path.join(out, "config.json"), "w"))
+    findings, _ = validate_folder(out, target=path)
+    assert any(f.rule == "xpress.xpress_topc" and f.level == "warning" for f in findings)
+
+
+TARGET = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": V, "hidden_size": H,
+          "num_hidden_layers": 4, "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD,
+          "rope_theta": 10000.0, "max_position_embeddings": 256, "eos_token_id": 1}
+VLLM034_BREAKS = [  # (what, edit(config, tensors), the error rule it must raise)
+    ("another architecture", lambda c, t: c.update(architectures=["DFlashDraftModel"]), "xpress.architectures"),
+    ("a dflash_config block", lambda c, t: c.update(dflash_config={"mask_token_id": 3}), "xpress.overrides"),
+    ("no top-level taps", lambda c, t: c.pop("target_layer_ids"), "xpress.target_layer_ids"),
+    ("sample_from_anchor", lambda c, t: c.update(sample_from_anchor=True), "xpress.sample_from_anchor"),
+    ("a reduced draft vocab", lambda c, t: c.update(draft_vocab_size=24), "xpress.vocab"),
+    ("no xpress_rank (0.34: 256)", lambda c, t: c.pop("xpress_rank"), "xpress.xpress_rank"),
+    ("another rank", lambda c, t: c.update(xpress_rank=4), "shapes"),
+    ("the raw mixer missing", lambda c, t: t.pop("xpress_head.mix.L"), "keys.missing"),
+    ("speculators' name", lambda c, t: t.__setitem__("xpress_head.token_embed.weight", t.pop("xpress_head.w1.weight")),
+     "keys.unknown"),
+    ("a backbone tensor missing", lambda c, t: t.pop("fc.weight"), "keys.missing"),
+]
+
+
+@pytest.mark.parametrize("what,edit,rule", VLLM034_BREAKS, ids=[b[0] for b in VLLM034_BREAKS])
+def test_vllm034_layout_rules_can_fail(what, edit, rule):
+    from specjax_converters.head_rules import errors
+    from specjax_converters.xpress_export import xpress_vllm034_hf_config, xpress_vllm034_state_dict
+    from specjax_converters.xpress_validate import check_xpress_vllm034_head
+
+    cfg = make_cfg(vd=V, slot0_prev="anchor")
+    config = xpress_vllm034_hf_config(cfg, TARGET, "float32")
+    tensors = xpress_vllm034_state_dict(jax.device_get(make_params(cfg)), cfg, "float32")
+    assert not errors(check_xpress_vllm034_head(config, tensors, target_config=TARGET))
+    edit(config, tensors)
+    found = errors(check_xpress_vllm034_head(config, tensors, target_config=TARGET))
+    assert any(f.rule == rule for f in found), (what, [str(f) for f in found])

@@ -9,14 +9,17 @@ build; nothing here imports it.
 Serving, from the same files (not run here):
   * DFlash 2 heads load as `DFlash2DraftModel` (model_executor/models/registry.py:688) through the
     speculators reader (transformers_utils/configs/speculators/algos.py:97-117) and run with method
-    "dflash" (transformers_utils/configs/speculators/base.py:312-313), drafted by
+    "dflash" (transformers_utils/configs/speculators/base.py:135-136), drafted by
     v1/worker/gpu/spec_decode/dflash2/speculator.py.
   * DSpark heads load as `Qwen3DSparkModel` (registry.py:711), method "dspark"
     (v1/worker/gpu/spec_decode/dspark/config.py:21).
   * XPress: 0.34 has a model (`Qwen3XPressModel`, registry.py:716-717) but reads it from a plain
     Qwen3 config.json with `xpress_*` keys and `xpress_head.*` tensors; its speculators reader has no
     "xpress" type (algos.py:15-177 registers eagle3, peagle, dflash, dflash2, dspark), so a
-    speculators-layout XPress folder (what specjax writes) is refused (base.py:228-233).
+    speculators-layout XPress folder (what specjax writes by default) is refused (base.py:51-56).
+    Qwen3XPressForCausalLM declares XPressSpeculatorConfig (models/qwen3_xpress.py:290), whose base
+    method is "dflash" (xpress/config.py:7, dflash/config.py:15): served with method "dflash"
+    (speculator_config.py:378-389 picks the declared subclass, :413-426 refuses another method).
   * CPU: 0.34's x86 CPU platform needs Triton's CPU backend (platforms/cpu.py:241-243) and runs the
     same V2 model runner as the GPU (v1/worker/cpu/model_runner.py:10); no code on the DFlash, DFlash 2,
     DSpark or XPress paths refuses a CPU, and the CPU attention backend accepts non-causal layers
@@ -51,11 +54,11 @@ LAYER_KEYS = (  # the Qwen3 decoder fields the DFlash backbone reads (models/qwe
 )
 
 DFLASH2_KEYS = (
-    ("speculators_model_type", "str", True, "speculators/base.py:228-233, algos.py:97"),
-    ("speculators_config.proposal_methods.0.speculative_tokens", "int", True, "speculators/base.py:297-303"),
-    ("speculators_config.verifier.name_or_path", "any", True, "speculators/base.py:260 (a hub id when the head is "
+    ("speculators_model_type", "str", True, "speculators/base.py:51-56, algos.py:97"),
+    ("speculators_config.proposal_methods.0.speculative_tokens", "int", True, "speculators/base.py:120-126"),
+    ("speculators_config.verifier.name_or_path", "any", True, "speculators/base.py:83 (a hub id when the head is "
      "passed as --model: transformers_utils/config.py:905-919)"),
-    ("transformer_layer_config", "dict", True, "speculators/base.py:236,265-271"),
+    ("transformer_layer_config", "dict", True, "speculators/base.py:59,88-94"),
     *(("transformer_layer_config." + k, t, r, s) for k, t, r, s in LAYER_KEYS),
     ("aux_hidden_state_layer_ids", "int_list", True, "algos.py:82-83"),
     ("mask_token_id", "int", True, "algos.py:86-87"),
@@ -112,6 +115,11 @@ XPRESS_KEYS = (  # 0.34's own XPress layout: a Qwen3 config with these keys
     ("target_layer_ids", "int_list", True, "eagle3_utils.py:127-130 (+1 each; read through the EAGLEConfig that "
      "method dflash wraps the config in: dflash/config.py:28-30, transformers_utils/configs/eagle.py:65-88)"),
 )
+# read before the top-level taps / mask token, so they must not be there (as for DSpark)
+XPRESS_ABSENT = (("eagle_aux_hidden_state_layer_ids", "eagle3_utils.py:109"),
+                 ("dflash_config", "eagle3_utils.py:110-114, v1/worker/gpu/spec_decode/utils.py:148-149, "
+                  "models/qwen3_dflash.py:475-476"),
+                 ("dspark_target_layer_ids", "eagle3_utils.py:115-125"))
 
 # ---------------------------------------------------------------------------------------------
 # renaming of the file's tensor names by load_weights, as ordered steps:
@@ -282,11 +290,11 @@ def _causal(layer: dict, dflash_config: dict) -> bool:
 
 
 def dflash2_view(conf: dict, target_vocab: int) -> dict:
-    v = _layer_view(conf["transformer_layer_config"])  # speculators/base.py:236
+    v = _layer_view(conf["transformer_layer_config"])  # speculators/base.py:59
     aux = conf["aux_hidden_state_layer_ids"]
     n = conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     v.update(
-        method="dflash",  # speculators/base.py:312-313
+        method="dflash",  # speculators/base.py:135-136
         Vd=conf.get("draft_vocab_size") or v["V"],  # algos.py:78, models/qwen3_dflash.py:874-875
         tH=conf.get("target_hidden_size") or v["H"],  # models/qwen3_dflash.py:131-133
         aux=aux, target_layer_ids=[i - 1 for i in aux],  # algos.py:86-88
@@ -294,7 +302,7 @@ def dflash2_view(conf: dict, target_vocab: int) -> dict:
         sample_from_anchor=conf.get("sample_from_anchor", False),  # algos.py:89
         # algos.py:92-94 always sets dflash_config.causal
         causal=_causal(conf["transformer_layer_config"], {"causal": not conf.get("sliding_window_non_causal", True)}),
-        num_speculative_tokens=n,  # speculators/base.py:297-303 (when the head is passed as --model)
+        num_speculative_tokens=n,  # speculators/base.py:120-126 (when the head is passed as --model)
         taps=conf["conv_kernel_size"], group=conf["conv_group_size"],  # models/qwen3_dflash2.py:254-255
         rank=conf["selector_rank"], top_k=conf["selector_top_k"],  # models/qwen3_dflash2.py:534-535
     )
@@ -342,4 +350,10 @@ def xpress_view(conf: dict, target_vocab: int) -> dict:
     )
     v["has_d2t"] = False
     v["full_vocab"] = v["Vd"] == target_vocab  # models/qwen3_xpress.py:317-322
+    # the refiner's kernel takes the block from the query slots (xpress/kernels.py:207: B = blk.shape[1],
+    # blk [N, 1 + num_speculative_steps], xpress/speculator.py:36, models/qwen3_xpress.py:132) while mix.L is
+    # [r, B, B] for xpress_block_size (:55, indexed with stride B at kernels.py:149-151): they must agree
+    v["query_slots"] = lambda num_spec: 1 + num_spec
+    # slot 0's previous token is the anchor (xpress/speculator.py:87-90; kernels.py:136-138)
+    v["slot0_prev"] = "anchor"
     return v
