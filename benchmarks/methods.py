@@ -318,6 +318,9 @@ def cmd_vllm(a) -> int:
     runs, index = [], []
     for h in heads:
         head_dir = os.path.abspath(os.path.join(a.heads or a.out, "heads", h["name"].replace(".", "_")))
+        if not os.path.isfile(os.path.join(head_dir, "config.json")):
+            _log(f"{h['name']}: no head folder {head_dir}; not run in vLLM")
+            continue
         spec = vllm_speculative_config(head_dir, NUM_SPEC_TOKENS)
         for ds in DATASETS:
             if not os.path.isfile(os.path.join(a.out, f"eval_{h['name']}_{ds}.json")):
@@ -353,6 +356,62 @@ def _tau(steps: list[int], accepted: list[int]):
     from specjax.eval.stats import ratio_estimate
 
     return ratio_estimate([s + acc for s, acc in zip(steps, accepted)], steps)
+
+
+# sequential draft forward passes per drafting step at NUM_SPEC_TOKENS = 5: the chain methods run the head
+# once per token, P-EAGLE and the block methods once for all of them (DSpark's Markov head and DFlash 2's
+# selector walk add a small serial loop over the block's logits), XPress adds its refiner passes
+DRAFT_PASSES = {"eagle3": "5", "eagle3.1": "5", "eagle1": "5", "p_eagle": "1", "dflash": "1", "jetspec": "1",
+                "dflash2": "1 + selector walk", "dspark": "1 + Markov walk", "xpress": "1 + 6 refiner"}
+
+
+def _vllm_tau(out: str, name: str, ds: str, r: dict, n: int):
+    """τ from vLLM's counters, per prompt (all turns of a conversation), as specjax.eval's statistics."""
+    _, recs = _records(out, name, ds, n)
+    k, steps, acc = 0, [], []
+    for rec in recs:
+        turns = r["per_prompt"][k:k + len(rec["turns"])]
+        steps.append(sum(p["num_drafts"] for p in turns))
+        acc.append(sum(sum(p["accepted_per_pos"]) for p in turns))
+        k += len(rec["turns"])
+    return _tau(steps, acc)
+
+
+def summary_lines(out: str, heads: list[dict], vllm: dict | None, n: int) -> list[str]:
+    """One row a method: τ on each dataset (vLLM's counters where vLLM served the head, else
+    specjax.eval's), what it was measured by, its training budget and its drafting cost."""
+    lines = ["| method | " + " | ".join(f"τ {ds} [95% CI]" for ds in DATASETS) + " | measured by | tokens trained "
+             "(steps) | train s | train tok/s (median) | head params (M) | draft passes per step | draft time / "
+             "target time per step (CPU, batch 1) | mean τ ÷ (1 + that ratio) |", "|" + "---|" * (9 + len(DATASETS))]
+    for h in heads:
+        taus, values, by, ratio_d, ratio_t = [], [], set(), 0.0, 0.0
+        for ds in DATASETS:
+            path = os.path.join(out, f"eval_{h['name']}_{ds}.json")
+            if not os.path.isfile(path):
+                taus.append("no result")
+                continue
+            res = json.load(open(path))
+            d = res["datasets"][ds]
+            ratio_d, ratio_t = ratio_d + d["draft_time_s"], ratio_t + d["target_time_s"]
+            r = (vllm or {}).get(f"{h['name']}/{ds}")
+            if r is not None and r.get("ok"):
+                est = _vllm_tau(out, h["name"], ds, r, n)
+                by.add("vLLM 0.32 CPU")
+            else:
+                recs = res["prompts"]
+                est = _tau([x["totals"]["steps"] for x in recs], [sum(x["totals"]["accepted_per_position"]) for x in recs])
+                by.add("specjax.eval")
+            taus.append(_ci(est))
+            values.append(est.value)
+        rate = h.get("tokens_per_s_median")
+        lines.append(f"| {h['name']} | " + " | ".join(taus) + f" | {', '.join(sorted(by)) or '–'} | "
+                     f"{h.get('tokens_trained', 0) / 1e6:.2f}M ({h['steps_done']}) | {h.get('train_s') or '–'} | "
+                     f"{'–' if rate is None else f'{rate:,.0f}'} | "
+                     f"{h['export_params'] / 1e6:.1f} | {DRAFT_PASSES.get(h['name'], '?')} | "
+                     f"{'–' if not ratio_t else f'{ratio_d / ratio_t:.2f}'} | "
+                     f"{'–' if not ratio_t or not values else f'{statistics.mean(values) / (1 + ratio_d / ratio_t):.2f}'} |"
+                     if "export_params" in h else f"| {h['name']} | " + " | ".join(taus) + " | – |" * 8)
+    return lines
 
 
 def cmd_report(a) -> int:
@@ -440,6 +499,7 @@ def cmd_report(a) -> int:
                 lines.append(f"| {h['name']} | {ds} | {len(recs)} / {len(turns)} | {sum(sj_steps)} | {sum(vl_steps)} | "
                              f"{sj_tot} | {vl_tot} | {_ci(_tau(p_sj_s, p_sj_a))} | {_ci(_tau(p_vl_s, p_vl_a))} | "
                              f"{same_out}/{len(turns)} | {same_counts}/{len(turns)} |")
+    lines = summary_lines(a.out, heads, vllm, a.prompts_per_set) + [""] + lines
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "tables.md"), "w") as f:
         f.write(text)
