@@ -44,7 +44,8 @@ from specjax_converters.head_rules import (HeadFormat, check_embedding_copy, che
                                            same_value)
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config, target_virtual_depth
 
-__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "MODEL_TYPE", "DFlashShape", "block_attention_causal", "check_dflash_head",
+__all__ = ["ARCHITECTURE", "HEAD_FORMAT", "MODEL_TYPE", "DFlashShape", "block_attention_causal", "check_block_backbone",
+           "check_dflash_head",
            "dflash_shape", "expected_dflash_weights", "is_dflash_config", "manifest_causal", "speculators_dflash_error"]
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -178,6 +179,27 @@ def check_dflash_head(
     if target_config is not None:
         _check_target(config, ids, target_config, bad)
     return out
+
+
+def check_block_backbone(family: str, config: Mapping, view: Mapping, tensors: HeadTensors, head_prefixes,
+                         *, target_config: Optional[Mapping], training_layer_ids: Optional[Sequence[int]],
+                         check_finite: bool) -> list[Finding]:
+    """Findings for the DFlash backbone under a block head of another format (DSpark, vLLM 0.34's XPress):
+    config.json's top-level `target_layer_ids` against the taps the head was trained on (rule
+    `<family>.training`), then DFlash's own rules on `view` (the config as a DFlash head) and the
+    tensors outside `head_prefixes` (the family's heads, which it checks itself)."""
+    out: list[Finding] = []
+    ids = config.get("target_layer_ids")
+    if training_layer_ids is not None and isinstance(ids, list) and [int(i) for i in training_layer_ids] != ids:
+        out.append(Finding(f"{family}.training", "target_layer_ids", f"{ids} differ from the taps the head was "
+                           f"trained on ({list(training_layer_ids)}, specjax_manifest.json's draft_config)",
+                           "export from the run's own draft config (re-export instead of editing config.json)",
+                           "error"))
+    heads = [k for k in tensors.names if k.startswith(tuple(head_prefixes))]
+    backbone = HeadTensors({k: v for k, v in tensors.meta.items() if k not in heads}, tensors.array,
+                           tensors.all_finite)
+    return out + check_dflash_head(view, backbone, target_config=target_config, check_finite=check_finite,
+                                   causal=False)
 
 
 def _check_dflash_fields(config, dc, V, training_layer_ids, causal, bad) -> Optional[list[int]]:

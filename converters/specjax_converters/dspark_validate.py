@@ -141,18 +141,11 @@ def check_dspark_head(config: Mapping, tensors: HeadTensors | Mapping[str, Any],
     if config.get("confidence_head_with_markov") and not conf_on:
         bad("dspark.confidence_head", "confidence_head_with_markov", "true without enable_confidence_head",
             "write false (there is no confidence head)", "warning")
-    ids = config.get("target_layer_ids")
-    if training_layer_ids is not None and isinstance(ids, list) and [int(i) for i in training_layer_ids] != ids:
-        bad("dspark.training", "target_layer_ids", f"{ids} differ from the taps the head was trained on "
-            f"({list(training_layer_ids)}, specjax_manifest.json's draft_config)",
-            "export from the run's own draft config (re-export instead of editing config.json)")
-
-    # the backbone: DFlash's rules on its DFlash view
+    # the taps, then DFlash's rules on the backbone's DFlash view
     heads = [k for k in tensors.names if k.startswith(HEAD_PREFIXES)]
-    backbone = HeadTensors({k: v for k, v in tensors.meta.items() if k not in heads}, tensors.array,
-                           tensors.all_finite)
-    found = dflash_validate.check_dflash_head(backbone_view(config), backbone, target_config=target_config,
-                                              check_finite=check_finite, causal=False)
+    found = dflash_validate.check_block_backbone("dspark", config, backbone_view(config), tensors, HEAD_PREFIXES,
+                                                 target_config=target_config, training_layer_ids=training_layer_ids,
+                                                 check_finite=check_finite)
     out += [_renamed(f) for f in found if f.rule not in _NOT_DSPARK]
     if _pos_int(r) is None or any(_pos_int(config.get(k)) is None for k in ("hidden_size", "vocab_size")):
         return out

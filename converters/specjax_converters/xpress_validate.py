@@ -218,18 +218,11 @@ def check_xpress_vllm034_head(config: Mapping, tensors: HeadTensors | Mapping[st
         bad("xpress.kernel_shapes", "xpress_mlp_hidden", f"{m} is not a multiple of 64: vLLM 0.34's Triton refiner "
             "kernel reads the MLP in unmasked 64-column tiles", "train with xpress_rank * xpress_mlp_ratio a multiple "
             "of 64 (the default 256 x 2 is)", "warning")
-    ids = config.get("target_layer_ids")
-    if training_layer_ids is not None and isinstance(ids, list) and [int(i) for i in training_layer_ids] != ids:
-        bad("xpress.training", "target_layer_ids", f"{ids} differ from the taps the head was trained on "
-            f"({list(training_layer_ids)}, specjax_manifest.json's draft_config)",
-            "export from the run's own draft config (re-export instead of editing config.json)")
-
-    # the backbone: DFlash's rules on its DFlash view, without the refiner's tensors
+    # the taps, then DFlash's rules on the backbone's DFlash view, without the refiner's tensors
     refiner = [k for k in tensors.names if k.startswith(VLLM034_HEAD_PREFIX)]
-    backbone = HeadTensors({k: v for k, v in tensors.meta.items() if k not in refiner}, tensors.array,
-                           tensors.all_finite)
-    found = dflash_validate.check_dflash_head(vllm034_backbone_view(config), backbone, target_config=target_config,
-                                              check_finite=check_finite, causal=False)
+    found = dflash_validate.check_block_backbone("xpress", config, vllm034_backbone_view(config), tensors,
+                                                 (VLLM034_HEAD_PREFIX,), target_config=target_config,
+                                                 training_layer_ids=training_layer_ids, check_finite=check_finite)
     out += [_renamed(f) for f in found if f.rule not in _NOT_VLLM034]
     if not sizes_ok:
         return out
