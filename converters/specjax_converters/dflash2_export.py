@@ -21,8 +21,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash2_weights import DFLASH2_WEIGHTS
 from specjax_converters.dflash2_validate import DFLASH2_LAYOUT, MODEL_TYPE, SpeculatorsLayout, check_speculators_head
-from specjax_converters.head_files import (TOKEN_FIELDS, WEIGHTS_FILE, earlier_export, export_dtype, manifest_extra,
-                                           numpy_dtype, read_head_files, write_head_folder)
+from specjax_converters.head_files import (TOKEN_FIELDS, WEIGHTS_FILE, earlier_export, export_dtype, file_arrays,
+                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
@@ -57,15 +57,7 @@ def speculators_state_dict(params: Mapping, cfg, table, vocab=None, dtype: str =
     """File-named numpy tensors of `table`'s rows for `cfg` (kernels transposed to HF [out, in]), plus
     d2t (int64 offsets) / t2d (bool) from `vocab` when the draft vocab is smaller than the target's."""
     np_dtype = numpy_dtype(export_dtype(dtype, "DFlash 2 export"))
-    out = {}
-    for e in weights.entries(table, cfg):
-        try:
-            arr = np.asarray(weights.leaf(params, e.path), np.float32)
-        except KeyError:
-            _fail(".".join(e.path), "missing from the params", "export the tree the family's init_draft_params builds")
-        if arr.shape != e.shape:
-            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape}", "check the draft config of the params")
-        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    out = file_arrays(weights.entries(table, cfg), params, np_dtype, "DFlash 2 export", "draft config")
     if int(cfg.draft_vocab_size) < int(cfg.vocab_size):
         if vocab is None:
             _fail("vocab", f"draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.vocab_size} but no vocab maps "

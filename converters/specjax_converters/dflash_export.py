@@ -50,8 +50,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.dflash_weights import DFLASH_VOCAB_TENSORS, DFLASH_WEIGHTS
 from specjax_converters.dflash_validate import ARCHITECTURE, check_dflash_head
-from specjax_converters.head_files import (TOKEN_FIELDS, earlier_export, export_dtype, flat_paths, manifest_extra,
-                                           numpy_dtype, write_head_folder)
+from specjax_converters.head_files import (TOKEN_FIELDS, earlier_export, export_dtype, file_arrays, flat_paths,
+                                           manifest_extra, numpy_dtype, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import rope_dict, target_rope_dicts, target_text_config
@@ -87,13 +87,7 @@ def dflash_state_dict(params: Mapping, cfg, vocab=None, dtype: str = "bfloat16")
         _fail("params", f"leaves {sorted('.'.join(p) for p in have - want)} are not in DFLASH_WEIGHTS and "
               f"{sorted('.'.join(p) for p in want - have)} are missing for this config (num_layers={cfg.num_layers})",
               "export the param tree specjax.drafts.dflash.init_draft_params builds for the same DFlashConfig")
-    out: dict[str, np.ndarray] = {}
-    for e in leaves:
-        arr = np.asarray(weights.leaf(params, e.path), dtype=np.float32)  # fp32 first: bf16 converts cleanly
-        if arr.shape != e.shape:
-            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape} ({[repr(d) for d in e.row.shape]})",
-                  "check the DFlashConfig the params were built with")
-        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    out = file_arrays(leaves, params, np_dtype, "DFlash export", "DFlashConfig")
     V, Vd = int(cfg.vocab_size), int(cfg.draft_vocab_size)
     if Vd == V:
         if vocab is not None and not np.array_equal(np.asarray(vocab.d2t), np.zeros(Vd, np.int64)):

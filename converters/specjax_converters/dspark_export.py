@@ -26,7 +26,7 @@ from specjax.drafts import weights
 from specjax.drafts.dspark_weights import DSPARK_HEADS
 from specjax_converters.dflash_export import dflash_hf_config, dflash_state_dict
 from specjax_converters.dspark_validate import ARCHITECTURE, check_dspark_head
-from specjax_converters.head_files import earlier_export, manifest_extra, write_head_folder
+from specjax_converters.head_files import earlier_export, file_arrays, manifest_extra, write_head_folder
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 
@@ -47,12 +47,7 @@ def dspark_state_dict(params: Mapping, cfg, vocab=None, dtype: str = "bfloat16")
     out = dflash_state_dict({k: v for k, v in params.items() if k not in ("markov_head", "confidence_head")},
                             cfg, vocab, dtype)
     dt = next(a.dtype for k, a in out.items() if k not in ("d2t", "t2d"))
-    for e in weights.entries(DSPARK_HEADS, cfg):
-        arr = np.asarray(weights.leaf(params, e.path), dtype=np.float32)
-        if arr.shape != e.shape:
-            raise ValueError(f"DSpark export: {'.'.join(e.path)}: shape {arr.shape}, expected {e.shape}. Fix: check "
-                             "the DSparkConfig the params were built with.")
-        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(dt))
+    out.update(file_arrays(weights.entries(DSPARK_HEADS, cfg), params, dt, "DSpark export", "DSparkConfig"))
     if "confidence_head" in params and not cfg.enable_confidence_head:
         raise ValueError("DSpark export: params have a confidence_head but the config has enable_confidence_head="
                          "False. Fix: export with the run's own draft config.")

@@ -31,8 +31,8 @@ import numpy as np
 from specjax.drafts import weights
 from specjax.drafts.eagle1_weights import ARCHITECTURE, EAGLE1_WEIGHTS
 from specjax_converters.eagle1_validate import check_eagle1_head, is_eagle1_config
-from specjax_converters.head_files import (TOKEN_FIELDS, HeadTensors, earlier_export, export_dtype, flat_paths,
-                                           manifest_extra, numpy_dtype, read_head_files, write_head_folder)
+from specjax_converters.head_files import (HeadTensors, TOKEN_FIELDS, earlier_export, export_dtype, file_arrays,
+                                           flat_paths, manifest_extra, numpy_dtype, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.target_facts import target_text_config
@@ -64,12 +64,7 @@ def eagle1_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> dict[str
         _fail("params", f"leaves {sorted('.'.join(p) for p in have - want)} are not in EAGLE1_WEIGHTS and "
               f"{sorted('.'.join(p) for p in want - have)} are missing",
               "export the param tree specjax.drafts.eagle1.init_draft_params builds for the same Eagle1Config")
-    out: dict[str, np.ndarray] = {}
-    for e in leaves:
-        arr = np.asarray(weights.leaf(params, e.path), dtype=np.float32)
-        if arr.shape != e.shape:
-            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape}", "check the Eagle1Config of the params")
-        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    out = file_arrays(leaves, params, np_dtype, "EAGLE-1 export", "Eagle1Config")
     return out
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from specjax import folder_publish
+from specjax.drafts import weights
 from specjax.hf_config_checks import check_config_fields, check_name_inside, read_config_json
 from specjax.safetensors_io import UnreadableWeightsError, read_safetensors_header
 
@@ -50,6 +51,7 @@ __all__ = [
     "earlier_export",
     "export_dtype",
     "file_sha256",
+    "file_arrays",
     "flat_paths",
     "make_publish_folder",
     "manifest_extra",
@@ -95,6 +97,26 @@ def numpy_dtype(name: str):
     import numpy as np
 
     return np.dtype(name)
+
+
+def file_arrays(entries, params: Mapping, np_dtype, what: str, config_name: str) -> dict[str, np.ndarray]:
+    """{file name: array} for weight-table `entries` (specjax.drafts.weights.entries) read from the
+    nested `params`: float32 first (bf16 converts cleanly), transposed where the entry's row says, cast
+    to `np_dtype`. A leaf missing or of another shape than the entry's raises ValueError naming the
+    exporter (`what`) and the config the params must have been built with (`config_name`)."""
+    out: dict[str, np.ndarray] = {}
+    for e in entries:
+        name = ".".join(e.path)
+        try:
+            arr = np.asarray(weights.leaf(params, e.path), dtype=np.float32)
+        except KeyError:
+            raise ValueError(f"{what}: {name}: missing from the params. Fix: export the tree the family's "
+                             "init_draft_params builds.") from None
+        if arr.shape != e.shape:
+            raise ValueError(f"{what}: {name}: shape {arr.shape}, expected {e.shape}. Fix: check the "
+                             f"{config_name} the params were built with.")
+        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(np_dtype))
+    return out
 
 
 def flat_paths(tree: Mapping, prefix: tuple = ()) -> set:

@@ -41,8 +41,8 @@ from specjax.hf_config_checks import read_config_json
 from specjax_converters.dflash2_export import DFlash2Head, export_speculators_head, read_speculators_head
 from specjax_converters.dflash_export import dflash_hf_config, dflash_state_dict
 from specjax_converters.dflash_import import config_from_hf, read_dflash_tensors
-from specjax_converters.head_files import (CONFIG_FILE, WEIGHTS_FILE, earlier_export, export_dtype, manifest_extra,
-                                           read_head_files, write_head_folder)
+from specjax_converters.head_files import (CONFIG_FILE, WEIGHTS_FILE, earlier_export, export_dtype, file_arrays,
+                                           manifest_extra, read_head_files, write_head_folder)
 from specjax_converters.head_formats import written_head_check
 from specjax_converters.head_rules import ExportValidationError, errors
 from specjax_converters.xpress_validate import (VLLM034_ARCHITECTURE, VLLM034_LAYOUT_NAME, XPRESS_LAYOUT,
@@ -75,14 +75,8 @@ def xpress_vllm034_state_dict(params: Mapping, cfg, dtype: str = "bfloat16") -> 
         _fail("params", "no refiner_head", "export the tree specjax.drafts.xpress.init_draft_params builds")
     out = dflash_state_dict({k: v for k, v in params.items() if k != "refiner_head"}, cfg, None, dtype)
     dt = out["fc.weight"].dtype
-    for e in weights.entries(_REFINER_ROWS, cfg):
-        try:
-            arr = np.asarray(weights.leaf(params, e.path), np.float32)
-        except KeyError:
-            _fail(".".join(e.path), "missing from the params", "export the tree the family's init_draft_params builds")
-        if arr.shape != e.shape:
-            _fail(".".join(e.path), f"shape {arr.shape}, expected {e.shape}", "check the XPressConfig of the params")
-        out[e.file_name] = np.ascontiguousarray((arr.T if e.row.transpose else arr).astype(dt))
+    out.update(file_arrays(weights.entries(_REFINER_ROWS, cfg), params, dt, "XPress export (vLLM 0.34 layout)",
+                           "XPressConfig"))
     return out
 
 
