@@ -312,8 +312,9 @@ def _check_fields(cfg, bad, variant):
         else:
             bad("config.parallel_drafting", "mask_token_id",
                 "a P-EAGLE head: engines draft all tokens in one forward only when told (vLLM: speculative_config "
-                "method eagle3 with parallel_drafting: true); served as a plain EAGLE-3 head it drafts badly",
-                "serve it with vLLM's parallel_drafting: true (specjax.serve_cmd prints it)", "warning")
+                "method eagle3 with parallel_drafting: true); served as a plain EAGLE-3 head it drafts badly. vLLM "
+                "0.34 no longer serves it (parallel_drafting only with dflash / dspark: vllm/config/speculative.py)",
+                "serve it on vLLM 0.32 with parallel_drafting: true (specjax.serve_cmd prints it)", "warning")
 
 
 def _check_aux(cfg, layout, target_config, training_aux_ids, bad):

@@ -417,3 +417,17 @@ def test_facts_cite_a_vllm_file_and_line():
         assert all(cite.search(src) for _, src in table)
     for table in (F.DFLASH2_PARAMS, F.DSPARK_PARAMS, F.XPRESS_PARAMS):
         assert all(cite.search(src) for _, _, src in table.values())
+
+
+def test_p_eagle_serve_config_is_one_vllm034_refuses():
+    """The speculative config specjax.serve_cmd gives vLLM for a P-EAGLE head (vLLM 0.32 serves it: the engine
+    tier) asks for parallel drafting with method eagle3, which vLLM 0.34 refuses (the export's serving
+    warning says so). A plain EAGLE-3 head's config does not ask for it."""
+    from specjax.drafts.eagle3_family import EAGLE3, P_EAGLE
+
+    assert re.search(r"[\w/]+\.py:\d+", F.PARALLEL_DRAFTING_SOURCE)
+    spec = P_EAGLE.vllm_speculative_config("head", {"mask_token_id": 2}, 5)
+    assert spec.get("parallel_drafting") is True and spec["method"] not in F.PARALLEL_DRAFTING_METHODS
+    assert "parallel_drafting" not in EAGLE3.vllm_speculative_config("head", {}, 5)
+    assert "peagle" in F.SPECULATORS_TYPES  # registered by 0.34 only to refuse it
+

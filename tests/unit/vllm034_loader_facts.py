@@ -33,6 +33,12 @@ from __future__ import annotations
 # "peagle" is registered only to refuse it (algos.py:53-55)
 SPECULATORS_TYPES = ("eagle3", "peagle", "dflash", "dflash2", "dspark")
 
+# P-EAGLE: 0.34 accepts `parallel_drafting` only with these methods and refuses it with any other
+# (config/speculative.py:1688-1692), so the {"method": "eagle3", "parallel_drafting": true} a P-EAGLE
+# head is served with on vLLM 0.32 is refused; its speculators form ("peagle") is refused too (algos.py:53-55)
+PARALLEL_DRAFTING_METHODS = ("dflash", "dspark")
+PARALLEL_DRAFTING_SOURCE = "config/speculative.py:1688-1692"
+
 # ---------------------------------------------------------------------------------------------
 # config.json keys: (dotted path, JSON type, required, source). Types: int, bool, number, str, dict,
 # int_list, str_list, any (the key must exist, any value). "absent" keys would change what is built.
